@@ -1,0 +1,99 @@
+"""``tessera <command>``: parse, validate, delegate. No logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tessera.config import ConfigError, load_config
+
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from tessera.data.sources import DataError
+    from tessera.train.checkpoint import CheckpointError
+
+    return (ConfigError, DataError, CheckpointError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description="Pretrain transformer language models, from one CPU to a GPU cluster.", allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train a model from a TOML recipe", allow_abbrev=False)
+    train.add_argument("config", help="TOML recipe, e.g. configs/smoke.toml")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+    tok = sub.add_parser("tokenizer", help="tokenizer tools", allow_abbrev=False)
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    tok_train = tok_sub.add_parser("train", help="train (or reuse from the cache) the recipe's SentencePiece tokenizer", allow_abbrev=False)
+    tok_train.add_argument("config", nargs="?", default=None, help="TOML recipe (its data and model.vocab_size sections); defaults if omitted")
+
+    gen = sub.add_parser("generate", help="sample text from a run directory or checkpoint", allow_abbrev=False)
+    gen.add_argument("path", help="run directory (newest checkpoint) or checkpoint directory")
+    gen.add_argument("--prompt", default="", help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--greedy", action="store_true", help="same as --temperature 0")
+    gen.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    config = load_config(args.config, overrides)
+    if args.print_config:
+        print(config.to_toml())
+        return 0
+    from tessera.train.trainer import train
+
+    train(config)
+    return 0
+
+
+def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.data.pipeline import build_tokenizer
+    from tessera.data.sources import load_corpus
+
+    config = load_config(args.config, overrides)
+    docs, corpus_hash = load_corpus(config.data.source, config.data.max_chars)
+    tokenizer, cached = build_tokenizer(config, docs, corpus_hash)
+    print(f"{'reused cached' if cached else 'trained'} tokenizer: {tokenizer.path} ({tokenizer.vocab_size} tokens)")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ConfigError(f"tessera generate takes no config overrides, got {' '.join(overrides)}")
+    if args.max_new_tokens <= 0:
+        raise ConfigError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    import torch
+
+    from tessera.api import load_with_tokenizer
+    from tessera.model import generate
+
+    model, tokenizer = load_with_tokenizer(args.path)
+    ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(args.prompt)])
+    temperature = 0.0 if args.greedy else args.temperature
+    gen = torch.Generator().manual_seed(args.seed)
+    out = generate(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, tokenizer.eos_id, gen)
+    print(args.prompt + tokenizer.decode(out[0].tolist()))
+    return 0
+
+
+COMMANDS = {"train": _cmd_train, "tokenizer": _cmd_tokenizer, "generate": _cmd_generate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tessera`` console script; returns the exit code (2 for user errors)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        return COMMANDS[args.command](args, extra)
+    except _user_errors() as err:
+        print(f"tessera: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,355 @@
+"""JobConfig: one typed, strict configuration for a tessera run.
+
+A job is described by sections (model, parallel, optim, train, data, checkpoint, log), each a
+dataclass with defaults. A TOML recipe under ``configs/`` fills them; dotted command-line
+overrides (``--model.n_layers 4`` or ``model.n_layers=4``) come last. Every user mistake is a
+:class:`ConfigError` with one line that names the key and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration problem; its message is one line naming the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the transformer (the zoo picks components from these names)."""
+
+    arch: Literal["decoder"] = "decoder"
+    vocab_size: int = 2048
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0 means n_heads (multi-head); 1 is multi-query; else grouped-query
+    ffn_hidden: int = 0  # 0 derives it from ffn_multiplier and multiple_of
+    ffn_multiplier: float = 0.0  # 0 means 4x for plain FFNs and 8/3x for gated ones
+    multiple_of: int = 32
+    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    position: Literal["rope", "none"] = "rope"
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    dropout: float = 0.0  # residual and FFN dropout
+    attn_dropout: float = 0.0
+    init_std: float = 0.02
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees; their product must equal the world size (dp_shard=-1 takes the rest)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    compile: bool = False
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of lr
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: length, batch, precision, evaluation, where outputs go."""
+
+    run_dir: str = "runs/default"
+    steps: int = 1000
+    batch_size: int = 8  # sequences per micro-batch
+    grad_accum: int = 1
+    seq_len: int = 256
+    seed: int = 1234
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    device: str = "auto"  # auto | cpu | cuda
+    label_smoothing: float = 0.0
+    eval_every: int = 100  # 0 disables periodic evaluation (a final one still runs)
+    eval_batches: int = 8
+    resume: str = "auto"  # auto | none | path to a checkpoint directory
+    sample_prompt: str = "def "
+    sample_tokens: int = 64  # tokens generated at the end of training; 0 disables
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how the tokenizer is made."""
+
+    source: str = "default"  # "default" (this Python's standard library) or a text file/folder
+    tokenizer: str = "default"  # "default" trains SentencePiece on the source; or a .model path
+    max_chars: int = 0  # cap on corpus characters read (0 = all)
+    tokenizer_chars: int = 10_000_000  # characters of the corpus the default tokenizer trains on
+    val_fraction: float = 0.05
+    cache_dir: str = ""  # "" = $TESSERA_CACHE or ~/.cache/tessera
+
+
+@dataclass
+class CheckpointConfig:
+    """DCP checkpoints in the run directory."""
+
+    enabled: bool = True
+    every: int = 500  # steps between saves; the last step always saves
+    keep_last: int = 3
+
+
+@dataclass
+class LogConfig:
+    """Console, metrics.jsonl, TensorBoard and the loss plot."""
+
+    every: int = 10
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    tensorboard: bool = True
+    plot: bool = True
+    peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 measures (CPU) or looks up (GPU)
+
+
+@dataclass
+class JobConfig:
+    """A complete tessera job: the sections below, nothing else."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The config as nested plain data (TOML/JSON-ready)."""
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The resolved config as a TOML recipe that :func:`load_config` reads back."""
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _section_fields(section: str) -> dict[str, Any]:
+    return typing.get_type_hints(SECTIONS[section])
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Convert ``value`` (from TOML or a CLI string) to the field type ``hint``, or fail clearly."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            opts = ", ".join(repr(c) for c in choices)
+            raise ConfigError(f"{key} = {value!r} is not one of {opts}{_suggest(str(value), [str(c) for c in choices])}")
+        return value
+    if isinstance(hint, types.UnionType) or origin is typing.Union:
+        raise TypeError(f"unsupported field type {hint} for {key}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise TypeError(f"unsupported field type {hint} for {key}")
+
+
+def _set(config: JobConfig, dotted: str, value: Any) -> None:
+    section, _, name = dotted.partition(".")
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section '{section}' in '{dotted}'{_suggest(section, list(SECTIONS))}; sections: {', '.join(SECTIONS)}")
+    if not name or "." in name:
+        raise ConfigError(f"config key '{dotted}' must look like section.key, e.g. model.n_layers")
+    fields = _section_fields(section)
+    if name not in fields:
+        raise ConfigError(f"unknown config key '{dotted}'{_suggest(name, list(fields))}")
+    setattr(getattr(config, section), name, _coerce(dotted, value, fields[name]))
+
+
+def _apply_mapping(config: JobConfig, data: dict[str, Any], where: str) -> None:
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: top-level key '{section}' must be a [section] table{_suggest(section, list(SECTIONS))}")
+        if section not in SECTIONS:
+            raise ConfigError(f"{where}: unknown section [{section}]{_suggest(section, list(SECTIONS))}; sections: {', '.join(SECTIONS)}")
+        for name, value in values.items():
+            if isinstance(value, dict):
+                raise ConfigError(f"{where}: {section}.{name} is a table; tessera configs are one level deep")
+            _set(config, f"{section}.{name}", value)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """Turn ``['--model.dim', '64', 'train.steps=5']`` into ``[('model.dim', '64'), ('train.steps', '5')]``."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--") and "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif arg.startswith("--"):
+            if i + 1 >= len(args):
+                raise ConfigError(f"override '{arg}' has no value; write '{arg} VALUE' or '{arg[2:]}=VALUE'")
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        elif "=" in arg:
+            key, value = arg.split("=", 1)
+        else:
+            raise ConfigError(f"cannot read override '{arg}'; write section.key=VALUE or --section.key VALUE")
+        if "." not in key:
+            raise ConfigError(f"override '{arg}' must name section.key, e.g. --model.n_layers 4")
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Load a TOML recipe (or the defaults when ``path`` is None), apply overrides, validate."""
+    config = JobConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist; pass a TOML recipe such as configs/smoke.toml")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
+        _apply_mapping(config, data, str(path))
+    for key, value in parse_overrides(overrides or []):
+        _set(config, key, value)
+    validate(config)
+    return config
+
+
+def config_from_dict(data: dict[str, Any], where: str = "config") -> JobConfig:
+    """Build and validate a JobConfig from nested plain data (e.g. a checkpoint's config.json)."""
+    config = JobConfig()
+    _apply_mapping(config, data, where)
+    validate(config)
+    return config
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: JobConfig) -> None:
+    """Cross-field checks: everything that can be known wrong before a process starts."""
+    m, t, o, p, c, d = config.model, config.train, config.optim, config.parallel, config.checkpoint, config.data
+    for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+        _require(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+    _require(m.n_kv_heads >= 0, f"model.n_kv_heads must be >= 0 (0 means n_heads), got {m.n_kv_heads}")
+    _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of n_heads")
+    kv = m.n_kv_heads or m.n_heads
+    _require(m.n_heads % kv == 0, f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}; use a divisor of n_heads")
+    _require(m.position != "rope" or (m.dim // m.n_heads) % 2 == 0, f"model.position='rope' needs an even head dim, got dim/n_heads={m.dim // m.n_heads}")
+    _require(m.ffn_hidden >= 0 and m.ffn_multiplier >= 0, "model.ffn_hidden and model.ffn_multiplier must be >= 0")
+    _require(m.multiple_of > 0, f"model.multiple_of must be positive, got {m.multiple_of}")
+    for key in ("dropout", "attn_dropout"):
+        _require(0.0 <= getattr(m, key) < 1.0, f"model.{key} must be in [0, 1), got {getattr(m, key)}")
+    _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
+    _require(m.vocab_size >= 260, f"model.vocab_size={m.vocab_size} is too small for a byte-fallback tokenizer; use at least 260")
+
+    for key in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"):
+        _require(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
+    _require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len or shorten train.seq_len")
+    _require(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
+    _require(0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
+    _require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), f"train.device={t.device!r} must be auto, cpu or cuda")
+    _require(t.sample_tokens >= 0, f"train.sample_tokens must be >= 0, got {t.sample_tokens}")
+    _require(bool(t.run_dir), "train.run_dir must not be empty")
+
+    _require(o.lr > 0, f"optim.lr must be positive, got {o.lr}")
+    _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    _require(0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0, f"optim.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    _require(o.warmup_steps <= t.steps, f"optim.warmup_steps={o.warmup_steps} is longer than train.steps={t.steps}; shorten the warmup or train longer")
+    _require(0.0 < o.decay_fraction <= 1.0, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
+    _require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
+
+    for key in ("dp_replicate", "tp", "pp", "cp", "ep"):
+        _require(getattr(p, key) >= 1, f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    _require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallel.dp_shard must be >= 1 or -1 (the rest), got {p.dp_shard}")
+    unsupported = [k for k in ("tp", "pp", "cp", "ep") if getattr(p, k) != 1]
+    _require(not unsupported, f"parallel.{unsupported[0] if unsupported else ''} > 1 is not supported yet (tensor, pipeline, context and expert parallelism are not implemented); set it to 1")
+
+    _require(0.0 <= d.val_fraction < 0.5, f"data.val_fraction must be in [0, 0.5), got {d.val_fraction}")
+    _require(d.max_chars >= 0, f"data.max_chars must be >= 0 (0 = all), got {d.max_chars}")
+    _require(d.tokenizer_chars > 0, f"data.tokenizer_chars must be positive, got {d.tokenizer_chars}")
+    _require(c.every > 0, f"checkpoint.every must be positive, got {c.every}")
+    _require(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
+    _require(config.log.every > 0, f"log.every must be positive, got {config.log.every}")
+    _require(config.log.peak_flops >= 0, f"log.peak_flops must be >= 0, got {config.log.peak_flops}")

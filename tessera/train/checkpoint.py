@@ -1,0 +1,183 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): atomic, keep-last-k, safe to load.
+
+A checkpoint is a directory ``checkpoints/step_XXXXXXXX`` holding DCP shards of every tensor
+(model, optimizer state, RNG states) and ``meta.json`` with the rest as plain JSON (step,
+scheduler, data-loader position, optimizer hyper-parameters, config). It is written under a
+``.tmp`` name and renamed when complete, so a crash mid-save leaves the previous checkpoint as
+the newest complete one. Loading never unpickles arbitrary objects: tensors are read with
+``weights_only`` and DCP's metadata file goes through an allow-list unpickler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+CHECKPOINT_DIR = "checkpoints"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+META = "meta.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or does not fit the model."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else (no arbitrary classes or callables)."""
+
+    _MODULES = ("torch.distributed.checkpoint.",)
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(self._MODULES) or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which tessera does not load")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with an allow-list unpickler for the ``.metadata`` file."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    return value
+
+
+def _param_groups_from_json(groups: list[dict]) -> list[dict]:
+    return [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in groups]
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / META).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The JSON part of a checkpoint (step, config, loader and scheduler state)."""
+    meta = Path(path) / META
+    if not meta.is_file():
+        raise CheckpointError(f"'{path}' is not a complete tessera checkpoint (no {META}); pick a directory under <run_dir>/{CHECKPOINT_DIR}/")
+    try:
+        return json.loads(meta.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"'{meta}' is corrupt ({err}); resume from an older checkpoint") from None
+
+
+class Checkpointer:
+    """Saves and restores the full training state of a run directory."""
+
+    def __init__(self, run_dir: str | Path, keep_last: int) -> None:
+        self.root = Path(run_dir) / CHECKPOINT_DIR
+        self.keep_last = keep_last
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> Path:
+        """Write step ``step`` atomically, then drop all but the newest ``keep_last``."""
+        final = self.root / f"step_{step:08d}"
+        tmp = self.root / f"step_{step:08d}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        tensors = {"model": model_sd, "optim": optim_sd["state"], "rng": _rng_state()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)))
+        meta = dict(extra, step=step, optim_param_groups=_to_json(optim_sd["param_groups"]))
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        for old in list_checkpoints(self.root.parent)[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict[str, Any]:
+        """Restore model (and optimizer, RNG) from ``path``; returns the checkpoint's JSON part."""
+        meta = read_meta(path)
+        model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state(model), None)
+        tensors: dict[str, Any] = {"model": model_sd, "rng": _rng_state()}
+        if optim_sd is not None:
+            tensors["optim"] = optim_sd["state"]
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
+        except (RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
+            raise CheckpointError(f"checkpoint '{path}' does not fit this model or is damaged: {str(err).splitlines()[0]}") from None
+        if optim_sd is not None:
+            full = {"state": tensors["optim"], "param_groups": _param_groups_from_json(meta["optim_param_groups"])}
+            set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=full)
+        else:
+            model.load_state_dict(tensors["model"])
+        if restore_rng:
+            _set_rng_state(tensors["rng"])
+        return meta
+
+
+def get_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict in DCP's naming (the same keys a training checkpoint uses)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model)
