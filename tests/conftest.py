@@ -1,0 +1,69 @@
+"""Shared fixtures: one tiny tokenized corpus per session, tiny job configs, CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.config import JobConfig, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Two cores: keep each test process (and its children) on one thread per op.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+TINY_OVERRIDES = [
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.max_seq_len=64",
+    "train.seq_len=32",
+    "train.batch_size=4",
+    "train.steps=8",
+    "train.eval_every=4",
+    "train.eval_batches=2",
+    "train.sample_tokens=0",
+    "optim.warmup_steps=2",
+    "optim.lr=1e-3",
+    "data.max_chars=400000",
+    "data.tokenizer_chars=400000",
+    "checkpoint.every=4",
+    "log.every=1",
+    "log.progress=none",
+    "log.tensorboard=false",
+    "log.plot=false",
+    "log.peak_flops=1e12",
+]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """A session-wide tessera cache, so the tiny corpus is tokenized once for all tests."""
+    path = tmp_path_factory.mktemp("tessera_cache")
+    os.environ["TESSERA_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture
+def tiny_config(tmp_path, cache_dir):
+    """A factory of validated tiny JobConfigs writing into a fresh run directory."""
+
+    def make(*overrides: str, run_dir: Path | None = None) -> JobConfig:
+        run = run_dir or tmp_path / "run"
+        return load_config(None, TINY_OVERRIDES + [f"train.run_dir={run}", f"data.cache_dir={cache_dir}", *overrides])
+
+    return make
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``python -m tessera ARGS`` in a subprocess and capture its output."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
