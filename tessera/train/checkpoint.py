@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 CHECKPOINT_DIR = "checkpoints"
@@ -40,7 +41,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     _ALLOWED = {
         ("torch", "Size"),
         ("collections", "OrderedDict"),
-        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
         ("builtins", "set"),
         ("builtins", "frozenset"),
         ("builtins", "slice"),
@@ -160,11 +163,16 @@ class Checkpointer:
         tensors: dict[str, Any] = {"model": model_sd, "rng": _rng_state()}
         if optim_sd is not None:
             tensors["optim"] = optim_sd["state"]
+        reader = SafeFileSystemReader(str(path))
+        try:
+            reader.read_metadata()
+        except (OSError, EOFError, pickle.UnpicklingError) as err:
+            raise CheckpointError(f"checkpoint '{path}' has unreadable DCP metadata ({err}); resume from another checkpoint") from None
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
-        except (RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
+                dcp.load(tensors, storage_reader=reader)
+        except (CheckpointException, RuntimeError, ValueError, KeyError) as err:
             raise CheckpointError(f"checkpoint '{path}' does not fit this model or is damaged: {str(err).splitlines()[0]}") from None
         if optim_sd is not None:
             full = {"state": tensors["optim"], "param_groups": _param_groups_from_json(meta["optim_param_groups"])}

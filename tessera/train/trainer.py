@@ -102,9 +102,9 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, data position, RNG, step."""
-        meta = self.checkpointer.load(path, self.model, self.optimizer)
-        if meta.get("model") != self.config.to_dict()["model"]:
+        if read_meta(path).get("model") != self.config.to_dict()["model"]:
             raise CheckpointError(f"checkpoint '{path}' was trained with a different [model] section; resume with the same model config or set train.resume=none")
+        meta = self.checkpointer.load(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.data.train.load_state_dict(meta["loader"])
         self.step = int(meta["step"])
