@@ -27,7 +27,8 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Architecture of the transformer (the zoo picks components from these names)."""
 
-    arch: Literal["decoder"] = "decoder"
+    arch: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"  # causal LM, MLM encoder (BERT), seq2seq (T5)
+    n_decoder_layers: int = 0  # encoder_decoder: decoder depth (0 = n_layers)
     vocab_size: int = 2048
     dim: int = 128
     n_layers: int = 4
@@ -39,15 +40,48 @@ class ModelConfig:
     activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-5
-    position: Literal["rope", "none"] = "rope"
+    position: Literal["rope", "learned", "sinusoidal", "t5_bias", "alibi", "none"] = "rope"
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
-    attention: Literal["sdpa", "eager"] = "sdpa"
+    attention: Literal["sdpa", "eager", "longformer", "bigbird", "linear", "performer"] = "sdpa"
     qkv_bias: bool = False
     tie_embeddings: bool = False
     dropout: float = 0.0  # residual and FFN dropout
     attn_dropout: float = 0.0
     init_std: float = 0.02
+    # --- the component zoo (issue 3) ---
+    head_dim: int = 0  # 0 means dim // n_heads
+    norm_position: Literal["pre", "post"] = "pre"  # post-norm (BERT) has no final norm
+    bias: bool = False  # biases on o_proj and the FFN linears (GPT-2, BERT)
+    embed_norm: bool = False  # a norm right after the embeddings (BERT)
+    type_vocab_size: int = 0  # BERT token-type embeddings (type 0 is added when none are given)
+    output_dim_scale: bool = False  # multiply the final hidden by dim**-0.5 before the head (T5 v1.0)
+    attn_scale: float = 0.0  # softmax scale; 0 means 1/sqrt(head_dim) (T5 uses 1)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys
+    sliding_window: int = 0  # keys within this many positions (Mistral); the local width for longformer
+    global_tokens: int = 0  # longformer/bigbird: the first positions attend and are attended everywhere
+    block_size: int = 16  # bigbird block
+    random_blocks: int = 1  # bigbird random key blocks per query block
+    performer_features: int = 64  # performer random features
+    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_max_len: int = 0  # yarn: the pre-extension context (0 = max_seq_len / factor)
+    rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
+    rel_buckets: int = 32  # T5 relative-position buckets
+    rel_max_distance: int = 128
+    moe_experts: int = 0  # 0 = dense FFN everywhere
+    moe_top_k: int = 2  # 1 = switch routing
+    moe_every: int = 1  # MoE on every n-th layer (layer i is MoE when (i + 1) % moe_every == 0)
+    moe_router: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"  # softmax after (renormalized) or before top-k
+    moe_capacity_factor: float = 0.0  # 0 = dropless; else tokens over capacity are dropped
+    moe_aux_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.0
+    moe_shared_experts: int = 0
+    moe_ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
+    objective: Literal["auto", "causal_lm", "masked_lm", "span_corruption"] = "auto"  # auto follows arch
+    mask_prob: float = 0.15  # masked_lm: fraction masked; span_corruption: noise density
+    mean_span_length: float = 3.0
+    sentinel_tokens: int = 0  # ids reserved at the top of the vocab for [MASK] / T5 sentinels; the default tokenizer gets the rest
 
 
 @dataclass
@@ -305,6 +339,51 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_zoo(m: ModelConfig, t: TrainConfig) -> None:
+    """Checks of the component-zoo keys of [model]."""
+    for key in ("n_decoder_layers", "head_dim", "type_vocab_size", "sliding_window", "global_tokens", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "sentinel_tokens", "rope_original_max_len"):
+        _require(getattr(m, key) >= 0, f"model.{key} must be >= 0, got {getattr(m, key)}")
+    for key in ("block_size", "random_blocks", "performer_features", "rel_buckets", "rel_max_distance", "moe_every"):
+        _require(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+    _require(m.attn_scale >= 0, f"model.attn_scale must be >= 0 (0 means 1/sqrt(head_dim)), got {m.attn_scale}")
+    head_dim = m.head_dim or m.dim // m.n_heads
+    rot = int(head_dim * m.rotary_fraction)
+    _require(0.0 < m.rotary_fraction <= 1.0, f"model.rotary_fraction must be in (0, 1], got {m.rotary_fraction}")
+    _require(m.position != "rope" or (rot > 0 and rot % 2 == 0), f"model.position='rope' needs an even rotary width, got head_dim*rotary_fraction={head_dim * m.rotary_fraction:g}; change model.rotary_fraction or model.head_dim")
+    _require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor must be >= 1, got {m.rope_scaling_factor}")
+    _require(m.rel_buckets % 2 == 0 and m.rel_buckets >= 4, f"model.rel_buckets must be an even number >= 4, got {m.rel_buckets}")
+    linear = m.attention in ("linear", "performer")
+    _require(not linear or m.position in ("rope", "learned", "sinusoidal", "none"), f"model.attention='{m.attention}' cannot add a score bias; model.position='{m.position}' needs a softmax kernel (sdpa or eager)")
+    _require(not linear or m.sliding_window == 0, f"model.sliding_window needs a softmax kernel, not model.attention='{m.attention}'")
+    _require(m.attention != "longformer" or m.sliding_window > 0, "model.attention='longformer' needs model.sliding_window > 0 (the local width)")
+    _require(m.arch != "encoder_decoder" or m.position in ("t5_bias", "learned", "sinusoidal", "none", "rope"), f"model.position='{m.position}' is not supported for arch='encoder_decoder'")
+    if m.moe_experts:
+        _require(1 <= m.moe_top_k <= m.moe_experts, f"model.moe_top_k={m.moe_top_k} must be in [1, model.moe_experts={m.moe_experts}]")
+        _require(m.moe_capacity_factor >= 0, f"model.moe_capacity_factor must be >= 0 (0 = dropless), got {m.moe_capacity_factor}")
+        _require(m.moe_aux_loss_coef >= 0 and m.moe_z_loss_coef >= 0, "model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0")
+    objective = resolved_objective(m)
+    _require(0.0 < m.mask_prob < 1.0, f"model.mask_prob must be in (0, 1), got {m.mask_prob}")
+    _require(m.mean_span_length >= 1.0, f"model.mean_span_length must be >= 1, got {m.mean_span_length}")
+    wanted = {"causal_lm": "decoder", "masked_lm": "encoder", "span_corruption": "encoder_decoder"}[objective]
+    _require(m.arch == wanted, f"model.objective='{objective}' trains arch='{wanted}', not model.arch='{m.arch}'")
+    needed = {"causal_lm": 0, "masked_lm": 1, "span_corruption": span_count(t.seq_len + 1, m.mask_prob, m.mean_span_length)}[objective]
+    _require(m.sentinel_tokens >= needed, f"model.objective='{objective}' with train.seq_len={t.seq_len} needs model.sentinel_tokens >= {needed} (ids reserved at the top of the vocab), got {m.sentinel_tokens}")
+    _require(m.vocab_size - m.sentinel_tokens >= 260, f"model.vocab_size - model.sentinel_tokens = {m.vocab_size - m.sentinel_tokens} leaves too few ids for the tokenizer; use at least 260")
+
+
+def resolved_objective(m: ModelConfig) -> str:
+    """``model.objective`` with "auto" replaced by the arch's natural objective."""
+    if m.objective != "auto":
+        return m.objective
+    return {"decoder": "causal_lm", "encoder": "masked_lm", "encoder_decoder": "span_corruption"}[m.arch]
+
+
+def span_count(length: int, density: float, mean_span: float) -> int:
+    """How many noise spans T5 span corruption cuts into ``length`` tokens (one sentinel each)."""
+    noise = min(max(round(length * density), 1), length - 1)
+    return max(round(noise / mean_span), 1)
+
+
 def validate(config: JobConfig) -> None:
     """Cross-field checks: everything that can be known wrong before a process starts."""
     m, t, o, p, c, d = config.model, config.train, config.optim, config.parallel, config.checkpoint, config.data
@@ -321,6 +400,7 @@ def validate(config: JobConfig) -> None:
         _require(0.0 <= getattr(m, key) < 1.0, f"model.{key} must be in [0, 1), got {getattr(m, key)}")
     _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
     _require(m.vocab_size >= 260, f"model.vocab_size={m.vocab_size} is too small for a byte-fallback tokenizer; use at least 260")
+    _validate_zoo(m, t)
 
     for key in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"):
         _require(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
