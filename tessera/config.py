@@ -339,7 +339,24 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _validate_zoo(m: ModelConfig, t: TrainConfig) -> None:
+def validate_model(m: ModelConfig) -> None:
+    """The [model] checks alone (also for configs that come from elsewhere, e.g. an HF checkpoint)."""
+    for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+        _require(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+    _require(m.n_kv_heads >= 0, f"model.n_kv_heads must be >= 0 (0 means n_heads), got {m.n_kv_heads}")
+    _require(m.head_dim > 0 or m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of n_heads or set model.head_dim")
+    kv = m.n_kv_heads or m.n_heads
+    _require(m.n_heads % kv == 0, f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}; use a divisor of n_heads")
+    _require(m.ffn_hidden >= 0 and m.ffn_multiplier >= 0, "model.ffn_hidden and model.ffn_multiplier must be >= 0")
+    _require(m.multiple_of > 0, f"model.multiple_of must be positive, got {m.multiple_of}")
+    for key in ("dropout", "attn_dropout"):
+        _require(0.0 <= getattr(m, key) < 1.0, f"model.{key} must be in [0, 1), got {getattr(m, key)}")
+    _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
+    _require(m.vocab_size >= 260, f"model.vocab_size={m.vocab_size} is too small for a byte-fallback tokenizer; use at least 260")
+    _validate_zoo(m)
+
+
+def _validate_zoo(m: ModelConfig) -> None:
     """Checks of the component-zoo keys of [model]."""
     for key in ("n_decoder_layers", "head_dim", "type_vocab_size", "sliding_window", "global_tokens", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "sentinel_tokens", "rope_original_max_len"):
         _require(getattr(m, key) >= 0, f"model.{key} must be >= 0, got {getattr(m, key)}")
@@ -361,9 +378,13 @@ def _validate_zoo(m: ModelConfig, t: TrainConfig) -> None:
         _require(1 <= m.moe_top_k <= m.moe_experts, f"model.moe_top_k={m.moe_top_k} must be in [1, model.moe_experts={m.moe_experts}]")
         _require(m.moe_capacity_factor >= 0, f"model.moe_capacity_factor must be >= 0 (0 = dropless), got {m.moe_capacity_factor}")
         _require(m.moe_aux_loss_coef >= 0 and m.moe_z_loss_coef >= 0, "model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0")
-    objective = resolved_objective(m)
     _require(0.0 < m.mask_prob < 1.0, f"model.mask_prob must be in (0, 1), got {m.mask_prob}")
     _require(m.mean_span_length >= 1.0, f"model.mean_span_length must be >= 1, got {m.mean_span_length}")
+
+
+def _validate_objective(m: ModelConfig, t: TrainConfig) -> None:
+    """The training objective fits the architecture and has its reserved token ids."""
+    objective = resolved_objective(m)
     wanted = {"causal_lm": "decoder", "masked_lm": "encoder", "span_corruption": "encoder_decoder"}[objective]
     _require(m.arch == wanted, f"model.objective='{objective}' trains arch='{wanted}', not model.arch='{m.arch}'")
     needed = {"causal_lm": 0, "masked_lm": 1, "span_corruption": span_count(t.seq_len + 1, m.mask_prob, m.mean_span_length)}[objective]
@@ -387,20 +408,9 @@ def span_count(length: int, density: float, mean_span: float) -> int:
 def validate(config: JobConfig) -> None:
     """Cross-field checks: everything that can be known wrong before a process starts."""
     m, t, o, p, c, d = config.model, config.train, config.optim, config.parallel, config.checkpoint, config.data
-    for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-        _require(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
-    _require(m.n_kv_heads >= 0, f"model.n_kv_heads must be >= 0 (0 means n_heads), got {m.n_kv_heads}")
-    _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of n_heads")
+    validate_model(m)
     kv = m.n_kv_heads or m.n_heads
-    _require(m.n_heads % kv == 0, f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}; use a divisor of n_heads")
-    _require(m.position != "rope" or (m.dim // m.n_heads) % 2 == 0, f"model.position='rope' needs an even head dim, got dim/n_heads={m.dim // m.n_heads}")
-    _require(m.ffn_hidden >= 0 and m.ffn_multiplier >= 0, "model.ffn_hidden and model.ffn_multiplier must be >= 0")
-    _require(m.multiple_of > 0, f"model.multiple_of must be positive, got {m.multiple_of}")
-    for key in ("dropout", "attn_dropout"):
-        _require(0.0 <= getattr(m, key) < 1.0, f"model.{key} must be in [0, 1), got {getattr(m, key)}")
-    _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
-    _require(m.vocab_size >= 260, f"model.vocab_size={m.vocab_size} is too small for a byte-fallback tokenizer; use at least 260")
-    _validate_zoo(m, t)
+    _validate_objective(m, t)
 
     for key in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"):
         _require(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")

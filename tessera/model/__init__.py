@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from tessera.config import ModelConfig
-from tessera.model.generate import generate, sample_next
-from tessera.model.transformer import Decoder, count_parameters
+from tessera.model.generate import generate, generate_seq2seq, sample_next
+from tessera.model.moe import expert_load, moe_losses, moe_metrics
+from tessera.model.transformer import Decoder, Encoder, EncoderDecoder, count_parameters
 
-__all__ = ["Decoder", "build_model", "count_parameters", "generate", "sample_next"]
+__all__ = [
+    "Decoder",
+    "Encoder",
+    "EncoderDecoder",
+    "build_model",
+    "count_parameters",
+    "expert_load",
+    "generate",
+    "generate_seq2seq",
+    "moe_losses",
+    "moe_metrics",
+    "sample_next",
+]
+
+ARCHS: dict[str, type[nn.Module]] = {"decoder": Decoder, "encoder": Encoder, "encoder_decoder": EncoderDecoder}
 
 
-def build_model(cfg: ModelConfig) -> Decoder:
-    """The model the config names (the zoo adds encoder and encoder-decoder families)."""
-    if cfg.arch == "decoder":
-        return Decoder(cfg)
-    raise ValueError(f"unknown model.arch {cfg.arch!r}")
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model ``model.arch`` names: Decoder, Encoder (masked LM) or EncoderDecoder (seq2seq)."""
+    if cfg.arch not in ARCHS:
+        raise ValueError(f"unknown model.arch {cfg.arch!r}; choose one of {', '.join(ARCHS)}")
+    return ARCHS[cfg.arch](cfg)

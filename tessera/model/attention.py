@@ -1,18 +1,25 @@
-"""Multi-head attention with grouped/multi-query heads, RoPE, a KV cache and two kernels.
+"""Multi-head attention: MHA/MQA/GQA, self or cross, KV cache, and the kernels of ``model.attention``.
 
-``sdpa`` calls ``F.scaled_dot_product_attention`` (flash/memory-efficient on GPU); ``eager``
-writes the softmax(QK^T/sqrt(d))V product out, in float32, and keeps the weights for inspection.
+``sdpa`` calls ``F.scaled_dot_product_attention`` (flash/memory-efficient on GPU); ``eager`` writes
+softmax(QK^T * scale + bias)V out in float32 and keeps the weights for inspection; ``longformer``
+and ``bigbird`` are those sparsity patterns (see masks.py) as sdpa masks; ``linear`` (elu + 1)
+and ``performer`` (FAVOR+ random features) replace the softmax by a kernel feature map.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.model.position import RotaryEmbedding, apply_rope
+from tessera.config import ModelConfig
+from tessera.model.norm import RMSNorm
+from tessera.model.position import apply_rope
+
+LINEAR_KERNELS = ("linear", "performer")
 
 
 class KVCache:
@@ -31,74 +38,144 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """Boolean (q_len, kv_len) mask, True where attention is allowed; queries are the last q_len."""
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    return torch.arange(kv_len, device=device)[None, :] <= q_pos
+@dataclass
+class AttnContext:
+    """What all layers of one forward share: the mask, a score bias and the RoPE tables."""
+
+    mask: torch.Tensor | None = None  # bool (B|1, 1, Tq, Tk), True where attention is allowed
+    bias: torch.Tensor | None = None  # float (B|1, H, Tq, Tk) added to the scores (T5 bias, ALiBi)
+    is_causal: bool = False  # plain causal over a square block: sdpa's fast path, no mask tensor
+    causal: bool = False  # the linear kernels' only mask
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+def _allowed(ctx: AttnContext, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
+    """The context's boolean mask, materializing the implicit causal one when needed."""
+    if ctx.mask is None and ctx.is_causal:
+        return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+    return ctx.mask
+
+
+class PerformerFeatures(nn.Module):
+    """FAVOR+ positive orthogonal random features (Choromanski et al. 2021) for one head size."""
+
+    def __init__(self, head_dim: int, n_features: int) -> None:
+        super().__init__()
+        self.head_dim, self.n_features = head_dim, n_features
+        self.register_buffer("projection", torch.empty(n_features, head_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw blocks of orthogonal rows, scaled to the norms of Gaussian vectors."""
+        d = self.head_dim
+        blocks = []
+        for _ in range(-(-self.n_features // d)):
+            q, _ = torch.linalg.qr(torch.randn(d, d, device=self.projection.device))
+            blocks.append(q.T)
+        rows = torch.cat(blocks)[: self.n_features]
+        norms = torch.randn(self.n_features, d, device=self.projection.device).norm(dim=-1, keepdim=True)
+        with torch.no_grad():
+            self.projection.copy_(rows * norms)
+
+    def forward(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """phi(x) = exp(w.x - |x|^2 / 2) / sqrt(m), with x scaled by d^-1/4 and a cancelling stabilizer."""
+        x = x.float() * self.head_dim**-0.25
+        proj = x @ self.projection.T
+        sq = x.pow(2).sum(-1, keepdim=True) / 2
+        # Subtracting a max per query row, or one max over all keys, cancels in numerator / denominator.
+        stab = proj.amax(dim=-1, keepdim=True) if is_query else proj.amax(dim=(-1, -2), keepdim=True)
+        return torch.exp(proj - sq - stab) / math.sqrt(self.n_features) + 1e-6
+
+
+def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j), over j <= i when causal (prefix sums)."""
+    v = v.float()
+    if not causal:
+        kv = torch.einsum("bhtf,bhtd->bhfd", phi_k, v)
+        num = torch.einsum("bhtf,bhfd->bhtd", phi_q, kv)
+        den = torch.einsum("bhtf,bhf->bht", phi_q, phi_k.sum(2))
+    else:
+        q_len = phi_q.shape[2]
+        kv = torch.einsum("bhtf,bhtd->bhtfd", phi_k, v).cumsum(2)[:, :, -q_len:]
+        num = torch.einsum("bhtf,bhtfd->bhtd", phi_q, kv)
+        den = torch.einsum("bhtf,bhtf->bht", phi_q, phi_k.cumsum(2)[:, :, -q_len:])
+    return num / den[..., None].clamp_min(1e-12)
 
 
 class Attention(nn.Module):
-    """Self-attention; ``n_kv_heads`` < ``n_heads`` gives GQA (1 gives MQA)."""
+    """Self- or cross-attention; ``n_kv_heads`` < ``n_heads`` gives GQA (1 gives MQA)."""
 
-    def __init__(
-        self,
-        dim: int,
-        n_heads: int,
-        n_kv_heads: int,
-        kernel: str = "sdpa",
-        qkv_bias: bool = False,
-        attn_dropout: float = 0.0,
-        causal: bool = True,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, cross: bool = False) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
-        self.head_dim = dim // n_heads
-        self.kernel, self.causal, self.attn_dropout = kernel, causal, attn_dropout
-        self.q_proj = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
+        self.scale = cfg.attn_scale or 1.0 / math.sqrt(self.head_dim)
+        self.kernel, self.cross, self.attn_dropout = cfg.attention, cross, cfg.attn_dropout
+        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.features = PerformerFeatures(self.head_dim, cfg.performer_features) if cfg.attention == "performer" else None
         self.last_weights: torch.Tensor | None = None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: RotaryEmbedding | None = None,
-        cache: KVCache | None = None,
-        start: int = 0,
-    ) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, ctx: AttnContext, cache: KVCache | None = None, start: int = 0, memory: torch.Tensor | None = None) -> torch.Tensor:
+        """Attend from ``x`` (B, T, dim) to itself (or to ``memory`` for cross-attention)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope(start, t)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        src = memory if self.cross else x
+        q = self._heads(self.q_proj(x), self.n_heads)
+        k, v = self._heads(self.k_proj(src), self.n_kv_heads), self._heads(self.v_proj(src), self.n_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if ctx.cos is not None and not self.cross:
+            q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         if cache is not None:
             k, v = cache.update(k, v, start)
-        out = self._attend(q, k, v)
+        out = self._attend(q, k, v, ctx)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q_len, kv_len = q.shape[2], k.shape[2]
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        if self.kernel in LINEAR_KERNELS:
+            return self._linear(q, k, v, ctx)
         dropout = self.attn_dropout if self.training else 0.0
-        mask = None
-        if self.causal and q_len > 1:
-            mask = _causal_mask(q_len, kv_len, q.device)
-        if self.kernel == "eager":
-            return self._eager(q, k, v, mask, dropout)
-        gqa = self.n_kv_heads != self.n_heads
-        if mask is not None and q_len == kv_len:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+        if self.kernel != "eager":
+            gqa = self.n_kv_heads != self.n_heads
+            if ctx.bias is None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=dropout, is_causal=ctx.is_causal, scale=self.scale, enable_gqa=gqa)
+            allowed = _allowed(ctx, q.shape[2], k.shape[2], q.device)
+            bias = ctx.bias.to(q.dtype)
+            mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale, enable_gqa=gqa)
+        return self._eager(q, k, v, ctx, dropout)
 
-    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float) -> torch.Tensor:
+    def _repeat_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rep = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
+        return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float) -> torch.Tensor:
+        k, v = self._repeat_kv(k, v)
+        scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
+        if ctx.bias is not None:
+            scores = scores + ctx.bias
+        mask = _allowed(ctx, q.shape[2], k.shape[2], q.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         weights = scores.softmax(dim=-1)
         self.last_weights = weights.detach()
         weights = F.dropout(weights, p=dropout, training=dropout > 0)
         return (weights @ v.float()).to(q.dtype)
+
+    def _linear(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        if ctx.mask is not None or ctx.bias is not None:
+            raise ValueError(f"model.attention='{self.kernel}' supports only causal or full attention (no document_ids, windows or score biases)")
+        k, v = self._repeat_kv(k, v)
+        if self.features is not None:
+            phi_q, phi_k = self.features(q, is_query=True), self.features(k, is_query=False)
+        else:
+            phi_q, phi_k = F.elu(q.float()) + 1, F.elu(k.float()) + 1
+        return linear_attention(phi_q, phi_k, v, ctx.causal).to(q.dtype)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "swiglu": F.silu,
     "geglu": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
@@ -32,9 +32,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int, activation: str, bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
-        if activation not in _ACTIVATIONS:
+        if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
-        self.act = _ACTIVATIONS[activation]
+        self.act = ACTIVATIONS[activation]
         self.gated = activation in GATED
         self.gate_proj = nn.Linear(dim, hidden, bias=bias) if self.gated else None
         self.up_proj = nn.Linear(dim, hidden, bias=bias)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.model.transformer import Decoder
+from tessera.model.transformer import Decoder, EncoderDecoder
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -60,5 +60,29 @@ def generate(
             if pos + 1 < total:
                 logits = model(token[:, None], caches, start=pos)[:, -1]
         return torch.stack(out, dim=1) if out else prompt.new_zeros((batch, 0))
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def generate_seq2seq(model: EncoderDecoder, input_ids: torch.Tensor, max_new_tokens: int, start_id: int = 0, eos_id: int | None = None) -> torch.Tensor:
+    """Greedy decoding of an encoder-decoder model from ``start_id``; returns the new tokens (B, n)."""
+    was_training = model.training
+    model.eval()
+    try:
+        batch = input_ids.shape[0]
+        memory = model.encode(input_ids)
+        caches = model.new_caches(batch, max_new_tokens)
+        token = torch.full((batch,), start_id, dtype=torch.long, device=input_ids.device)
+        out: list[torch.Tensor] = []
+        done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        for pos in range(max_new_tokens):
+            token = model.decode(token[:, None], memory, caches, start=pos)[:, -1].argmax(dim=-1)
+            out.append(token)
+            if eos_id is not None:
+                done |= token == eos_id
+                if bool(done.all()):
+                    break
+        return torch.stack(out, dim=1) if out else input_ids.new_zeros((batch, 0))
     finally:
         model.train(was_training)

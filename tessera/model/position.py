@@ -1,18 +1,78 @@
-"""Position encodings. RoPE uses the rotate-half layout of HF Llama so weights map one-to-one."""
+"""Position encodings: RoPE (+ linear / NTK / YaRN scaling, partial rotary), learned, sinusoidal,
+T5 relative-position bias and ALiBi. RoPE uses HF Llama's rotate-half layout so weights map 1:1.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (max_len, head_dim) in float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    t = torch.arange(max_len, dtype=torch.float32, device=device)
-    freqs = torch.outer(t, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+def rope_inv_freq(rot_dim: int, theta: float, scaling: str = "none", factor: float = 1.0, original_max_len: int = 0) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (rot_dim / 2,) and the cos/sin magnitude (YaRN's attention factor, else 1)."""
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    if scaling == "ntk":
+        theta = theta * factor ** (rot_dim / (rot_dim - 2))
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling == "linear":
+        return inv_freq / factor, 1.0
+    if scaling != "yarn" or factor <= 1.0:
+        return inv_freq, 1.0
+    # YaRN (Peng et al. 2023): interpolate the slow dimensions, keep the fast ones, blend in between.
+    def correction_dim(rotations: float) -> float:
+        return rot_dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(32.0)), 0)
+    high = min(math.ceil(correction_dim(1.0)), rot_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 where the original (extrapolated) frequency is kept
+    inv_freq = (inv_freq / factor) * (1 - keep) + inv_freq * keep
+    return inv_freq, 0.1 * math.log(factor) + 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE cos/sin tables (non-persistent buffers, rebuilt by ``reset_parameters``)."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float, scaling: str = "none", factor: float = 1.0, original_max_len: int = 0, fraction: float = 1.0) -> None:
+        super().__init__()
+        self.rot_dim = int(head_dim * fraction)
+        self.max_len, self.theta, self.scaling, self.factor = max_len, theta, scaling, factor
+        self.original_max_len = original_max_len or int(max_len / factor)
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, magnitude = rope_inv_freq(self.rot_dim, self.theta, self.scaling, self.factor, self.original_max_len)
+        t = torch.arange(self.max_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq.to(device))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * magnitude, emb.sin() * magnitude
+
+    def reset_parameters(self) -> None:
+        """Recompute the tables in place (needed after building on the meta device)."""
+        cos, sin = self._tables(device=self.cos.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def forward(self, start: int, length: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape (1 or B, 1, T, rot_dim) for ``positions`` (B, T) or ``start .. start+length-1``."""
+        if positions is None:
+            if start + length > self.max_len:
+                raise ValueError(f"position {start + length - 1} is beyond model.max_seq_len={self.max_len}")
+            return self.cos[None, None, start : start + length], self.sin[None, None, start : start + length]
+        check_positions(positions, self.max_len)
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def check_positions(positions: torch.Tensor, max_len: int) -> None:
+    """Raise a clear error when a position is past the table (``model.max_seq_len``)."""
+    if positions.numel() and int(positions.max()) >= max_len:
+        raise ValueError(f"position {int(positions.max())} is beyond model.max_seq_len={max_len}; raise model.max_seq_len")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -21,30 +81,91 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape (B, H, T, D) by tables already sliced to (T, D)."""
-    dtype = x.dtype
+    """Rotate the leading ``cos.shape[-1]`` channels of ``x`` (B, H, T, D); the rest pass through."""
+    dtype, rot = x.dtype, cos.shape[-1]
     x = x.float()
-    return (x * cos + _rotate_half(x) * sin).to(dtype)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    out = x_rot * cos + _rotate_half(x_rot) * sin
+    return torch.cat((out, x_pass), dim=-1).to(dtype) if x_pass.shape[-1] else out.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Holds the RoPE tables (non-persistent buffers, rebuilt by ``reset_parameters``)."""
+def sinusoidal_table(max_len: int, dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Vaswani et al. table (max_len, dim): sin on even channels, cos on odd ones."""
+    pos = torch.arange(max_len, dtype=torch.float32, device=device)[:, None]
+    div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32, device=device) * (-math.log(10000.0) / dim))
+    table = torch.zeros(max_len, dim, device=device)
+    table[:, 0::2] = torch.sin(pos * div)
+    table[:, 1::2] = torch.cos(pos * div)[:, : dim // 2]
+    return table
 
-    def __init__(self, head_dim: int, max_len: int, theta: float) -> None:
+
+class AbsolutePositions(nn.Module):
+    """Learned (an embedding table, ``weight``) or fixed sinusoidal absolute positions."""
+
+    def __init__(self, kind: str, max_len: int, dim: int) -> None:
         super().__init__()
-        self.head_dim, self.max_len, self.theta = head_dim, max_len, theta
-        cos, sin = rope_tables(head_dim, max_len, theta)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.kind, self.max_len, self.dim = kind, max_len, dim
+        if kind == "learned":
+            self.weight = nn.Parameter(torch.empty(max_len, dim))
+        else:
+            self.register_buffer("weight", sinusoidal_table(max_len, dim), persistent=False)
 
-    def reset_parameters(self) -> None:
-        """Recompute the tables in place (needed after building on the meta device)."""
-        cos, sin = rope_tables(self.head_dim, self.max_len, self.theta, device=self.cos.device)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Learned: normal(0, std); sinusoidal: recompute the table."""
+        with torch.no_grad():
+            if self.kind == "learned":
+                nn.init.normal_(self.weight, std=std)
+            else:
+                self.weight.copy_(sinusoidal_table(self.max_len, self.dim, self.weight.device))
 
-    def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for positions ``start .. start+length-1``."""
-        if start + length > self.max_len:
-            raise ValueError(f"position {start + length - 1} is beyond model.max_seq_len={self.max_len}")
-        return self.cos[start : start + length], self.sin[start : start + length]
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """Embeddings of ``positions`` (any shape of ints)."""
+        check_positions(positions, self.max_len)
+        return self.weight[positions]
+
+
+def t5_bucket(relative: torch.Tensor, bidirectional: bool, n_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's bucket of each relative position (key - query): exact for small, log-spaced for large."""
+    buckets = torch.zeros_like(relative)
+    if bidirectional:
+        n_buckets //= 2
+        buckets = buckets + (relative > 0).long() * n_buckets
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)
+    exact = n_buckets // 2
+    log_ratio = torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+    large = (exact + (log_ratio * (n_buckets - exact)).long()).clamp(max=n_buckets - 1)
+    return buckets + torch.where(distance < exact, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+    """T5 bucketed relative-position bias, one learned scalar per (bucket, head)."""
+
+    def __init__(self, n_heads: int, n_buckets: int, max_distance: int, bidirectional: bool) -> None:
+        super().__init__()
+        self.n_buckets, self.max_distance, self.bidirectional = n_buckets, max_distance, bidirectional
+        self.relative_attention_bias = nn.Embedding(n_buckets, n_heads)
+
+    def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Bias (B or 1, H, Tq, Tk) from query positions (B or 1, Tq) and key positions (B or 1, Tk)."""
+        relative = k_pos[:, None, :] - q_pos[:, :, None]
+        bucket = t5_bucket(relative, self.bidirectional, self.n_buckets, self.max_distance)
+        return self.relative_attention_bias(bucket).permute(0, 3, 1, 2)
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi head slopes (Press et al.): a geometric series, interleaved for non-powers of two."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = 2.0 ** (-8.0 / closest)
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest < n_heads:
+        extra = 2.0 ** (-4.0 / closest)
+        slopes += [extra ** (2 * i + 1) for i in range(n_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Bias (B or 1, H, Tq, Tk) = -slope * |query - key| (linear in distance)."""
+    distance = (q_pos[:, :, None] - k_pos[:, None, :]).abs().float()
+    return -slopes.to(distance.device)[None, :, None, None] * distance[:, None]

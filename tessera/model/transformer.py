@@ -1,4 +1,8 @@
-"""Decoder-only causal language model (Llama-style by default) built from the model config."""
+"""The three architectures: Decoder (causal LM), Encoder (masked LM, BERT) and EncoderDecoder (T5).
+
+All are built from :class:`Stack` (positions, blocks, final norm), which also builds the
+attention context (mask, score bias, RoPE tables) once per forward for all its layers.
+"""
 
 from __future__ import annotations
 
@@ -8,58 +12,218 @@ import torch
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.model.attention import KVCache
+from tessera.model.attention import LINEAR_KERNELS, AttnContext, KVCache
 from tessera.model.block import TransformerBlock
+from tessera.model.ffn import ACTIVATIONS
+from tessera.model.masks import MaskSpec, attention_mask
+from tessera.model.moe import Experts
 from tessera.model.norm import build_norm
-from tessera.model.position import RotaryEmbedding
+from tessera.model.position import AbsolutePositions, RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
+
+_RESIDUAL_OUT = ("o_proj", "down_proj")
 
 
-class Decoder(nn.Module):
-    """Token embedding, ``n_layers`` blocks, final norm, output head (optionally tied)."""
+class Stack(nn.Module):
+    """Absolute positions (if any), ``n_layers`` blocks and, for pre-norm, the final norm."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, causal: bool, cross: bool = False) -> None:
+        super().__init__()
+        self.cfg, self.causal = cfg, causal
+        head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
+        self.pos_embeddings = AbsolutePositions(cfg.position, cfg.max_seq_len, cfg.dim) if cfg.position in ("learned", "sinusoidal") else None
+        self.embed_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cfg.embed_norm else None
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.rope = None
+        if cfg.position == "rope":
+            self.rope = RotaryEmbedding(head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_len, cfg.rotary_fraction)
+        self.rel_bias = RelativePositionBias(cfg.n_heads, cfg.rel_buckets, cfg.rel_max_distance, bidirectional=not causal) if cfg.position == "t5_bias" else None
+        if cfg.position == "alibi":
+            self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        # A ModuleDict keyed by layer index keeps parameter names stable when stages drop layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, cross) for i in range(n_layers)})
+        self.norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cfg.norm_position == "pre" else None
+        self.mask_spec = MaskSpec(cfg.attention, causal, cfg.sliding_window, cfg.global_tokens, cfg.block_size, cfg.random_blocks, cfg.max_seq_len)
+
+    def context(self, batch: int, length: int, start: int, positions: torch.Tensor | None, document_ids: torch.Tensor | None, device: torch.device) -> AttnContext:
+        """Mask, bias and RoPE tables for ``length`` queries at ``start`` (shared by all layers)."""
+        kv_len = start + length
+        if positions is not None and positions.shape != (batch, length):
+            raise ValueError(f"positions must have shape {(batch, length)}, got {tuple(positions.shape)}")
+        if self.cfg.attention in LINEAR_KERNELS:
+            if document_ids is not None:
+                raise ValueError(f"model.attention='{self.cfg.attention}' cannot block attention across documents; use sdpa or eager")
+            ctx = AttnContext(causal=self.causal)
+        else:
+            mask = attention_mask(self.mask_spec, length, kv_len, device, document_ids)
+            ctx = AttnContext(mask=mask, is_causal=self.causal and mask is None and length == kv_len, causal=self.causal)
+        if self.rope is not None:
+            ctx.cos, ctx.sin = self.rope(start, length, positions)
+        if self.rel_bias is not None or self.cfg.position == "alibi":
+            q_pos = positions if positions is not None else torch.arange(start, kv_len, device=device)[None]
+            k_pos = positions if positions is not None else torch.arange(kv_len, device=device)[None]
+            ctx.bias = self.rel_bias(q_pos, k_pos) if self.rel_bias is not None else alibi_bias(self.alibi_slopes, q_pos, k_pos)
+        return ctx
+
+    def run(
+        self,
+        h: torch.Tensor,
+        caches: list[KVCache] | None = None,
+        start: int = 0,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Embedded tokens (B, T, dim) -> final hidden states (B, T, dim)."""
+        b, t, _ = h.shape
+        if self.pos_embeddings is not None:
+            pos = positions if positions is not None else torch.arange(start, start + t, device=h.device)
+            h = h + self.pos_embeddings(pos).to(h.dtype)
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
+        h = self.embed_dropout(h)
+        ctx = self.context(b, t, start, positions, document_ids, h.device)
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, ctx, caches[i] if caches is not None else None, start, memory)
+        return self.norm(h) if self.norm is not None else h
+
+    def forward(self, h: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states through the stack (no cache, default positions)."""
+        return self.run(h, memory=memory)
+
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
+        """One empty self-attention KV cache per layer, sized for ``max_len`` positions."""
+        attn = next(iter(self.layers.values())).attention
+        return [KVCache(batch, attn.n_kv_heads, attn.head_dim, max_len, dtype, device) for _ in self.layers]
+
+
+def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    """Normal(0, init_std) weights; residual-output projections scaled by 1/sqrt(2 n_layers)."""
+    std = cfg.init_std
+    out_std = std / math.sqrt(2 * cfg.n_layers)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=out_std if name.endswith(_RESIDUAL_OUT) else std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, Experts):
+            for pname, p in module.named_parameters(recurse=False):
+                nn.init.normal_(p, mean=0.0, std=out_std if pname == "down_proj" else std)
+        elif isinstance(module, AbsolutePositions):
+            module.reset_parameters(std)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+class Decoder(Stack):
+    """Causal LM: token embedding, ``n_layers`` causal blocks, final norm, output head (optionally tied)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg, cfg.n_layers, causal=True)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.rope = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta) if cfg.position == "rope" else None
-        # A ModuleDict keyed by layer index keeps parameter names stable when stages drop layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
-        self.norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Normal(0, init_std) weights; residual-output projections scaled by 1/sqrt(2 n_layers)."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_out = name.endswith(("o_proj", "down_proj"))
-                nn.init.normal_(module.weight, mean=0.0, std=out_std if is_out else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        """See :func:`init_weights`."""
+        init_weights(self, self.cfg)
 
-    def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
-        """Logits of shape (batch, seq, vocab); with ``caches``, positions start at ``start``."""
-        h = self.tok_embeddings(tokens)
-        for i, layer in enumerate(self.layers.values()):
-            h = layer(h, self.rope, caches[i] if caches is not None else None, start)
-        return self.output(self.norm(h))
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        caches: list[KVCache] | None = None,
+        start: int = 0,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab). With ``caches``, queries start at position ``start``; ``positions``
+        (B, T) overrides position ids; ``document_ids`` (B, T) blocks attention across documents."""
+        h = self.run(self.tok_embeddings(tokens), caches, start, positions, document_ids)
+        return self.output(h)
 
     def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
         """One empty KV cache per layer, sized for ``max_len`` positions."""
-        attn = next(iter(self.layers.values())).attention
         weight = self.output.weight
-        return [
-            KVCache(batch, attn.n_kv_heads, attn.head_dim, max_len, dtype or weight.dtype, weight.device)
-            for _ in self.layers
-        ]
+        return super().new_caches(batch, max_len, dtype or weight.dtype, weight.device)
+
+
+class MLMHead(nn.Module):
+    """BERT's prediction-head transform: dense, activation, norm (the vocab projection follows)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.dim, cfg.dim)
+        self.act = ACTIVATIONS[cfg.activation]  # a gated FFN's activation without the gate
+        self.norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Transformed hidden states."""
+        return self.norm(self.act(self.dense(h)))
+
+
+class Encoder(Stack):
+    """Bidirectional encoder with a masked-LM head (BERT); tied output with a vocab bias."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, cfg.n_layers, causal=False)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.dim) if cfg.type_vocab_size else None
+        self.head = MLMHead(cfg)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=True)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        init_weights(self, cfg)
+
+    def encode(self, tokens: torch.Tensor, token_type_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (B, T, dim)."""
+        h = self.tok_embeddings(tokens)
+        if self.type_embeddings is not None:
+            types = token_type_ids if token_type_ids is not None else torch.zeros_like(tokens)
+            h = h + self.type_embeddings(types)
+        return self.run(h, positions=positions, document_ids=document_ids)
+
+    def forward(self, tokens: torch.Tensor, token_type_ids: torch.Tensor | None = None, *, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Masked-LM logits (B, T, vocab)."""
+        return self.output(self.head(self.encode(tokens, token_type_ids, positions, document_ids)))
+
+
+class EncoderDecoder(nn.Module):
+    """Seq2seq (T5): shared token embedding, encoder stack, decoder stack with cross-attention, head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.encoder = Stack(cfg, cfg.n_layers, causal=False)
+        self.decoder = Stack(cfg, cfg.n_decoder_layers or cfg.n_layers, causal=True, cross=True)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        init_weights(self, cfg)
+
+    def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Encoder output (B, S, dim), the decoder's cross-attention memory."""
+        return self.encoder.run(self.tok_embeddings(input_ids))
+
+    def decode(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
+        """Decoder logits (B, T, vocab) given the encoder ``memory``."""
+        h = self.decoder.run(self.tok_embeddings(decoder_input_ids), caches, start, memory=memory)
+        if self.cfg.output_dim_scale:
+            h = h * self.cfg.dim**-0.5
+        return self.output(h)
+
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab) of ``decoder_input_ids`` conditioned on ``input_ids``."""
+        return self.decode(decoder_input_ids, self.encode(input_ids))
+
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
+        """Decoder self-attention caches."""
+        weight = self.output.weight
+        return self.decoder.new_caches(batch, max_len, dtype or weight.dtype, weight.device)
 
 
 def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:

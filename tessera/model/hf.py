@@ -1,0 +1,214 @@
+"""Import and export of HF transformers checkpoints (config.json + safetensors) for the zoo families.
+
+``load_hf(dir)`` builds the tessera model of an HF model directory; ``save_hf(model, dir)`` writes
+one that ``transformers.AutoModel*.from_pretrained`` loads. Conversion is exact or refused: an
+option tessera cannot reproduce is an :class:`HFConversionError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from tessera.config import ConfigError, ModelConfig, validate_model
+from tessera.model.ffn import ffn_hidden_size
+from tessera.model.hf_families import FAMILIES, HFConversionError, Rule
+
+__all__ = ["FAMILIES", "HFConversionError", "detect_family", "is_hf_dir", "load_hf", "read_hf", "save_hf"]
+
+# Keys that only shape training or the kernel's memory use, never the exported numbers.
+_TRAINING_ONLY = ("dropout", "attn_dropout", "init_std", "objective", "mask_prob", "mean_span_length", "sentinel_tokens", "moe_aux_loss_coef", "moe_z_loss_coef", "multiple_of", "ffn_multiplier")
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """Whether ``path`` looks like an HF model directory (config.json with a model_type)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "model_type" in json.loads(config.read_text())
+    except json.JSONDecodeError:
+        return False
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        found = ", ".join(p.name for p in path.iterdir()) or "nothing"
+        raise HFConversionError(f"'{path}' has no *.safetensors weights (found: {found}); tessera reads safetensors only")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
+    """The tessera ModelConfig of an HF config.json dict, and the family name."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise HFConversionError(f"HF model_type {family!r} is not supported; supported families: {', '.join(FAMILIES)}")
+    cfg = ModelConfig(**FAMILIES[family].from_hf(hf))
+    try:
+        validate_model(cfg)
+    except ConfigError as err:
+        raise HFConversionError(f"the {family} config maps to an invalid tessera config: {err}") from None
+    return cfg, family
+
+
+def _from_hf_tensors(rules: list[Rule], hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        missing = [k for k in rule.theirs if k not in hf]
+        if missing:
+            raise HFConversionError(f"the HF checkpoint lacks weight '{missing[0]}'")
+        theirs = [hf[k] for k in rule.theirs]
+        if rule.kind == "copy":
+            out[rule.ours[0]] = theirs[0]
+        elif rule.kind == "t":
+            out[rule.ours[0]] = theirs[0].T.contiguous()
+        elif rule.kind == "experts":
+            out[rule.ours[0]] = torch.stack([w.T for w in theirs])
+        else:
+            fused = theirs[0].T if rule.kind == "fused_t" else theirs[0]
+            for name, part in zip(rule.ours, fused.chunk(len(rule.ours), dim=0)):
+                out[name] = part.contiguous()
+    return out
+
+
+def _to_hf_tensors(rules: list[Rule], ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        tensors = [ours[k].detach() for k in rule.ours]
+        if rule.kind == "copy":
+            out[rule.theirs[0]] = tensors[0]
+        elif rule.kind == "t":
+            out[rule.theirs[0]] = tensors[0].T
+        elif rule.kind == "experts":
+            out.update({name: w.T for name, w in zip(rule.theirs, tensors[0])})
+        else:
+            fused = torch.cat(tensors, dim=0)
+            out[rule.theirs[0]] = fused.T if rule.kind == "fused_t" else fused
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+_OUTPUT_KEYS = ("lm_head.weight", "cls.predictions.decoder.weight")
+
+
+def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    """(ModelConfig, tessera state dict, family) of an HF model directory."""
+    path = Path(path)
+    if not is_hf_dir(path):
+        raise HFConversionError(f"'{path}' is not an HF model directory (no config.json with a model_type)")
+    hf_config = json.loads((path / "config.json").read_text())
+    tensors = _read_tensors(path)
+    if hf_config.get("model_type") == "t5":
+        head = tensors.get("lm_head.weight")
+        hf_config["tie_word_embeddings"] = head is None or torch.equal(head, tensors["shared.weight"])
+    cfg, family = config_from_hf(hf_config)
+    spec = FAMILIES[family]
+    if family == "gpt2" and "wte.weight" in tensors:  # original OpenAI-format files lack the prefix
+        tensors = {f"transformer.{k}": v for k, v in tensors.items()}
+    rules = spec.rules(cfg, family)
+    used = {k for r in rules for k in r.theirs}
+    ignored = spec.ignored + (_OUTPUT_KEYS if cfg.tie_embeddings else ())
+    unexpected = [k for k in tensors if k not in used and not any(s in k for s in ignored)]
+    if unexpected:
+        raise HFConversionError(f"the {family} checkpoint has weight '{unexpected[0]}' that tessera has no place for (an unsupported option?)")
+    state = _from_hf_tensors(rules, {k: v.float() for k, v in tensors.items()})
+    return cfg, state, family
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a converted state dict strictly (tied output weights come from the embedding)."""
+    cfg = model.cfg
+    if cfg.tie_embeddings:
+        state = {**state, "output.weight": state["tok_embeddings.weight"]}
+    extra = {k: v for k, v in model.state_dict().items() if k not in state and k.endswith("features.projection")}
+    model.load_state_dict({**state, **extra}, strict=True)
+
+
+def load_hf(path: str | Path) -> nn.Module:
+    """The tessera model of an HF model directory, in eval mode on CPU (fp32)."""
+    from tessera.model import build_model
+
+    cfg, state, _ = read_hf(path)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights() if hasattr(model, "init_weights") else None
+    load_state(model, state)
+    return model.eval()
+
+
+def _canonical(cfg: ModelConfig) -> dict[str, Any]:
+    """The config's fields that decide the numbers, with derived sizes resolved and irrelevant keys dropped."""
+    values = dataclasses.asdict(cfg)
+    values["ffn_hidden"] = ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
+    values["n_kv_heads"] = cfg.n_kv_heads or cfg.n_heads
+    values["head_dim"] = cfg.head_dim or cfg.dim // cfg.n_heads
+    values["n_decoder_layers"] = (cfg.n_decoder_layers or cfg.n_layers) if cfg.arch == "encoder_decoder" else 0
+    values["attention"] = "sdpa" if cfg.attention == "eager" else cfg.attention
+    drop = set(_TRAINING_ONLY) | {"block_size", "random_blocks", "performer_features", "global_tokens"}
+    if cfg.position != "rope":
+        drop |= {"rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_len", "rotary_fraction"}
+    if cfg.position != "t5_bias":
+        drop |= {"rel_buckets", "rel_max_distance"}
+    if not cfg.moe_experts:
+        drop |= {k for k in values if k.startswith("moe_")}
+    if cfg.rope_scaling != "yarn":
+        drop.add("rope_original_max_len")
+    elif not cfg.rope_original_max_len:
+        values["rope_original_max_len"] = int(cfg.max_seq_len / cfg.rope_scaling_factor)
+    return {k: v for k, v in values.items() if k not in drop}
+
+
+def detect_family(cfg: ModelConfig) -> str:
+    """The HF family a tessera config exports to (checked exactly by :func:`export_config`)."""
+    if cfg.arch == "encoder":
+        return "bert"
+    if cfg.arch == "encoder_decoder":
+        return "t5"
+    if cfg.moe_experts:
+        return "mixtral"
+    if cfg.position == "learned":
+        return "gpt2"
+    if cfg.qkv_bias:
+        return "qwen2"
+    return "mistral" if cfg.sliding_window else "llama"
+
+
+def export_config(cfg: ModelConfig, family: str | None = None) -> tuple[dict[str, Any], str]:
+    """The HF config.json dict of ``cfg`` (family auto-detected unless given); refuses inexact exports."""
+    family = family or detect_family(cfg)
+    if family not in FAMILIES:
+        raise HFConversionError(f"unknown HF family {family!r}; supported: {', '.join(FAMILIES)}")
+    spec = FAMILIES[family]
+    hf = {"architectures": [spec.architecture], "model_type": family, "dtype": "float32", **spec.to_hf(cfg)}
+    back, _ = config_from_hf(json.loads(json.dumps(hf)))
+    ours, theirs = _canonical(cfg), _canonical(back)
+    for key, value in ours.items():
+        if theirs.get(key) != value:
+            raise HFConversionError(f"model.{key}={value!r} cannot be expressed in an HF {family} checkpoint (it would be {theirs.get(key)!r})")
+    return hf, family
+
+
+def save_hf(model: nn.Module, path: str | Path, family: str | None = None) -> str:
+    """Write ``model`` as an HF checkpoint (config.json + model.safetensors); returns the family."""
+    cfg: ModelConfig = model.cfg
+    hf_config, family = export_config(cfg, family)
+    state = {k: v.float() for k, v in model.state_dict().items()}
+    tensors = _to_hf_tensors(FAMILIES[family].rules(cfg, family), state)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return family
