@@ -1,0 +1,44 @@
+"""Everything that makes one model many, applied from outside in one fixed order."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.config import JobConfig
+from tessera.parallel.blocks import block_containers
+from tessera.parallel.activation import apply_activation_checkpointing, apply_compile
+from tessera.parallel.dims import ParallelDims
+from tessera.parallel.grads import clip_grad_norm
+from tessera.parallel.fsdp import apply_ddp, apply_fsdp
+from tessera.parallel.tensor import apply_tensor_parallel
+
+__all__ = ["ParallelDims", "clip_grad_norm", "parallelize"]
+
+_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.Module:
+    """Apply TP/SP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to ``model``.
+
+    ``dims.build_mesh`` must have run. Returns the model to train (the same module, or its
+    DDP wrapper).
+    """
+    p = config.parallel
+    tp_mesh = dims.submesh("tp")
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh, p.sequence_parallel)
+    apply_activation_checkpointing(block_containers(model), p.activation_checkpoint, p.ac_every)
+    if p.compile:
+        apply_compile(block_containers(model))
+    if dims.dp_shard * dims.cp > 1:
+        mesh = dims.submesh("hsdp") or dims.submesh("fsdp")
+        apply_fsdp(model, mesh, _PARAM_DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload)
+    elif dims.dp_replicate > 1:
+        model = apply_ddp(model, dims.submesh("dp"))
+    return model
+
+
+def uses_fsdp(dims: ParallelDims) -> bool:
+    """Whether parameters are sharded (FSDP/HSDP), which then also handles mixed precision."""
+    return dims.dp_shard * dims.cp > 1

@@ -128,28 +128,37 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 class Checkpointer:
     """Saves and restores the full training state of a run directory."""
 
-    def __init__(self, run_dir: str | Path, keep_last: int) -> None:
+    def __init__(self, run_dir: str | Path, keep_last: int, is_main: bool = True) -> None:
         self.root = Path(run_dir) / CHECKPOINT_DIR
         self.keep_last = keep_last
+        self.is_main = is_main
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> Path:
-        """Write step ``step`` atomically, then drop all but the newest ``keep_last``."""
+        """Write step ``step`` atomically, then drop all but the newest ``keep_last``.
+
+        Collective under torch.distributed: every rank writes its shards into one ``.tmp``
+        directory; rank 0 then writes ``meta.json`` and renames it.
+        """
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        if self.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         tensors = {"model": model_sd, "optim": optim_sd["state"], "rng": _rng_state()}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)))
-        meta = dict(extra, step=step, optim_param_groups=_to_json(optim_sd["param_groups"]))
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        self._prune()
+        if self.is_main:
+            meta = dict(extra, step=step, optim_param_groups=_to_json(optim_sd["param_groups"]))
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune()
+        _barrier()
         return final
 
     def _prune(self) -> None:
@@ -182,6 +191,11 @@ class Checkpointer:
         if restore_rng:
             _set_rng_state(tensors["rng"])
         return meta
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def get_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

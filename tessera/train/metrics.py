@@ -42,16 +42,19 @@ class MetricsLogger:
     step (logs, CI), "none" prints nothing, "auto" picks "bar" on a terminal else "lines".
     """
 
-    def __init__(self, run_dir: str | Path, total_steps: int, progress: str = "auto", tensorboard: bool = True, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, run_dir: str | Path, total_steps: int, progress: str = "auto", tensorboard: bool = True, stream: TextIO | None = None, enabled: bool = True
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
         if progress == "auto":
             progress = "bar" if self.stream.isatty() else "lines"
-        self.progress = progress
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.enabled = enabled
+        self.progress = progress if enabled else "none"
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a") if enabled else None
         self.tb = None
-        if tensorboard:
+        if tensorboard and enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
@@ -59,7 +62,9 @@ class MetricsLogger:
         self.start_step: int | None = None
 
     def log(self, record: dict[str, Any]) -> None:
-        """Record one step's metrics (``step`` plus any numbers)."""
+        """Record one step's metrics (``step`` plus any numbers); a disabled logger (ranks > 0) drops it."""
+        if self.jsonl is None:
+            return
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
@@ -93,7 +98,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Flush and close the sinks."""
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
 

@@ -1,0 +1,53 @@
+"""Activation checkpointing of transformer blocks: full, every n-th block, or op-level selective."""
+
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Op-level selective checkpointing keeps these outputs and recomputes the cheap rest.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_selective_context():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def apply_activation_checkpointing(stacks: list[nn.ModuleDict], mode: str, every: int = 1) -> None:
+    """Wrap blocks in place: "full" all, "selective" every ``every``-th, "op" all with a save-matmuls policy."""
+    if mode == "none":
+        return
+    for layers in stacks:
+        _checkpoint_stack(layers, mode, every)
+
+
+def _checkpoint_stack(layers: nn.ModuleDict, mode: str, every: int) -> None:
+    for i, (name, block) in enumerate(list(layers.items())):
+        if mode == "selective" and i % every:
+            continue
+        if mode == "op":
+            wrapped = checkpoint_wrapper(block, context_fn=_op_selective_context, preserve_rng_state=True)
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=True)
+        layers[name] = wrapped
+
+
+def apply_compile(stacks: list[nn.ModuleDict]) -> None:
+    """``torch.compile`` each block (regional compilation: one graph reused by every block)."""
+    for layers in stacks:
+        for name, block in list(layers.items()):
+            layers[name] = torch.compile(block, fullgraph=False)

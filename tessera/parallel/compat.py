@@ -1,0 +1,128 @@
+"""The compatibility matrix: which features combine with which parallel layouts.
+
+Declared once here, enforced by config validation (before any process starts) and rendered
+into the README by :func:`render_markdown`. A layout is the set of active parallel dimensions
+of a job; a feature is something a config turns on. Every (feature, dimension) pair the job
+uses must be supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
+
+# feature -> layouts it does NOT support, with the reason shown to the user.
+UNSUPPORTED: dict[str, dict[str, str]] = {
+    "training": {
+        "pp": "pipeline parallelism is not implemented yet",
+        "cp": "context parallelism is not implemented yet",
+        "ep": "expert parallelism is not implemented yet",
+    },
+    "activation checkpointing": {},
+    "torch.compile": {"tp": "compile is not validated with tensor parallelism yet", "sp": "compile is not validated with sequence parallelism yet"},
+    "bf16": {},
+    "fp16": {
+        "fsdp": "fp16 needs a sharded grad scaler; use bf16",
+        "hsdp": "fp16 needs a sharded grad scaler; use bf16",
+        "tp": "fp16 with DTensor gradients is not supported; use bf16",
+        "sp": "fp16 with DTensor gradients is not supported; use bf16",
+    },
+    "cpu offload": {
+        "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
+        "ddp": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
+        "tp": "offload with tensor parallelism is not supported",
+        "sp": "offload with tensor parallelism is not supported",
+    },
+    "meta init": {},
+    "tied embeddings": {"tp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false"},
+    "encoder / encoder-decoder": {"tp": "the tensor-parallel plan covers decoder-only models", "sp": "the tensor-parallel plan covers decoder-only models"},
+    "absolute positions (learned, sinusoidal)": {"sp": "position tables are added before the sequence is sharded; set parallel.sequence_parallel=false"},
+    "score-bias positions (t5_bias, alibi)": {"tp": "the bias tables are not sharded by head yet", "sp": "the bias tables are not sharded by head yet"},
+    "sparse/linear attention kernels": {"tp": "only the sdpa and eager kernels are sharded", "sp": "only the sdpa and eager kernels are sharded"},
+    "mixture of experts": {"tp": "MoE with tensor parallelism is not supported yet", "sp": "MoE with tensor parallelism is not supported yet"},
+}
+
+
+# Pairs of layouts that do not combine, with the reason.
+UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
+    frozenset({"ddp", "tp"}): "DDP does not take DTensor parameters; use FSDP or HSDP (parallel.dp_shard > 1) with tp",
+}
+
+
+def job_layouts(parallel: Any, world_size: int | None = None) -> set[str]:
+    """The layouts a ``[parallel]`` section uses.
+
+    Without a world size, ``dp_shard = -1`` is unknown, so the data-parallel layout (and
+    "single") is left out; it is checked again once the launcher knows the world size.
+    """
+    layouts = set()
+    for dim in ("tp", "pp", "cp", "ep"):
+        if getattr(parallel, dim) > 1:
+            layouts.add(dim)
+    if parallel.tp > 1 and parallel.sequence_parallel:
+        layouts.add("sp")
+    dp_shard = parallel.dp_shard
+    if dp_shard == -1:
+        if world_size is None:
+            return layouts
+        dp_shard = max(1, world_size // (parallel.dp_replicate * parallel.tp * parallel.pp * parallel.cp))
+    if parallel.dp_replicate > 1:
+        layouts.add("hsdp" if dp_shard > 1 else "ddp")
+    elif dp_shard > 1:
+        layouts.add("fsdp")
+    return layouts or {"single"}
+
+
+def job_features(config: Any) -> set[str]:
+    """The features of :data:`UNSUPPORTED` a job turns on."""
+    p, m = config.parallel, config.model
+    features = {"training"}
+    if p.activation_checkpoint != "none":
+        features.add("activation checkpointing")
+    if p.compile:
+        features.add("torch.compile")
+    if config.train.dtype in ("bf16", "fp16"):
+        features.add(config.train.dtype)
+    if p.cpu_offload:
+        features.add("cpu offload")
+    if p.meta_init:
+        features.add("meta init")
+    if m.tie_embeddings:
+        features.add("tied embeddings")
+    if m.arch != "decoder":
+        features.add("encoder / encoder-decoder")
+    if m.position in ("learned", "sinusoidal"):
+        features.add("absolute positions (learned, sinusoidal)")
+    if m.position in ("t5_bias", "alibi"):
+        features.add("score-bias positions (t5_bias, alibi)")
+    if m.attention not in ("sdpa", "eager"):
+        features.add("sparse/linear attention kernels")
+    if m.moe_experts > 1:
+        features.add("mixture of experts")
+    return features
+
+
+def incompatibilities(config: Any, world_size: int | None = None) -> list[str]:
+    """One message per unsupported (feature, layout) pair of a job; empty when all is supported."""
+    layouts = job_layouts(config.parallel, world_size)
+    found = []
+    for feature in sorted(job_features(config)):
+        for layout in sorted(layouts):
+            reason = UNSUPPORTED[feature].get(layout)
+            if reason is not None:
+                found.append(f"{feature} with {layout}: {reason}")
+    for pair, reason in UNSUPPORTED_PAIRS.items():
+        if pair <= layouts:
+            found.append(f"{' with '.join(sorted(pair))}: {reason}")
+    return found
+
+
+def render_markdown() -> str:
+    """The matrix as a Markdown table (the README's copy is checked against this by a test)."""
+    header = "| feature | " + " | ".join(LAYOUTS) + " |"
+    rows = [header, "|---" * (len(LAYOUTS) + 1) + "|"]
+    for feature, unsupported in UNSUPPORTED.items():
+        cells = ["no" if layout in unsupported else "yes" for layout in LAYOUTS]
+        rows.append(f"| {feature} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

@@ -1,0 +1,42 @@
+"""The one place that reads the launcher's environment (torchrun / SLURM-started torchrun)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, as torchrun describes it (defaults: a single process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def dist_env() -> DistEnv:
+    """RANK, WORLD_SIZE and LOCAL_RANK of this process (single-process values when unset)."""
+    return DistEnv(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(device_type: str) -> DistEnv:
+    """Join the process group once (nccl on CUDA, gloo on CPU); a no-op for a single process."""
+    env = dist_env()
+    if env.is_distributed and not dist.is_initialized():
+        if device_type == "cuda":
+            torch.cuda.set_device(env.local_rank)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return env
+
+
+def device_for(env: DistEnv, device_type: str) -> torch.device:
+    """This rank's device: its local GPU on CUDA, else the CPU."""
+    return torch.device("cuda", env.local_rank) if device_type == "cuda" else torch.device("cpu")

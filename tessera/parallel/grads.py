@@ -1,0 +1,39 @@
+"""Global-norm gradient clipping over a mix of DTensor (any mesh) and plain-tensor gradients."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _group_key(p: torch.Tensor) -> tuple:
+    if isinstance(p, DTensor):
+        return ("dtensor", p.device_mesh, p.dtype)
+    return ("tensor", p.device, p.dtype)
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip gradients to a global L2 norm ``max_norm`` and return the norm before clipping.
+
+    torch's ``clip_grad_norm_`` needs all gradients of one kind; tensor parallelism leaves
+    some plain (modules outside the TP plan) and FSDP puts others on different meshes. Each
+    group's norm is computed by torch (a DTensor norm reduces over its mesh), then combined.
+    """
+    groups: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            groups[_group_key(p)].append(p)
+    norms = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+    total = math.sqrt(sum(n * n for n in norms))
+    if math.isfinite(max_norm) and total > max_norm:
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total))
+    return total

@@ -1,0 +1,80 @@
+"""Tensor and sequence parallelism for zoo decoders, through DTensor ``parallelize_module``.
+
+Megatron-style layout: Q/K/V and gate/up projections are column-parallel (heads and hidden
+units split across the tp ranks), the attention output and down projections row-parallel, so
+each block needs one collective after attention and one after the feed-forward. With sequence
+parallelism the residual stream between those regions stays sharded along the sequence: norms
+and dropout run on 1/tp of the tokens, and the all-reduces become reduce-scatter/all-gather
+pairs. The embedding is vocab-parallel and the output head column-parallel with its logits
+left sharded over the vocabulary, so the loss runs under ``loss_parallel`` and the full
+logits never materialize on one rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+class GatherSequence(ParallelStyle):
+    """Before the module runs, turn its first input from sequence-sharded into replicated.
+
+    Only the first positional argument (the hidden states) is touched, so the module's other
+    arguments (rotary tables, caches, position ids) pass through whatever their number.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return (x.redistribute(device_mesh, (Replicate(),)), *args[1:]), kwargs
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module
+
+
+def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
+    out = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "attention.q_proj": ColwiseParallel(),
+        "attention.k_proj": ColwiseParallel(),
+        "attention.v_proj": ColwiseParallel(),
+        "attention.o_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
+        "feed_forward.up_proj": ColwiseParallel(),
+        "feed_forward.down_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
+    }
+    if getattr(block.feed_forward, "gate_proj", None) is not None:
+        plan["feed_forward.gate_proj"] = ColwiseParallel()
+    if sp:
+        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(), "attention": GatherSequence(), "feed_forward": GatherSequence()})
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard a zoo decoder over ``tp_mesh`` in place (see the module docstring for the layout)."""
+    sp = sequence_parallel
+    root_plan: dict[str, ParallelStyle] = {
+        # Under SP the embedding output stays a DTensor so the stack sees the global sequence length.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp),
+        "output": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sp:
+        root_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, root_plan)
+    tp = tp_mesh.size()
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan(block, sp))
+        # Each rank now holds 1/tp of the heads; the attention module reshapes by these counts.
+        block.attention.n_heads //= tp
+        block.attention.n_kv_heads //= tp

@@ -1,0 +1,106 @@
+"""The trainer's view of the parallel job: ranks, mesh, device, reductions for metrics."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from tessera.config import ConfigError, JobConfig
+from tessera.parallel import ParallelDims, parallelize, uses_fsdp
+from tessera.parallel.compat import incompatibilities
+from tessera.parallel.env import DistEnv, device_for, init_distributed
+
+
+@dataclass
+class ParallelContext:
+    """Process-group membership and the mesh of one training process."""
+
+    env: DistEnv
+    dims: ParallelDims
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 logs, writes run files and renames checkpoints."""
+        return self.env.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        mesh = self.dims.submesh("dp")
+        return mesh.get_local_rank() if mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.dims.tp > 1
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """``loss_parallel`` when the head's logits are vocab-sharded (tensor parallelism)."""
+        return loss_parallel() if self.tp_enabled else contextlib.nullcontext()
+
+    def mean_over_dp(self, value: float) -> float:
+        """Average a per-rank number over the data-parallel ranks (for logging)."""
+        mesh = self.dims.submesh("dp")
+        if mesh is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=mesh.get_group())
+        return t.item() / mesh.size()
+
+    def sum_over_dp(self, values: list[float]) -> list[float]:
+        """Sum per-rank numbers over the data-parallel ranks."""
+        mesh = self.dims.submesh("dp")
+        if mesh is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=mesh.get_group())
+        return t.tolist()
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op for one process)."""
+        if self.env.is_distributed:
+            dist.barrier()
+
+    def parallelize(self, model: nn.Module, config: JobConfig) -> nn.Module:
+        """Apply the configured layout (see :func:`tessera.parallel.parallelize`)."""
+        return parallelize(model, self.dims, config)
+
+    @property
+    def fsdp(self) -> bool:
+        return uses_fsdp(self.dims)
+
+
+def setup_parallel(config: JobConfig, device: torch.device) -> ParallelContext:
+    """Join the process group, check the layout against the world size, build the mesh."""
+    env = init_distributed(device.type)
+    dims = ParallelDims.from_config(config.parallel, env.world_size)
+    problems = incompatibilities(config, env.world_size)
+    if problems:
+        raise ConfigError(f"unsupported parallel combination: {problems[0]} (see the compatibility table in README.md)")
+    if config.train.batch_size % dims.dp:
+        raise ConfigError(f"train.batch_size={config.train.batch_size} (global) is not divisible by the data-parallel degree {dims.dp}; make it a multiple")
+    if env.is_distributed:
+        dims.build_mesh(device.type)
+    return ParallelContext(env, dims, device_for(env, device.type) if env.is_distributed else device)
+
+
+def scalar(value: torch.Tensor) -> float:
+    """A Python float from a tensor or DTensor (gathering a sharded one)."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.item()
+
+
+def teardown_parallel() -> None:
+    """Leave the process group (end of a distributed run)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
