@@ -1,13 +1,16 @@
-"""The small Python API: load a trained model (and its tokenizer) from a run or checkpoint."""
+"""The small Python API: load a model (and its tokenizer) from a run, a checkpoint or an HF directory."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from torch import nn
+
 from tessera.config import config_from_dict
 from tessera.data.sources import DataError
 from tessera.data.tokenizer import Tokenizer
-from tessera.model import Decoder, build_model
+from tessera.model import build_model
+from tessera.model.hf import is_hf_dir, load_hf
 from tessera.train.checkpoint import CHECKPOINT_DIR, Checkpointer, CheckpointError, latest_checkpoint, read_meta
 
 
@@ -25,19 +28,30 @@ def find_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def load(path: str | Path) -> Decoder:
-    """The model of a tessera run directory or checkpoint, on CPU, in eval mode."""
-    return load_with_tokenizer(path)[0]
+def load(path: str | Path) -> nn.Module:
+    """The model of a tessera run directory, checkpoint or HF model directory, on CPU, in eval mode.
+
+    Decoders take ``forward(input_ids)``, encoders ``forward(input_ids)`` (masked-LM logits) and
+    encoder-decoders ``forward(input_ids, decoder_input_ids)``; all return logits.
+    """
+    if is_hf_dir(path):
+        return load_hf(path)
+    return _load_checkpoint(find_checkpoint(path))
 
 
-def load_with_tokenizer(path: str | Path) -> tuple[Decoder, Tokenizer]:
-    """Model (eval mode, CPU) and the tokenizer the run trained with."""
-    ckpt = find_checkpoint(path)
+def _load_checkpoint(ckpt: Path) -> nn.Module:
     meta = read_meta(ckpt)
     config = config_from_dict(meta["config"], where=str(ckpt / "meta.json"))
     model = build_model(config.model)
     Checkpointer(ckpt.parent.parent, keep_last=1).load(ckpt, model, restore_rng=False)
+    return model.eval()
+
+
+def load_with_tokenizer(path: str | Path) -> tuple[nn.Module, Tokenizer]:
+    """Model (eval mode, CPU) of a tessera run or checkpoint and the tokenizer the run trained with."""
+    ckpt = find_checkpoint(path)
+    model = _load_checkpoint(ckpt)
     tokenizer_path = ckpt.parent.parent / "tokenizer.model"
     if not tokenizer_path.is_file():
         raise DataError(f"'{tokenizer_path}' is missing; copy the run's tokenizer there")
-    return model.eval(), Tokenizer(tokenizer_path)
+    return model, Tokenizer(tokenizer_path)

@@ -21,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="Pretrain transformer language models, from one CPU to a GPU cluster.", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_convert_parser(sub)
     train = sub.add_parser("train", help="train a model from a TOML recipe", allow_abbrev=False)
     train.add_argument("config", help="TOML recipe, e.g. configs/smoke.toml")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -97,3 +98,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"tessera: error: {err}", file=sys.stderr)
         return 2
+def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
+    conv = sub.add_parser("convert", help="convert between HF transformers checkpoints and tessera", allow_abbrev=False)
+    conv_sub = conv.add_subparsers(dest="convert_command", required=True, metavar="ACTION")
+    imp = conv_sub.add_parser("hf-import", help="HF model directory (config.json + safetensors) -> tessera run directory", allow_abbrev=False)
+    imp.add_argument("hf_dir", help="HF model directory: llama, mistral, qwen2, gpt2, mixtral, bert or t5")
+    imp.add_argument("out_dir", help="tessera run directory to write (one checkpoint, step 0)")
+    exp = conv_sub.add_parser("hf-export", help="tessera run or checkpoint directory -> HF model directory", allow_abbrev=False)
+    exp.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
+    exp.add_argument("out_dir", help="HF model directory to write (config.json + model.safetensors)")
+    exp.add_argument("--family", default=None, help="HF family to write (default: detected from the model config)")
+
+
+def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ConfigError(f"tessera convert takes no config overrides, got {' '.join(overrides)}")
+    from tessera.convert import hf_export, hf_import
+
+    if args.convert_command == "hf-import":
+        print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir)}")
+    else:
+        print(f"exported {args.checkpoint} -> {args.out_dir} ({hf_export(args.checkpoint, args.out_dir, args.family)})")
+    return 0
+
+
+
+
+COMMANDS["convert"] = _cmd_convert

@@ -141,10 +141,7 @@ def load_hf(path: str | Path) -> nn.Module:
     from tessera.model import build_model
 
     cfg, state, _ = read_hf(path)
-    with torch.device("meta"):
-        model = build_model(cfg)
-    model.to_empty(device="cpu")
-    model.init_weights() if hasattr(model, "init_weights") else None
+    model = build_model(cfg)
     load_state(model, state)
     return model.eval()
 

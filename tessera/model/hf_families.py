@@ -11,13 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.config import ModelConfig
+from tessera.config import ConfigError, ModelConfig
 from tessera.model.ffn import ffn_hidden_size
 from tessera.model.moe import is_moe_layer
 
 
-class HFConversionError(ValueError):
-    """An HF checkpoint or tessera config that cannot be converted exactly; names the option."""
+class HFConversionError(ConfigError):
+    """An HF checkpoint or tessera config that cannot be converted exactly; names the option (a user error, exit 2)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""``tessera convert``: HF model directory <-> tessera checkpoint (the model-level mapping is model/hf.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from tessera.config import JobConfig, resolved_objective, span_count, validate
+from tessera.model import build_model
+from tessera.model.hf import load_state, read_hf, save_hf
+from tessera.train.checkpoint import Checkpointer
+
+
+def _job_for(cfg, run_dir: Path) -> JobConfig:
+    """A valid JobConfig around an imported model (train defaults, reserved ids for its objective)."""
+    job = JobConfig(model=cfg)
+    job.train.run_dir = str(run_dir)
+    job.train.seq_len = min(job.train.seq_len, cfg.max_seq_len)
+    objective = resolved_objective(cfg)
+    if objective == "masked_lm":
+        cfg.sentinel_tokens = max(cfg.sentinel_tokens, 1)
+    elif objective == "span_corruption":
+        cfg.sentinel_tokens = max(cfg.sentinel_tokens, span_count(job.train.seq_len + 1, cfg.mask_prob, cfg.mean_span_length))
+    validate(job)
+    return job
+
+
+def hf_import(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """Convert an HF model directory into a tessera run directory with one checkpoint (step 0)."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    cfg, state, family = read_hf(hf_dir)
+    job = _job_for(cfg, out_dir)
+    model = build_model(cfg)
+    load_state(model, state)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.toml").write_text(job.to_toml())
+    if (hf_dir / "tokenizer.model").is_file():
+        shutil.copyfile(hf_dir / "tokenizer.model", out_dir / "tokenizer.model")
+    extra = {"config": job.to_dict(), "model": job.to_dict()["model"], "imported_from": {"path": str(hf_dir), "family": family}}
+    return Checkpointer(out_dir, keep_last=1).save(0, model, torch.optim.AdamW(model.parameters()), extra)
+
+
+def hf_export(checkpoint: str | Path, out_dir: str | Path, family: str | None = None) -> str:
+    """Write the model of a tessera run or checkpoint directory as an HF model directory; returns the family."""
+    from tessera.api import load
+
+    return save_hf(load(checkpoint), out_dir, family)
