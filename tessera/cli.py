@@ -40,6 +40,24 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--greedy", action="store_true", help="same as --temperature 0")
     gen.add_argument("--seed", type=int, default=0)
+
+    prep = sub.add_parser("prepare", help="tokenize a corpus into a megatron-core indexed dataset (PREFIX.bin/.idx)", allow_abbrev=False)
+    prep.add_argument("source", help="'default' (this Python's stdlib), a text/JSON/JSONL/Parquet/Arrow file or folder, or hf:NAME")
+    prep.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
+    prep.add_argument("--tokenizer", default="default", help="SentencePiece .model; 'default' trains one on the source, kept as PREFIX.tokenizer.model")
+    prep.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the trained tokenizer")
+    prep.add_argument("--text-field", default="text", help="field of JSON/Parquet/Arrow rows that holds the text")
+    prep.add_argument("--num-proc", type=int, default=1, help="tokenization worker processes")
+    prep.add_argument("--max-chars", type=int, default=0, help="stop after this many characters (0 = all)")
+    prep.add_argument("--tokenizer-chars", type=int, default=10_000_000, help="characters the default tokenizer trains on")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    data = sub.add_parser("data", help="dataset tools", allow_abbrev=False)
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    inspect = data_sub.add_parser("inspect", help="documents, tokens, length histogram and decoded samples of an indexed dataset", allow_abbrev=False)
+    inspect.add_argument("path", help="dataset prefix (PREFIX.bin/.idx), or either file")
+    inspect.add_argument("--tokenizer", default="", help="SentencePiece .model to decode with (default: PREFIX.tokenizer.model if present)")
+    inspect.add_argument("--samples", type=int, default=3, help="decoded documents to show")
     return parser
 
 
@@ -59,7 +77,7 @@ def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.data.sources import load_corpus
 
     config = load_config(args.config, overrides)
-    docs, corpus_hash = load_corpus(config.data.source, config.data.max_chars)
+    docs, corpus_hash = load_corpus(config.data.source, config.data.max_chars, config.data.text_field)
     tokenizer, cached = build_tokenizer(config, docs, corpus_hash)
     print(f"{'reused cached' if cached else 'trained'} tokenizer: {tokenizer.path} ({tokenizer.vocab_size} tokens)")
     return 0
@@ -86,7 +104,34 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "tokenizer": _cmd_tokenizer, "generate": _cmd_generate}
+def _cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ConfigError(f"tessera prepare takes no config overrides, got {' '.join(overrides)}")
+    for flag, value, low in (("--vocab-size", args.vocab_size, 260), ("--num-proc", args.num_proc, 1), ("--max-chars", args.max_chars, 0), ("--tokenizer-chars", args.tokenizer_chars, 1)):
+        if value < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    from tessera.data.pipeline import cache_dir
+    from tessera.data.prepare import prepare_corpus
+
+    summary, tokenizer = prepare_corpus(
+        args.source, args.output, args.tokenizer, args.vocab_size, args.text_field, args.max_chars, args.tokenizer_chars, args.num_proc, cache_dir(), not args.no_progress
+    )
+    print(f"prepared {summary.line()}; tokenizer {tokenizer.path} ({tokenizer.vocab_size} tokens)")
+    return 0
+
+
+def _cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ConfigError(f"tessera data {args.data_command} takes no config overrides, got {' '.join(overrides)}")
+    if args.samples < 0:
+        raise ConfigError(f"--samples must be >= 0, got {args.samples}")
+    from tessera.data.inspect import inspect_dataset
+
+    print(inspect_dataset(args.path, args.tokenizer, args.samples))
+    return 0
+
+
+COMMANDS = {"train": _cmd_train, "tokenizer": _cmd_tokenizer, "generate": _cmd_generate, "prepare": _cmd_prepare, "data": _cmd_data}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

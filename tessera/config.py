@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import tomllib
 import types
 import typing
@@ -138,12 +139,19 @@ class TrainConfig:
 class DataConfig:
     """Where the tokens come from and how the tokenizer is made."""
 
-    source: str = "default"  # "default" (this Python's standard library) or a text file/folder
+    source: str = "default"  # "default" (this Python's stdlib), a text/JSON(L)/Parquet/Arrow file or folder, or hf:NAME
     tokenizer: str = "default"  # "default" trains SentencePiece on the source; or a .model path
     max_chars: int = 0  # cap on corpus characters read (0 = all)
     tokenizer_chars: int = 10_000_000  # characters of the corpus the default tokenizer trains on
-    val_fraction: float = 0.05
+    val_fraction: float = 0.05  # held-out share of documents when data.split is empty
     cache_dir: str = ""  # "" = $TESSERA_CACHE or ~/.cache/tessera
+    blend: str = ""  # prepared datasets instead of source: "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (Megatron --data-path)
+    split: str = ""  # "train,valid,test" document weights, e.g. "98,1,1"; "" = from val_fraction
+    text_field: str = "text"  # the field holding the text in JSON/Parquet/Arrow rows
+    num_proc: int = 1  # tokenization worker processes when preparing data.source
+    document_mask: bool = False  # positions restart and attention stops at document boundaries
+    mask_eod_loss: bool = False  # no loss where the input token is EOD (the cross-document prediction)
+    prefetch: int = 2  # batches prepared ahead by a background thread (0 = none)
 
 
 @dataclass
@@ -439,6 +447,12 @@ def validate(config: JobConfig) -> None:
     _require(0.0 <= d.val_fraction < 0.5, f"data.val_fraction must be in [0, 0.5), got {d.val_fraction}")
     _require(d.max_chars >= 0, f"data.max_chars must be >= 0 (0 = all), got {d.max_chars}")
     _require(d.tokenizer_chars > 0, f"data.tokenizer_chars must be positive, got {d.tokenizer_chars}")
+    _require(d.num_proc >= 1, f"data.num_proc must be >= 1, got {d.num_proc}")
+    _require(d.prefetch >= 0, f"data.prefetch must be >= 0 (0 = no background thread), got {d.prefetch}")
+    _require(bool(d.text_field), "data.text_field must name the field that holds the text, e.g. 'text'")
+    _require(not d.split or re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?){0,2}", d.split.replace(" ", "")) is not None, f"data.split={d.split!r} must be up to three comma-separated numbers train,valid,test, e.g. '98,1,1'")
+    _require(not (d.blend and d.source != "default"), "data.blend and data.source are both set; use data.source for raw text or data.blend for prepared datasets, not both")
+    _require(not d.blend or d.tokenizer != "default", "data.blend needs data.tokenizer = the SentencePiece .model the datasets were prepared with")
     _require(c.every > 0, f"checkpoint.every must be positive, got {c.every}")
     _require(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
     _require(config.log.every > 0, f"log.every must be positive, got {config.log.every}")

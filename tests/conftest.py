@@ -52,6 +52,16 @@ def cache_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def small_tokenizer(cache_dir) -> Path:
+    """A 300-token SentencePiece model, trained once per session on small synthetic Python snippets."""
+    from tessera.data.sources import Document
+    from tessera.data.tokenizer import train_tokenizer
+
+    docs = [Document(f"d{i}", f"def f{i}(x):\n    return x * {i} + 'text'\n\n") for i in range(200)]
+    return train_tokenizer(docs, "small-tokenizer", 300, cache_dir)[0]
+
+
 @pytest.fixture
 def tiny_config(tmp_path, cache_dir):
     """A factory of validated tiny JobConfigs writing into a fresh run directory."""

@@ -1,15 +1,24 @@
-"""Text corpora: the built-in default corpus and local text files or folders.
+"""Text corpora: the built-in default corpus, local files and folders, Hugging Face hub datasets.
 
 The default corpus is the Python standard library of the running interpreter (found through
 ``sysconfig``): it is on every machine tessera runs on, needs no download, and is read in a
 fixed order so every run sees the same text.
+
+Local sources are a file or a folder (read recursively, in sorted order). Files ending in
+``.json``/``.jsonl``, ``.parquet`` or ``.arrow`` are read with HF ``datasets`` in streaming mode
+(one row at a time, so inputs larger than memory work) and each row's ``text_field`` is a
+document; every other file is one plain-text document. ``hf:NAME`` (or ``owner/name`` when no
+such local path exists) names a dataset on the Hugging Face hub.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import socket
 import sysconfig
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +34,13 @@ class Document:
 
     name: str
     text: str
+
+
+# File suffix -> the HF datasets builder that reads it (rows with a text field).
+STRUCTURED = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+HUB_PREFIX = "hf:"
+_HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
+HUB_HOST = ("huggingface.co", 443)
 
 
 def default_corpus_root() -> Path:
@@ -46,19 +62,99 @@ def _default_files() -> list[tuple[str, Path]]:
 
 def _local_files(path: Path) -> list[tuple[str, Path]]:
     if not path.exists():
-        raise DataError(f"data.source '{path}' does not exist; give a text file, a folder of text files, or 'default'")
+        raise DataError(f"data source '{path}' does not exist; give a text/JSON/JSONL/Parquet/Arrow file, a folder of them, 'hf:NAME' or 'default'")
     if path.is_file():
         return [(path.name, path)]
-    files = sorted(f for f in path.rglob("*") if f.is_file() and not f.name.startswith("."))
+    files = sorted(f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts))
     return [(f.relative_to(path).as_posix(), f) for f in files]
 
 
-def iter_documents(source: str, max_chars: int = 0) -> Iterator[Document]:
-    """Documents of ``source`` ("default" or a path) in a fixed order, up to ``max_chars`` characters."""
-    files = _default_files() if source == "default" else _local_files(Path(source))
+def is_hub_name(source: str) -> bool:
+    """Whether ``source`` names a Hugging Face hub dataset rather than a local path."""
+    return source.startswith(HUB_PREFIX) or (_HUB_NAME.match(source) is not None and not Path(source).exists())
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers within ``timeout`` seconds (DNS included); False offline."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("", "0"):
+        return False
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection(HUB_HOST, timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
+
+
+def _rows_text(rows, text_field: str, where: str) -> Iterator[str]:
+    for i, row in enumerate(rows):
+        if text_field not in row:
+            raise DataError(f"'{where}' row {i} has no field '{text_field}' (fields: {', '.join(sorted(row))}); set data.text_field / --text-field")
+        value = row[text_field]
+        if not isinstance(value, str):
+            raise DataError(f"'{where}' row {i}: field '{text_field}' is {type(value).__name__}, not text; set data.text_field / --text-field")
+        yield value
+
+
+def _structured_texts(path: Path, text_field: str) -> Iterator[str]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        rows = datasets.load_dataset(STRUCTURED[path.suffix], data_files=[str(path)], split="train", streaming=True)
+        yield from _rows_text(rows, text_field, str(path))
+    except DataError:
+        raise
+    except Exception as err:  # pyarrow/json decoders raise many types; each means an unreadable file
+        raise DataError(f"'{path}' could not be read as {STRUCTURED[path.suffix]} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+
+
+def _hub_texts(source: str, text_field: str) -> Iterator[str]:
+    name = source.removeprefix(HUB_PREFIX)
+    if not hub_reachable():
+        raise DataError(
+            f"data source '{source}' is a Hugging Face hub dataset but this machine is offline (huggingface.co unreachable); "
+            "download it where there is a network (e.g. to Parquet) and give the local path instead"
+        )
+    import datasets
+
+    repo, _, subset = name.partition(":")
+    try:
+        rows = datasets.load_dataset(repo, subset or None, split="train", streaming=True)
+    except Exception as err:  # hub errors come in many types; each means the name cannot be loaded
+        raise DataError(f"hub dataset '{repo}' could not be loaded ({type(err).__name__}: {err}); check the name") from None
+    yield from _rows_text(rows, text_field, source)
+
+
+def iter_texts(source: str, text_field: str = "text") -> Iterator[tuple[str, str]]:
+    """``(name, text)`` of every document of ``source`` in a fixed order (empty texts included)."""
+    if source == "default":
+        for name, path in _default_files():
+            yield name, path.read_bytes().decode("utf-8", errors="replace")
+        return
+    if is_hub_name(source):
+        for i, text in enumerate(_hub_texts(source, text_field)):
+            yield f"{source}#{i}", text
+        return
+    for name, path in _local_files(Path(source)):
+        if path.suffix in STRUCTURED:
+            for i, text in enumerate(_structured_texts(path, text_field)):
+                yield f"{name}#{i}", text
+        else:
+            yield name, path.read_bytes().decode("utf-8", errors="replace")
+
+
+def iter_documents(source: str, max_chars: int = 0, text_field: str = "text") -> Iterator[Document]:
+    """Non-empty documents of ``source`` in a fixed order, up to ``max_chars`` characters (0 = all)."""
     total = 0
-    for name, path in files:
-        text = path.read_bytes().decode("utf-8", errors="replace")
+    for name, text in iter_texts(source, text_field):
         if not text.strip():
             continue
         if max_chars and total + len(text) > max_chars:
@@ -69,15 +165,20 @@ def iter_documents(source: str, max_chars: int = 0) -> Iterator[Document]:
             return
 
 
-def load_corpus(source: str, max_chars: int = 0) -> tuple[list[Document], str]:
-    """All documents of ``source`` and a content hash of them (the cache key of derived files)."""
-    docs = list(iter_documents(source, max_chars))
-    if not docs:
-        raise DataError(f"data.source '{source}' has no non-empty text documents; point it at text files")
+def corpus_hash(docs: list[Document]) -> str:
+    """A content hash of documents (the cache key of derived files)."""
     digest = hashlib.sha256()
     for doc in docs:
         digest.update(doc.name.encode())
         digest.update(b"\0")
         digest.update(doc.text.encode())
         digest.update(b"\0")
-    return docs, digest.hexdigest()
+    return digest.hexdigest()
+
+
+def load_corpus(source: str, max_chars: int = 0, text_field: str = "text") -> tuple[list[Document], str]:
+    """All documents of ``source`` and a content hash of them; an empty corpus is a DataError."""
+    docs = list(iter_documents(source, max_chars, text_field))
+    if not docs:
+        raise DataError(f"data source '{source}' has no non-empty text documents; point it at text or at rows with a '{text_field}' field")
+    return docs, corpus_hash(docs)

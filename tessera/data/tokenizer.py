@@ -56,9 +56,9 @@ class Tokenizer:
         """Token ids of ``text`` (no BOS/EOS added)."""
         return self.sp.encode(text.replace("\n", NEWLINE))
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of many texts at once (SentencePiece's threads do the work)."""
-        return self.sp.encode([t.replace("\n", NEWLINE) for t in texts], num_threads=os.cpu_count() or 1)
+    def encode_batch(self, texts: Sequence[str], threads: int = 0) -> list[list[int]]:
+        """Token ids of many texts at once on ``threads`` SentencePiece threads (0 = all cores)."""
+        return self.sp.encode([t.replace("\n", NEWLINE) for t in texts], num_threads=threads or os.cpu_count() or 1)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; special tokens are dropped."""
@@ -113,3 +113,24 @@ def train_tokenizer(docs: Sequence[Document], corpus_hash: str, vocab_size: int,
         f.write(model.getvalue())
     os.replace(tmp, out)
     return out, False
+
+
+def _tokenizer_sample(docs: Sequence[Document], max_chars: int) -> list[Document]:
+    sample, total = [], 0
+    for doc in docs:
+        if total >= max_chars:
+            break
+        sample.append(Document(doc.name, doc.text[: max_chars - total]))
+        total += len(sample[-1].text)
+    return sample
+
+
+def train_or_load_tokenizer(spec: str, vocab_size: int, docs: Sequence[Document], corpus_hash: str, tokenizer_chars: int, cache_dir: str | Path) -> tuple[Tokenizer, bool]:
+    """``spec`` "default" trains SentencePiece on the first ``tokenizer_chars`` of ``docs`` (cached); else it is a .model path.
+
+    Returns the tokenizer and whether it came from the cache (a given path counts as cached).
+    """
+    if spec == "default":
+        path, cached = train_tokenizer(_tokenizer_sample(docs, tokenizer_chars), f"{corpus_hash}:{tokenizer_chars}", vocab_size, cache_dir)
+        return Tokenizer(path), cached
+    return Tokenizer(spec), True

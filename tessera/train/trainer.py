@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from tessera.config import ConfigError, JobConfig
-from tessera.data.dataset import PackedSequences
 from tessera.data.objectives import causal_lm
-from tessera.data.pipeline import DataBundle, build_data
+from tessera.data.pipeline import DataBundle, Split, build_data
 from tessera.model import Decoder, build_model, count_parameters, generate
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
@@ -36,9 +35,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing)
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy in float32, over the positions where ``loss_mask`` (B, T) is true."""
+    if loss_mask is None:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing)
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing, reduction="none")
+    mask = loss_mask.flatten().float()
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def resolve_resume(config: JobConfig) -> Path | None:
@@ -124,10 +127,11 @@ class Trainer:
         cfg = self.config
         total_loss = 0.0
         for _ in range(cfg.train.grad_accum):
-            inputs, labels = causal_lm(self.data.train.next_batch().to(self.device))
+            batch = self.data.train.next_batch().to(self.device)
+            inputs, labels = causal_lm(batch.tokens)
             with self._autocast():
-                logits = self.model(inputs)
-            loss = lm_loss(logits, labels, cfg.train.label_smoothing) / cfg.train.grad_accum
+                logits = self.model(inputs, **batch.model_kwargs())
+            loss = lm_loss(logits, labels, cfg.train.label_smoothing, batch.loss_mask) / cfg.train.grad_accum
             self.scaler.scale(loss).backward()
             total_loss += loss.item()
         self.scaler.unscale_(self.optimizer)
@@ -141,7 +145,7 @@ class Trainer:
         return {"loss": total_loss, "lr": lr, "grad_norm": grad_norm.item()}
 
     @torch.no_grad()
-    def evaluate(self, dataset: PackedSequences | None = None) -> float:
+    def evaluate(self, dataset: Split | None = None) -> float:
         """Mean validation loss over the first ``train.eval_batches`` batches (fixed order)."""
         dataset = dataset if dataset is not None else self.data.val
         bs = self.config.train.batch_size
@@ -149,12 +153,13 @@ class Trainer:
         self.model.eval()
         total, count = 0.0, 0
         for start in range(0, n, bs):
-            batch = torch.stack([torch.from_numpy(dataset[i]) for i in range(start, min(n, start + bs))]).to(self.device)
-            inputs, labels = causal_lm(batch)
+            batch = self.data.collate([dataset[i] for i in range(start, min(n, start + bs))]).to(self.device)
+            inputs, labels = causal_lm(batch.tokens)
             with self._autocast():
-                logits = self.model(inputs)
-            total += lm_loss(logits, labels).item() * labels.numel()
-            count += labels.numel()
+                logits = self.model(inputs, **batch.model_kwargs())
+            weight = labels.numel() if batch.loss_mask is None else int(batch.loss_mask.sum())
+            total += lm_loss(logits, labels, loss_mask=batch.loss_mask).item() * weight
+            count += weight
         self.model.train()
         return total / count
 
@@ -221,7 +226,7 @@ class Trainer:
         where = f"resuming from {self.resume_from}" if self.resume_from else "starting fresh"
         return (
             f"tessera: {n / 1e6:.2f}M parameters, {self.data.tokenizer.vocab_size} tokens in vocab, "
-            f"{len(self.data.train.dataset)} train / {len(self.data.val)} val sequences of {self.config.train.seq_len}, "
+            f"{len(self.data.train.dataset)} train / {len(self.data.val) if self.data.val is not None else 0} val sequences of {self.config.train.seq_len}, "
             f"{self.device.type} {self.config.train.dtype}, {where}; run dir {self.run_dir}"
         )
 

@@ -1,0 +1,144 @@
+"""Blends of several prepared datasets by weight, and their train/valid/test splits.
+
+A blend is written like Megatron's ``--data-path``: ``"PREFIX"`` or ``"W1 PREFIX1 W2 PREFIX2 ..."``.
+The split is Megatron's ``"train,valid,test"`` weights over each dataset's documents (contiguous
+ranges). Each component split is a megatron-core ``GPTDataset``; the blend interleaves them with
+megatron-core's C++ ``build_blending_indices`` (greedy: after every prefix of the blend the
+realized share of each dataset is as close to its weight as integers allow) and caches the
+index on disk. megatron's own ``BlendedDataset`` is not used because its cache path requires an
+initialized process group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from tessera.data.dataset import PackedSplit, gpt_config, index_cache_dir, open_indexed
+from tessera.data.sources import DataError
+
+SPLITS = ("train", "valid", "test")
+
+
+def parse_blend(text: str) -> tuple[list[str], list[float] | None]:
+    """``"a"`` -> (["a"], None); ``"0.7 a 0.3 b"`` -> (["a", "b"], [0.7, 0.3]) normalized; errors name data.blend."""
+    parts = text.split()
+    if not parts:
+        raise DataError("data.blend is empty; write 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...'")
+    if len(parts) == 1:
+        return parts, None
+    if len(parts) % 2:
+        raise DataError(f"data.blend '{text}' has {len(parts)} items; write weight/prefix pairs like '0.7 data/web 0.3 data/code'")
+    prefixes, weights = parts[1::2], []
+    for raw, prefix in zip(parts[::2], prefixes):
+        try:
+            weight = float(raw)
+        except ValueError:
+            raise DataError(f"data.blend: weight '{raw}' for '{prefix}' is not a number; write weight/prefix pairs like '0.7 data/web 0.3 data/code'") from None
+        if not math.isfinite(weight) or weight <= 0:
+            raise DataError(f"data.blend: weight {raw} for '{prefix}' must be a positive number")
+        weights.append(weight)
+    total = sum(weights)
+    return prefixes, [w / total for w in weights]
+
+
+def parse_split(text: str) -> list[float]:
+    """``"98,1,1"`` -> [0.98, 0.01, 0.01] (missing parts are 0); the train part must be positive."""
+    try:
+        parts = [float(x) for x in text.replace("/", ",").split(",")]
+    except ValueError:
+        raise DataError(f"data.split '{text}' must be up to three comma-separated numbers (train,valid,test), e.g. '98,1,1'") from None
+    if not 1 <= len(parts) <= 3 or any(not math.isfinite(p) or p < 0 for p in parts) or parts[0] <= 0:
+        raise DataError(f"data.split '{text}' must be up to three non-negative numbers (train,valid,test) with a positive train part, e.g. '98,1,1'")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
+
+
+def split_ranges(n_docs: int, fractions: Sequence[float]) -> list[tuple[int, int] | None]:
+    """Contiguous document ranges per split (Megatron's rounding); None where the weight is 0."""
+    bounds = np.concatenate([[0.0], np.cumsum(fractions)])
+    out: list[tuple[int, int] | None] = []
+    for i, frac in enumerate(fractions):
+        out.append((int(round(bounds[i] * n_docs)), int(round(bounds[i + 1] * n_docs))) if frac > 0 else None)
+    return out
+
+
+def _save_atomic(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+class BlendedSamples:
+    """Samples drawn from several datasets by weight; the interleaving is cached under ``cache``."""
+
+    def __init__(self, datasets: Sequence[PackedSplit], weights: Sequence[float], size: int, cache: Path) -> None:
+        self.datasets, self.weights, self.seq_len = list(datasets), list(weights), datasets[0].seq_len
+        description = json.dumps({"datasets": [d.unique_description for d in datasets], "weights": self.weights, "size": size})
+        key = hashlib.sha256(description.encode()).hexdigest()[:16]
+        which_path, sample_path = cache / f"blend-{key}-dataset_index.npy", cache / f"blend-{key}-sample_index.npy"
+        if which_path.is_file() and sample_path.is_file():
+            self.dataset_index = np.load(which_path, mmap_mode="r")
+            self.sample_index = np.load(sample_path, mmap_mode="r")
+            return
+        from megatron.core.datasets import helpers
+
+        self.dataset_index = np.zeros(size, dtype=np.int16)
+        self.sample_index = np.zeros(size, dtype=np.int64)
+        helpers.build_blending_indices(self.dataset_index, self.sample_index, np.asarray(self.weights, dtype=np.float64), len(datasets), size, False)
+        cache.mkdir(parents=True, exist_ok=True)
+        _save_atomic(sample_path, self.sample_index)
+        _save_atomic(which_path, self.dataset_index)
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def source_of(self, i: int) -> int:
+        """Which component dataset sample ``i`` comes from."""
+        return int(self.dataset_index[i])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
+
+
+def _natural_samples(indexed, doc_range: tuple[int, int], seq_len: int) -> int:
+    tokens = int(indexed.sequence_lengths[doc_range[0] : doc_range[1]].astype(np.int64).sum())
+    return max(0, (tokens - 1) // seq_len)
+
+
+def build_splits(
+    blend: str, split: str, seq_len: int, seed: int, eod: int, vocab_size: int, cache_dir: Path
+) -> dict[str, PackedSplit | BlendedSamples | None]:
+    """The train/valid/test datasets of ``blend`` (see the module doc); None for an empty split.
+
+    One dataset is one epoch of its split. A blend has, per split, as many samples as its
+    components have together, drawn by weight (components above their natural share repeat,
+    reshuffled by megatron).
+    """
+    prefixes, weights = parse_blend(blend)
+    fractions = parse_split(split)
+    split_string = ",".join(f"{f:.6g}" for f in fractions)
+    indexed = [open_indexed(p, vocab_size) for p in prefixes]
+    out: dict[str, PackedSplit | BlendedSamples | None] = {}
+    for s, name in enumerate(SPLITS):
+        ranges = [split_ranges(len(ix), fractions)[s] for ix in indexed]
+        if ranges[0] is None:
+            out[name] = None
+            continue
+        configs = [gpt_config(seq_len, seed, split_string, eod, vocab_size, index_cache_dir(cache_dir, p)) for p in prefixes]
+        if weights is None:
+            out[name] = PackedSplit(prefixes[0], indexed[0], ranges[0], None, name, configs[0])
+            continue
+        size = sum(_natural_samples(ix, r, seq_len) for ix, r in zip(indexed, ranges))
+        parts = [PackedSplit(p, ix, r, math.ceil(w * size) + 1, name, c) for p, ix, r, w, c in zip(prefixes, indexed, ranges, weights, configs)]
+        out[name] = BlendedSamples(parts, weights, size, cache_dir / "indices")
+    return out
