@@ -126,8 +126,8 @@ def moe_metrics(model: nn.Module) -> dict[str, float]:
         return {}
     n = len(layers)
     return {
-        "moe_aux_loss": sum(float(m.aux_loss) for m in layers) / n,
-        "moe_z_loss": sum(float(m.z_loss) for m in layers) / n,
+        "moe_aux_loss": sum(float(m.aux_loss.detach()) for m in layers) / n,
+        "moe_z_loss": sum(float(m.z_loss.detach()) for m in layers) / n,
         "moe_dropped": sum(m.dropped for m in layers) / n,
         "moe_load_max": sum(float(m.load.max() * m.n_experts) for m in layers) / n,
     }

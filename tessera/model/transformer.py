@@ -112,6 +112,8 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
                 nn.init.normal_(p, mean=0.0, std=out_std if pname == "down_proj" else std)
         elif isinstance(module, AbsolutePositions):
             module.reset_parameters(std)
+        elif isinstance(module, Stack) and module.cfg.position == "alibi":
+            module.alibi_slopes.copy_(alibi_slopes(cfg.n_heads))
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()
 
@@ -176,7 +178,11 @@ class Encoder(Stack):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=True)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        init_weights(self, cfg)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """See :func:`init_weights`."""
+        init_weights(self, self.cfg)
 
     def encode(self, tokens: torch.Tensor, token_type_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states (B, T, dim)."""
@@ -203,7 +209,11 @@ class EncoderDecoder(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        init_weights(self, cfg)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """See :func:`init_weights`."""
+        init_weights(self, self.cfg)
 
     def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Encoder output (B, S, dim), the decoder's cross-attention memory."""
