@@ -1,0 +1,78 @@
+"""Objectives as collators: causal LM, masked LM (80/10/10) and T5 span corruption."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tessera.config import ModelConfig, span_count
+from tessera.data.objectives import IGNORE, Objective, causal_lm, masked_lm, span_corruption
+
+
+@dataclass
+class _Batch:
+    tokens: torch.Tensor
+    loss_mask: torch.Tensor | None = None
+
+    def model_kwargs(self) -> dict:
+        return {}
+
+
+def test_causal_lm_shifts():
+    x = torch.arange(10).view(2, 5)
+    inputs, labels = causal_lm(x)
+    assert torch.equal(inputs, x[:, :-1]) and torch.equal(labels, x[:, 1:])
+
+
+def test_masked_lm_80_10_10():
+    tokens = torch.randint(0, 500, (64, 256), generator=torch.Generator().manual_seed(0))
+    inputs, labels = masked_lm(tokens, mask_id=511, n_real=500, prob=0.15, generator=torch.Generator().manual_seed(1))
+    chosen = labels != IGNORE
+    assert chosen.float().mean().item() == pytest.approx(0.15, abs=0.01)
+    assert torch.equal(labels[chosen], tokens[chosen])
+    assert torch.equal(inputs[~chosen], tokens[~chosen])
+    masked = (inputs == 511) & chosen
+    kept = (inputs == tokens) & chosen
+    n = chosen.sum().item()
+    assert masked.sum().item() / n == pytest.approx(0.8, abs=0.03)
+    assert kept.sum().item() / n == pytest.approx(0.1 + 0.1 / 500, abs=0.03)  # kept, or replaced by itself
+    assert int(inputs.max()) <= 511 and int(inputs[~masked].max()) < 500
+
+
+def test_span_corruption_round_trips():
+    tokens = torch.randint(0, 400, (4, 65), generator=torch.Generator().manual_seed(0))
+    enc, dec, labels = span_corruption(tokens, vocab_size=520, density=0.15, mean_span=3.0, generator=torch.Generator().manual_seed(1))
+    spans = span_count(65, 0.15, 3.0)
+    noise = round(65 * 0.15)
+    assert enc.shape == (4, 65 - noise + spans) and labels.shape == (4, noise + spans)
+    assert torch.equal(dec[:, 1:], labels[:, :-1]) and bool((dec[:, 0] == 0).all())
+    for row in range(4):
+        sentinels = [t for t in enc[row].tolist() if t >= 520 - spans]
+        assert sentinels == [519 - k for k in range(spans)]
+        # Put the spans back where their sentinels are: the original row comes out.
+        target, pieces, current = labels[row].tolist(), {}, None
+        for t in target:
+            if t >= 520 - spans:
+                current = t
+                pieces[current] = []
+            else:
+                pieces[current].append(t)
+        rebuilt = [t for s in enc[row].tolist() for t in (pieces[s] if s in pieces else [s])]
+        assert rebuilt == tokens[row].tolist()
+
+
+def test_objective_collator_is_deterministic_and_follows_arch():
+    tokens = torch.randint(0, 500, (2, 33))
+    mlm = Objective(ModelConfig(arch="encoder", vocab_size=520, sentinel_tokens=8), seed=3)
+    (a,), _, la, mask = mlm(_Batch(tokens))
+    (b,), _, lb, _ = mlm(_Batch(tokens))
+    assert torch.equal(a, b) and torch.equal(la, lb) and a.shape == (2, 32)
+    assert torch.equal(mask, la != IGNORE)
+    t5 = Objective(ModelConfig(arch="encoder_decoder", vocab_size=520, sentinel_tokens=8), seed=3)
+    args, kwargs, labels, mask = t5(_Batch(tokens))
+    assert len(args) == 2 and kwargs == {} and mask is None
+    clm = Objective(ModelConfig(), seed=3)
+    (inputs,), _, labels, _ = clm(_Batch(tokens))
+    assert torch.equal(labels, tokens[:, 1:])
