@@ -12,9 +12,10 @@ from tessera.config import ConfigError, load_config
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from tessera.data.sources import DataError
+    from tessera.launcher.common import LaunchError
     from tessera.train.checkpoint import CheckpointError
 
-    return (ConfigError, DataError, CheckpointError)
+    return (ConfigError, DataError, CheckpointError, LaunchError)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +42,39 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--greedy", action="store_true", help="same as --temperature 0")
     gen.add_argument("--seed", type=int, default=0)
 
+    launch = sub.add_parser("launch", help="train on several processes/nodes with torchrun (or accelerate launch)", allow_abbrev=False)
+    launch.add_argument("config", help="TOML recipe; overrides follow as for train")
+    launch.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    launch.add_argument("--nproc-per-node", type=int, default=0, help="processes per node (default: the GPU count, or up to 4 on CPU)")
+    launch.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the first node; needed with --nnodes > 1")
+    launch.add_argument("--rdzv-backend", default="c10d", help="c10d (elastic, default) or static (fixed node ranks)")
+    launch.add_argument("--rdzv-id", default="", help="job id shared by all nodes (default: from train.run_dir)")
+    launch.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous only)")
+    launch.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group after a failure")
+    launch.add_argument("--via", choices=("torchrun", "accelerate"), default="torchrun", help="launcher (accelerate: also writes RUN_DIR/accelerate.yaml)")
+    launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+
+    sl = sub.add_parser("slurm", help="write (and submit) a SLURM sbatch script that trains on N nodes", allow_abbrev=False)
+    sl.add_argument("config", help="TOML recipe; overrides follow as for train")
+    sl.add_argument("--nodes", type=int, default=1, help="number of nodes")
+    sl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (processes) per node; on a CPU job, processes per node")
+    sl.add_argument("--device", default="auto", help="gpu, cpu, or auto (train.device, else whether this machine sees a GPU)")
+    sl.add_argument("--partition", default="")
+    sl.add_argument("--time", default="", help="time limit, e.g. 04:00:00 or 2-00:00:00")
+    sl.add_argument("--account", default="")
+    sl.add_argument("--qos", default="")
+    sl.add_argument("--exclusive", action="store_true", help="whole nodes only")
+    sl.add_argument("--job-name", default="", help="default: the run directory's name")
+    sl.add_argument("--cpus-per-task", type=int, default=0, help="cores per node task (default: SLURM's on GPU jobs, one per process on CPU)")
+    sl.add_argument("--mem", default="", help="memory per node, e.g. 0 (all) or 480G")
+    sl.add_argument("--signal-seconds", type=int, default=300, help="send SIGUSR1 this long before the time limit: checkpoint and requeue")
+    sl.add_argument("--rdzv-port", type=int, default=0, help="rendezvous port on the first node (default 29500 + job id % 1000)")
+    sl.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of a failed worker group")
+    sl.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="extra sbatch option, e.g. --sbatch=--constraint=h100 (repeatable)")
+    sl.add_argument("--setup", action="append", default=[], metavar="LINE", help="shell line run before srun, e.g. 'source .venv/bin/activate' (repeatable)")
+    sl.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
+    sl.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+
     prep = sub.add_parser("prepare", help="tokenize a corpus into a megatron-core indexed dataset (PREFIX.bin/.idx)", allow_abbrev=False)
     prep.add_argument("source", help="'default' (this Python's stdlib), a text/JSON/JSONL/Parquet/Arrow file or folder, or hf:NAME")
     prep.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
@@ -66,10 +100,10 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.print_config:
         print(config.to_toml())
         return 0
+    from tessera.train.preemption import PREEMPTED_EXIT_CODE
     from tessera.train.trainer import train
 
-    train(config)
-    return 0
+    return PREEMPTED_EXIT_CODE if train(config).preempted else 0
 
 
 def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -131,13 +165,34 @@ def _cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "tokenizer": _cmd_tokenizer, "generate": _cmd_generate, "prepare": _cmd_prepare, "data": _cmd_data}
+def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.launcher.common import default_nproc_per_node
+    from tessera.launcher.torchrun import launch, make_spec
+
+    nproc = args.nproc_per_node or default_nproc_per_node()
+    run_dir = load_config(args.config, overrides).train.run_dir
+    spec = make_spec(args.nnodes, nproc, args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id, args.node_rank, args.max_restarts, run_dir)
+    return launch(args.config, overrides, spec, args.via, args.dry_run)
+
+
+def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.launcher.slurm import SlurmSpec, slurm
+
+    spec = SlurmSpec(
+        args.nodes, args.gpus_per_node, args.device, args.partition, args.time, args.account, args.qos, args.exclusive, args.job_name,
+        args.cpus_per_task, args.mem, args.signal_seconds, args.rdzv_port, args.max_restarts, args.sbatch, args.setup,
+    )
+    return slurm(args.config, overrides, spec, args.argv, args.submit, args.dry_run)
+
+
+COMMANDS = {"launch": _cmd_launch, "slurm": _cmd_slurm, "train": _cmd_train, "tokenizer": _cmd_tokenizer, "generate": _cmd_generate, "prepare": _cmd_prepare, "data": _cmd_data}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit code (2 for user errors)."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return COMMANDS[args.command](args, extra)
     except _user_errors() as err:

@@ -22,6 +22,7 @@ from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_check
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.train.metrics import MetricsLogger, plot_loss_curve
 from tessera.train.optim import build_optimizer, build_scheduler
+from tessera.train.preemption import PreemptionGuard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,6 +67,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
     sample: str = ""
+    preempted: str = ""  # the signal that stopped the run early (after a checkpoint), else ""
 
 
 class Trainer:
@@ -190,6 +192,7 @@ class Trainer:
         result = TrainResult(self.run_dir, cfg.train.steps)
         logger.print(self._banner())
         started = time.perf_counter()
+        preemption = PreemptionGuard(self.run_dir).install()
         try:
             if self.step == 0 and self.data.val is not None and len(self.data.val) > 0:
                 result.val_losses[0] = self._log_eval(logger, {"step": 0})
@@ -208,11 +211,20 @@ class Trainer:
                     result.val_losses[self.step] = self._log_eval(logger, record)
                 elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
                     logger.log(record)
-                if self._should_save():
+                saved = self._should_save()
+                if saved:
                     self.save()
+                if self.step < cfg.train.steps and preemption.stop_requested(self.device):
+                    checkpoint = latest_checkpoint(self.run_dir) if saved else self.save()
+                    logger.print(preemption.record(self.step, checkpoint))
+                    result.preempted = preemption.reason
+                    break
         finally:
+            preemption.uninstall()
             logger.close()
         result.seconds = time.perf_counter() - started
+        if result.preempted:
+            return result
         self._finish(result, logger)
         return result
 

@@ -1,0 +1,134 @@
+"""``tessera launch``: the torchrun (or ``accelerate launch``) command that trains a recipe.
+
+One node uses torchrun's standalone rendezvous (a private store on a free port). Several nodes
+meet at a c10d rendezvous endpoint (elastic, restartable; node ranks assigned by torchrun) or,
+with ``--rdzv-backend static``, at a fixed master address with explicit node ranks. Every
+process runs ``python -m tessera train CONFIG OVERRIDES``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from tessera.config import JobConfig, load_config
+from tessera.launcher.common import Endpoint, LaunchError, check_world_size, parse_endpoint, train_args
+
+
+_ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+@dataclass
+class TorchrunSpec:
+    """How many processes, where they meet, and how often a failed group restarts."""
+
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    rdzv_endpoint: Endpoint | None = None
+    rdzv_backend: Literal["c10d", "static"] = "c10d"
+    rdzv_id: str = "tessera"
+    node_rank: int | None = None
+    max_restarts: int = 0
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the whole job."""
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def standalone(self) -> bool:
+        """One node and no endpoint: torchrun's private rendezvous on a free port."""
+        return self.nnodes == 1 and self.rdzv_endpoint is None
+
+
+def make_spec(nnodes: int, nproc_per_node: int, rdzv_endpoint: str | None = None, rdzv_backend: str = "c10d",
+              rdzv_id: str = "", node_rank: int | None = None, max_restarts: int = 0, run_dir: str = "") -> TorchrunSpec:
+    """A checked :class:`TorchrunSpec` from command-line values (LaunchError when they cannot work)."""
+    if rdzv_backend not in ("c10d", "static"):
+        raise LaunchError(f"--rdzv-backend {rdzv_backend!r} is not one of 'c10d', 'static'")
+    if max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be >= 0, got {max_restarts}")
+    endpoint = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else None
+    if nnodes > 1 and endpoint is None:
+        raise LaunchError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the address of the first node that every node can reach")
+    if rdzv_backend == "c10d" and node_rank is not None:
+        raise LaunchError("--node-rank applies to --rdzv-backend static only; the c10d rendezvous assigns node ranks itself")
+    if rdzv_backend == "static":
+        if endpoint is None:
+            raise LaunchError("--rdzv-backend static needs --rdzv-endpoint HOST:PORT (the master: node rank 0)")
+        if node_rank is None or not 0 <= node_rank < nnodes:
+            raise LaunchError(f"--rdzv-backend static needs --node-rank from 0 to {nnodes - 1} (this node's rank), got {node_rank}")
+    rdzv = rdzv_id or "tessera-" + (re.sub(r"[^A-Za-z0-9_.-]", "-", Path(run_dir).name) if run_dir else "job")
+    return TorchrunSpec(nnodes, nproc_per_node, endpoint, rdzv_backend, rdzv, node_rank, max_restarts)  # type: ignore[arg-type]
+
+
+def torchrun_command(spec: TorchrunSpec, config_path: str, overrides: list[str]) -> list[str]:
+    """The torchrun command line (argv) that starts this node's share of the job."""
+    cmd = ["torchrun"]
+    if spec.standalone:
+        cmd += ["--standalone", "--nnodes=1"]
+    elif spec.rdzv_backend == "static":
+        assert spec.rdzv_endpoint is not None
+        cmd += [f"--nnodes={spec.nnodes}", f"--node-rank={spec.node_rank}", "--rdzv-backend=static",
+                f"--master-addr={spec.rdzv_endpoint.host}", f"--master-port={spec.rdzv_endpoint.port}"]
+    else:
+        cmd += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
+    cmd += [f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}"]
+    return cmd + train_args(config_path, overrides)
+
+
+def accelerate_config(spec: TorchrunSpec, config: JobConfig) -> str:
+    """The ``accelerate launch`` config file (YAML) equivalent to :func:`torchrun_command`."""
+    endpoint = spec.rdzv_endpoint
+    lines = [
+        "# accelerate launch config written by `tessera launch --via accelerate`.",
+        "# MULTI_GPU selects accelerate's torchrun launcher; tessera picks nccl or gloo itself,",
+        "# so the same file works on CPU-only machines.",
+        "compute_environment: LOCAL_MACHINE",
+        "distributed_type: MULTI_GPU",
+        f"num_machines: {spec.nnodes}",
+        f"num_processes: {spec.world_size}",
+        f"machine_rank: {spec.node_rank or 0}",
+        f"main_process_ip: {endpoint.host if endpoint else '127.0.0.1'}",
+        f"main_process_port: {endpoint.port if endpoint else 0}",
+        f"rdzv_backend: {'static' if spec.standalone else spec.rdzv_backend}",
+        f"same_network: {'true' if spec.rdzv_backend == 'static' else 'false'}",
+        "gpu_ids: all",
+        f"mixed_precision: '{_ACCELERATE_PRECISION[config.train.dtype]}'",
+        "use_cpu: false",
+        "main_training_function: main",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def accelerate_command(spec: TorchrunSpec, yaml_path: str, config_path: str, overrides: list[str]) -> list[str]:
+    """The ``accelerate launch`` command line that uses :func:`accelerate_config`'s file."""
+    cmd = ["accelerate", "launch", f"--config_file={yaml_path}", f"--max_restarts={spec.max_restarts}"]
+    return cmd + train_args(config_path, overrides)
+
+
+def launch(config_path: str, overrides: list[str], spec: TorchrunSpec, via: str = "torchrun", dry_run: bool = False) -> int:
+    """Validate the job, then print the command (``dry_run``) or replace this process with it."""
+    config = load_config(config_path, overrides)
+    check_world_size(config, spec.nnodes, spec.nproc_per_node)
+    if via == "accelerate":
+        yaml_path = Path(config.train.run_dir) / "accelerate.yaml"
+        yaml_path.parent.mkdir(parents=True, exist_ok=True)
+        yaml_path.write_text(accelerate_config(spec, config))
+        print(f"wrote {yaml_path}")
+        cmd = accelerate_command(spec, str(yaml_path), config_path, overrides)
+    else:
+        cmd = torchrun_command(spec, config_path, overrides)
+    print(shlex.join(cmd), flush=True)
+    if dry_run:
+        return 0
+    if shutil.which(cmd[0]) is None:
+        raise LaunchError(f"'{cmd[0]}' is not on PATH; install it in this environment ({sys.executable})")
+    os.execvp(cmd[0], cmd)

@@ -1,0 +1,81 @@
+"""Preemption: on SIGTERM or SIGUSR1 finish the step, checkpoint, and exit so the job is requeued.
+
+Clusters stop jobs with a signal: SLURM sends SIGTERM on preemption or ``scancel
+--signal=TERM``, and the signal of ``--signal=USR1@SECONDS`` before the time limit; torchrun
+forwards both to its workers. :class:`PreemptionGuard` only records the signal; the training
+loop asks :meth:`PreemptionGuard.stop_requested` once per step (all ranks agree through one
+all-reduce, so every rank stops after the same step), saves a checkpoint, and the process exits
+with :data:`PREEMPTED_EXIT_CODE`. Rank 0 leaves :data:`PREEMPTION_MARKER` in the run directory;
+tessera's sbatch script requeues the job when it finds it, and the requeued job resumes from
+the checkpoint with ``train.resume = "auto"``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped early, run it again to continue
+PREEMPTION_MARKER = "preempted.json"
+
+
+def _is_rank_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class PreemptionGuard:
+    """Records a preemption signal while installed; the loop polls :meth:`stop_requested`."""
+
+    def __init__(self, run_dir: str | Path, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+        self.run_dir = Path(run_dir)
+        self.signals = signals
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> "PreemptionGuard":
+        """Catch the signals (main thread only; elsewhere Python cannot) and clear an old marker."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        if _is_rank_zero():
+            (self.run_dir / PREEMPTION_MARKER).unlink(missing_ok=True)
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were there before :meth:`install`."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signal.Signals(signum)
+
+    def stop_requested(self, device: torch.device) -> bool:
+        """Whether any rank has received a preemption signal (a collective when distributed)."""
+        local = self.received is not None
+        if not (dist.is_available() and dist.is_initialized()):
+            return local
+        flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    @property
+    def reason(self) -> str:
+        """The signal this process received, or a note that another rank received one."""
+        return self.received.name if self.received is not None else "a signal on another rank"
+
+    def record(self, step: int, checkpoint: Path) -> str:
+        """Leave the marker (rank 0) and return the line to print before exiting."""
+        name = self.reason
+        if _is_rank_zero():
+            marker = {"step": step, "signal": name, "checkpoint": str(checkpoint), "exit_code": PREEMPTED_EXIT_CODE}
+            (self.run_dir / PREEMPTION_MARKER).write_text(json.dumps(marker) + "\n")
+        return f"preempted by {name}: saved step {step} to {checkpoint}; exiting with code {PREEMPTED_EXIT_CODE} so the job is requeued and resumes there"
