@@ -21,8 +21,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="Pretrain transformer language models, from one CPU to a GPU cluster.", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
     _add_convert_parser(sub)
+    _add_parity(sub)
+
     train = sub.add_parser("train", help="train a model from a TOML recipe", allow_abbrev=False)
     train.add_argument("config", help="TOML recipe, e.g. configs/smoke.toml")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -95,15 +96,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_parity(sub: argparse._SubParsersAction) -> None:
+    par = sub.add_parser("parity", help="compare per-step losses of one recipe under several parallel layouts", allow_abbrev=False)
+    par.add_argument("config", help="TOML recipe")
+    par.add_argument("--layouts", nargs="+", required=True, help='layouts such as single "dp_shard=2" "tp=2" "dp_shard=2,tp=2"; the first is the reference')
+    par.add_argument("--steps", type=int, default=5)
+    par.add_argument("--rtol", type=float, default=1e-5)
+    par.add_argument("--work-dir", default=None, help="where the runs write (default: a temporary directory)")
+
+
+def _cmd_parity(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.parity import parity
+
+    table, ok = parity(args.config, args.layouts, overrides, args.steps, args.rtol, args.work_dir)
+    print(table)
+    return 0 if ok else 1
+
+
 def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     config = load_config(args.config, overrides)
     if args.print_config:
         print(config.to_toml())
         return 0
     from tessera.train.preemption import PREEMPTED_EXIT_CODE
-    from tessera.train.trainer import train
+    from tessera.train.trainer import train_and_exit
 
-    return PREEMPTED_EXIT_CODE if train(config).preempted else 0
+    return PREEMPTED_EXIT_CODE if train_and_exit(config).preempted else 0
 
 
 def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -114,6 +132,30 @@ def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
     docs, corpus_hash = load_corpus(config.data.source, config.data.max_chars, config.data.text_field)
     tokenizer, cached = build_tokenizer(config, docs, corpus_hash)
     print(f"{'reused cached' if cached else 'trained'} tokenizer: {tokenizer.path} ({tokenizer.vocab_size} tokens)")
+    return 0
+
+
+def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
+    conv = sub.add_parser("convert", help="convert between HF transformers checkpoints and tessera", allow_abbrev=False)
+    conv_sub = conv.add_subparsers(dest="convert_command", required=True, metavar="ACTION")
+    imp = conv_sub.add_parser("hf-import", help="HF model directory (config.json + safetensors) -> tessera run directory", allow_abbrev=False)
+    imp.add_argument("hf_dir", help="HF model directory: llama, mistral, qwen2, gpt2, mixtral, bert or t5")
+    imp.add_argument("out_dir", help="tessera run directory to write (one checkpoint, step 0)")
+    exp = conv_sub.add_parser("hf-export", help="tessera run or checkpoint directory -> HF model directory", allow_abbrev=False)
+    exp.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
+    exp.add_argument("out_dir", help="HF model directory to write (config.json + model.safetensors)")
+    exp.add_argument("--family", default=None, help="HF family to write (default: detected from the model config)")
+
+
+def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ConfigError(f"tessera convert takes no config overrides, got {' '.join(overrides)}")
+    from tessera.convert import hf_export, hf_import
+
+    if args.convert_command == "hf-import":
+        print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir)}")
+    else:
+        print(f"exported {args.checkpoint} -> {args.out_dir} ({hf_export(args.checkpoint, args.out_dir, args.family)})")
     return 0
 
 
@@ -198,30 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"tessera: error: {err}", file=sys.stderr)
         return 2
-def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
-    conv = sub.add_parser("convert", help="convert between HF transformers checkpoints and tessera", allow_abbrev=False)
-    conv_sub = conv.add_subparsers(dest="convert_command", required=True, metavar="ACTION")
-    imp = conv_sub.add_parser("hf-import", help="HF model directory (config.json + safetensors) -> tessera run directory", allow_abbrev=False)
-    imp.add_argument("hf_dir", help="HF model directory: llama, mistral, qwen2, gpt2, mixtral, bert or t5")
-    imp.add_argument("out_dir", help="tessera run directory to write (one checkpoint, step 0)")
-    exp = conv_sub.add_parser("hf-export", help="tessera run or checkpoint directory -> HF model directory", allow_abbrev=False)
-    exp.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
-    exp.add_argument("out_dir", help="HF model directory to write (config.json + model.safetensors)")
-    exp.add_argument("--family", default=None, help="HF family to write (default: detected from the model config)")
-
-
-def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ConfigError(f"tessera convert takes no config overrides, got {' '.join(overrides)}")
-    from tessera.convert import hf_export, hf_import
-
-    if args.convert_command == "hf-import":
-        print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir)}")
-    else:
-        print(f"exported {args.checkpoint} -> {args.out_dir} ({hf_export(args.checkpoint, args.out_dir, args.family)})")
-    return 0
-
-
 
 
 COMMANDS["convert"] = _cmd_convert
+COMMANDS["parity"] = _cmd_parity

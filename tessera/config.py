@@ -95,7 +95,13 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    compile: bool = False
+    sequence_parallel: bool = True  # with tp > 1: shard norms/dropout activations along the sequence
+    reshard_after_forward: bool = True  # FSDP: true is ZeRO-3, false keeps params gathered until backward (ZeRO-2)
+    cpu_offload: bool = False  # FSDP: parameters, gradients and optimizer step on the CPU
+    activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"
+    ac_every: int = 2  # selective: checkpoint every n-th block
+    compile: bool = False  # torch.compile each transformer block
+    meta_init: bool = False  # build on the meta device, shard, then initialize (for models too big for one host)
 
 
 @dataclass
@@ -121,7 +127,7 @@ class TrainConfig:
 
     run_dir: str = "runs/default"
     steps: int = 1000
-    batch_size: int = 8  # sequences per micro-batch
+    batch_size: int = 8  # sequences per micro-batch, over all data-parallel ranks together
     grad_accum: int = 1
     seq_len: int = 256
     seed: int = 1234
@@ -441,8 +447,19 @@ def validate(config: JobConfig) -> None:
     for key in ("dp_replicate", "tp", "pp", "cp", "ep"):
         _require(getattr(p, key) >= 1, f"parallel.{key} must be >= 1, got {getattr(p, key)}")
     _require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallel.dp_shard must be >= 1 or -1 (the rest), got {p.dp_shard}")
-    unsupported = [k for k in ("tp", "pp", "cp", "ep") if getattr(p, k) != 1]
-    _require(not unsupported, f"parallel.{unsupported[0] if unsupported else ''} > 1 is not supported yet (tensor, pipeline, context and expert parallelism are not implemented); set it to 1")
+    _require(p.ac_every >= 1, f"parallel.ac_every must be >= 1, got {p.ac_every}")
+    if p.tp > 1:
+        _require(m.n_heads % p.tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; pick a tp that divides the head count")
+        _require(kv % p.tp == 0, f"model.n_kv_heads={kv} is not divisible by parallel.tp={p.tp}; use tp <= n_kv_heads that divides it")
+        _require(m.vocab_size % p.tp == 0, f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; round the vocabulary up to a multiple of tp")
+        _require(not p.sequence_parallel or t.seq_len % p.tp == 0, f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallelism splits it); change seq_len or set parallel.sequence_parallel=false")
+    if p.dp_shard != -1:
+        dp = p.dp_replicate * p.dp_shard
+        _require(t.batch_size % dp == 0, f"train.batch_size={t.batch_size} (global) is not divisible by the data-parallel degree {dp}; make it a multiple")
+    from tessera.parallel.compat import incompatibilities  # late: tessera.parallel imports this module
+
+    problems = incompatibilities(config)
+    _require(not problems, f"unsupported parallel combination: {problems[0] if problems else ''} (see the compatibility table in README.md)")
 
     _require(0.0 <= d.val_fraction < 0.5, f"data.val_fraction must be in [0, 0.5), got {d.val_fraction}")
     _require(d.max_chars >= 0, f"data.max_chars must be >= 0 (0 = all), got {d.max_chars}")

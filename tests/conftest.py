@@ -77,3 +77,27 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
     """Run ``python -m tessera ARGS`` in a subprocess and capture its output."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run ``torchrun --standalone --nproc-per-node N ARGS`` (a script path or ``-m module``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}"
+    return result
+
+
+def step_losses(run_dir: Path) -> list[float]:
+    """Per-step training losses of a run's metrics.jsonl."""
+    import json
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def assert_losses_close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
+    """Same number of steps, every step within ``rtol`` relative (the parity criterion)."""
+    assert len(got) == len(want) and len(want) > 0, (got, want)
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e} > {rtol})"

@@ -40,7 +40,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "absolute positions (learned, sinusoidal)": {"sp": "position tables are added before the sequence is sharded; set parallel.sequence_parallel=false"},
     "score-bias positions (t5_bias, alibi)": {"tp": "the bias tables are not sharded by head yet", "sp": "the bias tables are not sharded by head yet"},
     "sparse/linear attention kernels": {"tp": "only the sdpa and eager kernels are sharded", "sp": "only the sdpa and eager kernels are sharded"},
-    "mixture of experts": {"tp": "MoE with tensor parallelism is not supported yet", "sp": "MoE with tensor parallelism is not supported yet"},
+    "mixture of experts": {},
 }
 
 

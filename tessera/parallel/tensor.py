@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -44,6 +45,29 @@ class GatherSequence(ParallelStyle):
         return module
 
 
+class ReplicatedRegion(ParallelStyle):
+    """Run a module unsharded on every tp rank, between sequence-parallel regions.
+
+    The sequence-sharded input is gathered and handed over as a plain tensor; the (identical)
+    output is re-sharded along the sequence. Used for MoE layers, whose experts stay
+    replicated across tp ranks until expert parallelism shards them.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_module: nn.Module, args: tuple[Any, ...]):
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return (x.redistribute(device_mesh, (Replicate(),)).to_local(), *args[1:])
+
+        def scatter(_module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor):
+            return DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False).redistribute(device_mesh, (Shard(1),))
+
+        module.register_forward_pre_hook(gather)
+        module.register_forward_hook(scatter)
+        return module
+
+
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     out = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
@@ -51,13 +75,18 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         "attention.k_proj": ColwiseParallel(),
         "attention.v_proj": ColwiseParallel(),
         "attention.o_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
-        "feed_forward.up_proj": ColwiseParallel(),
-        "feed_forward.down_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
     }
+    if sp:
+        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(), "attention": GatherSequence()})
+    if hasattr(block, "moe"):
+        if sp:
+            plan["moe"] = ReplicatedRegion()
+        return plan
+    plan.update({"feed_forward.up_proj": ColwiseParallel(), "feed_forward.down_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp)})
     if getattr(block.feed_forward, "gate_proj", None) is not None:
         plan["feed_forward.gate_proj"] = ColwiseParallel()
     if sp:
-        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(), "attention": GatherSequence(), "feed_forward": GatherSequence()})
+        plan["feed_forward"] = GatherSequence()
     return plan
 
 

@@ -15,14 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from tessera.config import ConfigError, JobConfig
-from tessera.data.objectives import causal_lm
+from tessera.data.objectives import Objective
 from tessera.data.pipeline import DataBundle, Split, build_data
-from tessera.model import Decoder, build_model, count_parameters, generate
+from tessera.model import Decoder, build_model, count_parameters, generate, moe_losses, moe_metrics
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.train.metrics import MetricsLogger, plot_loss_curve
 from tessera.train.optim import build_optimizer, build_scheduler
 from tessera.train.preemption import PreemptionGuard
+from tessera.parallel import clip_grad_norm
+from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,27 +83,55 @@ class Trainer:
         if self.dtype == torch.float16 and self.device.type == "cpu":
             raise ConfigError("train.dtype='fp16' needs a GPU; use train.dtype=bf16 or fp32 on CPU")
         self.resume_from = resolve_resume(config)
+        self.par = setup_parallel(config, self.device)
+        self.device = self.par.device
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(config.train.seed)
-        self.data: DataBundle = build_data(config)
-        self.model: Decoder = build_model(config.model).to(self.device)
+        self.data: DataBundle = self._build_data()
+        self.model = self._build_model()
+        self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
-        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last)
+        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.par.is_main)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
-        matmul_params = count_parameters(self.model, exclude_embeddings=True)
-        self.flops_per_token = flops_per_token(matmul_params, config.model, config.train.seq_len)
+        self.flops_per_token = flops_per_token(self.n_params - self.n_embedding_params, config.model, config.train.seq_len)
         self.peak = peak_flops(self.device, config.log.peak_flops)
-        self._write_run_files()
+        if self.par.is_main:
+            self._write_run_files()
+
+    def _build_data(self) -> DataBundle:
+        # Rank 0 trains the tokenizer and tokenizes the corpus into the cache; the rest reuse it.
+        if not self.par.is_main:
+            self.par.barrier()
+        data = build_data(self.config, self.par.dp_rank, self.par.dp_size)
+        if self.par.is_main:
+            self.par.barrier()
+        return data
+
+    def _build_model(self) -> torch.nn.Module:
+        """Build (every rank the same weights from the seed, or on meta), parallelize, place."""
+        cfg = self.config
+        torch.manual_seed(cfg.train.seed)
+        with torch.device("meta") if cfg.parallel.meta_init else contextlib.nullcontext():
+            model = build_model(cfg.model)
+        self.n_params = count_parameters(model)
+        self.n_embedding_params = self.n_params - count_parameters(model, exclude_embeddings=True)
+        model = self.par.parallelize(model, cfg)
+        if cfg.parallel.meta_init:
+            model.to_empty(device=self.device)
+            torch.manual_seed(cfg.train.seed)
+            with torch.no_grad():
+                model.init_weights()
+        return model.to(self.device)
 
     def _write_run_files(self) -> None:
         (self.run_dir / "config.toml").write_text(self.config.to_toml())
         shutil.copyfile(self.data.tokenizer.path, self.run_dir / "tokenizer.model")
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == torch.float32:
+        # Under FSDP its mixed-precision policy casts parameters instead of autocast.
+        if self.dtype == torch.float32 or self.par.fsdp:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
@@ -130,39 +160,53 @@ class Trainer:
         total_loss = 0.0
         for _ in range(cfg.train.grad_accum):
             batch = self.data.train.next_batch().to(self.device)
-            inputs, labels = causal_lm(batch.tokens)
-            with self._autocast():
-                logits = self.model(inputs, **batch.model_kwargs())
-            loss = lm_loss(logits, labels, cfg.train.label_smoothing, batch.loss_mask) / cfg.train.grad_accum
-            self.scaler.scale(loss).backward()
-            total_loss += loss.item()
+            args, kwargs, labels, loss_mask = self.objective(batch)
+            with self.par.loss_context():
+                with self._autocast():
+                    logits = self.model(*args, **kwargs)
+                loss = lm_loss(logits, labels, cfg.train.label_smoothing, loss_mask)
+                aux = moe_losses(self.model)  # MoE load-balancing and router z-losses (None without MoE)
+                loss = (loss if aux is None else add_replicated(loss, aux)) / cfg.train.grad_accum
+                self.scaler.scale(loss).backward()
+            total_loss += scalar(loss)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": total_loss, "lr": lr, "grad_norm": grad_norm.item()}
+        return {"loss": self.par.mean_over_dp(total_loss), "lr": lr, "grad_norm": grad_norm, **moe_metrics(self.model)}
 
     @torch.no_grad()
     def evaluate(self, dataset: Split | None = None) -> float:
-        """Mean validation loss over the first ``train.eval_batches`` batches (fixed order)."""
+        """Mean validation loss over the first ``train.eval_batches`` global batches (fixed order).
+
+        Each global batch is split over the data-parallel ranks like a training batch; a split
+        smaller than one batch is evaluated whole on every rank.
+        """
         dataset = dataset if dataset is not None else self.data.val
-        bs = self.config.train.batch_size
-        n = min(len(dataset), self.config.train.eval_batches * bs)
+        bs, dp = self.config.train.batch_size, self.par.dp_size
+        n = min(len(dataset), self.config.train.eval_batches * bs) // bs * bs
+        local = bs // dp
+        starts = [s + self.par.dp_rank * local for s in range(0, n, bs)] if n else [0]
+        size = local if n else len(dataset)
         self.model.eval()
-        total, count = 0.0, 0
-        for start in range(0, n, bs):
-            batch = self.data.collate([dataset[i] for i in range(start, min(n, start + bs))]).to(self.device)
-            inputs, labels = causal_lm(batch.tokens)
-            with self._autocast():
-                logits = self.model(inputs, **batch.model_kwargs())
-            weight = labels.numel() if batch.loss_mask is None else int(batch.loss_mask.sum())
-            total += lm_loss(logits, labels, loss_mask=batch.loss_mask).item() * weight
+        total, count = 0.0, 0.0
+        for start in starts:
+            batch = self.data.collate([dataset[i] for i in range(start, start + size)]).to(self.device)
+            args, kwargs, labels, loss_mask = self.objective(batch)
+            with self.par.loss_context():
+                with self._autocast():
+                    logits = self.model(*args, **kwargs)
+                loss = lm_loss(logits, labels, loss_mask=loss_mask)
+            weight = labels.numel() if loss_mask is None else int(loss_mask.sum())
+            total += scalar(loss) * weight
             count += weight
         self.model.train()
+        if n:
+            total, count = self.par.sum_over_dp([total, count])
         return total / count
 
     def sample(self, prompt: str, tokens: int) -> str:
@@ -187,8 +231,9 @@ class Trainer:
         cfg = self.config
         if self.resume_from is not None:
             self.restore(self.resume_from)
-        _truncate_metrics(self.run_dir, self.step)
-        logger = MetricsLogger(self.run_dir, cfg.train.steps, cfg.log.progress, cfg.log.tensorboard)
+        if self.par.is_main:
+            _truncate_metrics(self.run_dir, self.step)
+        logger = MetricsLogger(self.run_dir, cfg.train.steps, cfg.log.progress, cfg.log.tensorboard, enabled=self.par.is_main)
         result = TrainResult(self.run_dir, cfg.train.steps)
         logger.print(self._banner())
         started = time.perf_counter()
@@ -203,7 +248,8 @@ class Trainer:
                 self.step += 1
                 elapsed = time.perf_counter() - t0
                 tokens_per_s = self.tokens_per_step / elapsed
-                record = {"step": self.step, **metrics, "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * self.flops_per_token / self.peak if self.peak else 0.0}
+                mfu = tokens_per_s * self.flops_per_token / (self.peak * self.par.env.world_size) if self.peak else 0.0
+                record = {"step": self.step, **metrics, "tokens_per_s": tokens_per_s, "mfu": mfu}
                 result.losses.append(metrics["loss"])
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"loss became {metrics['loss']} at step {self.step}; lower optim.lr or enable optim.grad_clip")
@@ -234,21 +280,26 @@ class Trainer:
         return val
 
     def _banner(self) -> str:
-        n = count_parameters(self.model)
+        n = self.n_params
+        layout = f"{self.par.env.world_size} processes, dp={self.par.dp_size} tp={self.par.dims.tp}" if self.par.env.is_distributed else "1 process"
         where = f"resuming from {self.resume_from}" if self.resume_from else "starting fresh"
         return (
             f"tessera: {n / 1e6:.2f}M parameters, {self.data.tokenizer.vocab_size} tokens in vocab, "
             f"{len(self.data.train.dataset)} train / {len(self.data.val) if self.data.val is not None else 0} val sequences of {self.config.train.seq_len}, "
-            f"{self.device.type} {self.config.train.dtype}, {where}; run dir {self.run_dir}"
+            f"{self.device.type} {self.config.train.dtype}, {layout}, {where}; run dir {self.run_dir}"
         )
 
     def _finish(self, result: TrainResult, logger: MetricsLogger) -> None:
         cfg = self.config
-        if cfg.log.plot:
+        if cfg.log.plot and self.par.is_main:
             plot_loss_curve(self.run_dir)
-        if cfg.train.sample_tokens > 0:
+        if cfg.train.sample_tokens > 0 and self.par.tp_enabled:
+            logger.print(f"sample skipped under tensor parallelism; run: tessera generate {self.run_dir}")
+        elif cfg.train.sample_tokens > 0 and cfg.model.arch == "decoder":  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
+        if not self.par.is_main:
+            return
         summary = {"steps": self.step, "seconds": result.seconds, "val_losses": result.val_losses, "final_loss": result.losses[-1] if result.losses else None}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         vals = list(result.val_losses.values())
@@ -268,5 +319,13 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
 
 
 def train(config: JobConfig) -> TrainResult:
-    """Train the job described by ``config`` (single process)."""
+    """Train the job described by ``config``: one process, or one rank of a torchrun job."""
     return Trainer(config).fit()
+
+
+def train_and_exit(config: JobConfig) -> TrainResult:
+    """:func:`train`, then leave the process group (the CLI's entry)."""
+    try:
+        return train(config)
+    finally:
+        teardown_parallel()
