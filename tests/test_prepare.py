@@ -64,6 +64,7 @@ def test_interrupted_run_leaves_no_files(tmp_path, small_tokenizer, monkeypatch)
     assert list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.slow  # two CLI processes: ~15 s alone, over 30 s on a loaded 2-core machine
 def test_cli_prepare_then_inspect(tmp_path, cache_dir):
     _jsonl(tmp_path / "rows.jsonl", 300)
     out = tmp_path / "prepared" / "code"
