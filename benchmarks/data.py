@@ -70,6 +70,7 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
+        prepare_throughput(args.max_chars // 10, 1, tmp_path)  # warm-up: imports, page cache, tokenizer
         for workers in (1, 2):
             rate, tokens = prepare_throughput(args.max_chars, workers, tmp_path)
             print(f"prepare  default corpus, {workers} worker(s): {rate:>12,.0f} tokens/s ({tokens:,} tokens)")
