@@ -145,15 +145,20 @@ def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
     exp.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
     exp.add_argument("out_dir", help="HF model directory to write (config.json + model.safetensors)")
     exp.add_argument("--family", default=None, help="HF family to write (default: detected from the model config)")
+    cons = conv_sub.add_parser("consolidate", help="tessera run or checkpoint (any layout) -> one model.safetensors", allow_abbrev=False)
+    cons.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
+    cons.add_argument("out_dir", help="directory to write model.safetensors (and config.toml) into")
 
 
 def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"tessera convert takes no config overrides, got {' '.join(overrides)}")
-    from tessera.convert import hf_export, hf_import
+    from tessera.convert import consolidate, hf_export, hf_import
 
     if args.convert_command == "hf-import":
         print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir)}")
+    elif args.convert_command == "consolidate":
+        print(f"consolidated {args.checkpoint} -> {consolidate(args.checkpoint, args.out_dir)}")
     else:
         print(f"exported {args.checkpoint} -> {args.out_dir} ({hf_export(args.checkpoint, args.out_dir, args.family)})")
     return 0

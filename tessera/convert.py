@@ -47,3 +47,28 @@ def hf_export(checkpoint: str | Path, out_dir: str | Path, family: str | None = 
     from tessera.api import load
 
     return save_hf(load(checkpoint), out_dir, family)
+
+
+def consolidate(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Gather a (possibly sharded) checkpoint's weights into one ``model.safetensors`` plus its config.
+
+    DCP reassembles the shards whatever layout saved them; the file holds full, unsharded
+    tensors named as in a single-process tessera model (tied weights stored once).
+    """
+    from safetensors.torch import save_file
+
+    from tessera.api import find_checkpoint, load
+
+    ckpt = find_checkpoint(checkpoint)
+    model = load(ckpt)
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:  # a tied weight appears under two names, stored once
+            seen.add(tensor.data_ptr())
+            tensors[name] = tensor.detach().contiguous()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": str(ckpt)})
+    if (ckpt.parent.parent / "config.toml").is_file():
+        shutil.copyfile(ckpt.parent.parent / "config.toml", out / "config.toml")
+    return out / "model.safetensors"
