@@ -107,18 +107,33 @@ def test_state_dict_counts_handed_out_batches_not_prefetched_ones():
     loader.close()
 
 
-def test_prefetch_hides_the_loading_time():
-    # Each batch takes ~40 ms to read; the "step" takes 80 ms, so with prefetch the wait is ~0.
-    loader = SequenceLoader(Numbered(100, delay=0.01), 4, 0, prefetch=2)
-    loader.next_batch()
-    waits = []
-    for _ in range(6):
-        time.sleep(0.08)
-        started = time.perf_counter()
-        loader.next_batch()
-        waits.append(time.perf_counter() - started)
+class Recording(Numbered):
+    """Numbered samples that remember which were read (by any thread)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.read: list[int] = []
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        self.read.append(i)
+        return super().__getitem__(i)
+
+
+def test_prefetch_reads_ahead_in_the_background_without_changing_order():
+    dataset = Recording(100)
+    loader = SequenceLoader(dataset, 4, 0, prefetch=2)
+    first = _ids(loader.next_batch())
+    deadline = time.monotonic() + 10
+    while len(dataset.read) < 3 * 4 and time.monotonic() < deadline:  # the batch taken + 2 prefetched
+        time.sleep(0.01)
+    ahead = list(dataset.read[4:12])
+    assert len(ahead) == 8, "the loader did not read the next two batches before they were asked for"
+    second, third = _ids(loader.next_batch()), _ids(loader.next_batch())
     loader.close()
-    assert np.median(waits) < 0.02
+    assert sorted(second + third) == sorted(ahead)
+    plain = SequenceLoader(Numbered(100), 4, 0, prefetch=0)
+    assert [_ids(plain.next_batch()) for _ in range(3)] == [first, second, third]
+    plain.close()
 
 
 def test_empty_dataset_is_a_data_error():
