@@ -28,14 +28,17 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "tp": "fp16 with DTensor gradients is not supported; use bf16",
         "sp": "fp16 with DTensor gradients is not supported; use bf16",
     },
-    "cpu offload": {
+    "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "ddp": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "tp": "offload with tensor parallelism is not supported",
         "sp": "offload with tensor parallelism is not supported",
     },
     "meta init": {},
-    "tied embeddings": {"tp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false"},
+    "tied embeddings": {
+        "tp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false",
+        "sp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false",
+    },
     "encoder / encoder-decoder": {"tp": "the tensor-parallel plan covers decoder-only models", "sp": "the tensor-parallel plan covers decoder-only models"},
     "absolute positions (learned, sinusoidal)": {"sp": "position tables are added before the sequence is sharded; set parallel.sequence_parallel=false"},
     "score-bias positions (t5_bias, alibi)": {"tp": "the bias tables are not sharded by head yet", "sp": "the bias tables are not sharded by head yet"},
@@ -85,7 +88,7 @@ def job_features(config: Any) -> set[str]:
     if config.train.dtype in ("bf16", "fp16"):
         features.add(config.train.dtype)
     if p.cpu_offload:
-        features.add("cpu offload")
+        features.add("cpu offload (CUDA)")
     if p.meta_init:
         features.add("meta init")
     if m.tie_embeddings:
@@ -119,10 +122,17 @@ def incompatibilities(config: Any, world_size: int | None = None) -> list[str]:
 
 
 def render_markdown() -> str:
-    """The matrix as a Markdown table (the README's copy is checked against this by a test)."""
-    header = "| feature | " + " | ".join(LAYOUTS) + " |"
-    rows = [header, "|---" * (len(LAYOUTS) + 1) + "|"]
+    """The matrix as a Markdown table (the README's copy is checked against this by a test).
+
+    A layout that cannot train at all shows "n/a" for every other feature; ``sp`` is tensor
+    parallelism with sequence parallelism on, so a "no" under ``tp`` also holds for it.
+    """
+    missing = UNSUPPORTED["training"]
+    rows = ["| feature | " + " | ".join(LAYOUTS) + " |", "|---" * (len(LAYOUTS) + 1) + "|"]
     for feature, unsupported in UNSUPPORTED.items():
-        cells = ["no" if layout in unsupported else "yes" for layout in LAYOUTS]
+        cells = ["no" if layout in unsupported else "n/a" if layout in missing else "yes" for layout in LAYOUTS]
         rows.append(f"| {feature} | " + " | ".join(cells) + " |")
+    rows.append("")
+    rows += [f"- not {' with '.join(sorted(pair))}: {reason}" for pair, reason in UNSUPPORTED_PAIRS.items()]
+    rows += [f"- no {layout}: {reason}" for layout, reason in missing.items()]
     return "\n".join(rows)

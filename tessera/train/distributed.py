@@ -81,6 +81,8 @@ class ParallelContext:
 
 def setup_parallel(config: JobConfig, device: torch.device) -> ParallelContext:
     """Join the process group, check the layout against the world size, build the mesh."""
+    if config.parallel.cpu_offload and device.type != "cuda":
+        raise ConfigError("parallel.cpu_offload moves GPU parameters and optimizer state to host memory; a CPU run has nothing to offload, set it to false")
     env = init_distributed(device.type)
     dims = ParallelDims.from_config(config.parallel, env.world_size)
     problems = incompatibilities(config, env.world_size)
