@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from tessera.config import ModelConfig
@@ -56,6 +56,28 @@ def check(cfg: ModelConfig, sp: bool, mesh) -> None:
     assert sharded >= 4 * cfg.n_layers // (2 if cfg.moe_experts else 1), f"{where}: only {sharded} parameters are sharded"
 
 
+def check_collectives(mesh) -> None:
+    """One block issues Megatron's collectives: 2 all-reduces each way, or 2 all-gather + 2 reduce-scatter with SP."""
+    from tessera.parallel.comms import CollectiveCounter
+
+    expected = {False: {"all_reduce": 2}, True: {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, max_seq_len=32, tie_embeddings=False))
+        apply_tensor_parallel(model, mesh, sp)
+        x = torch.randn(2, 16, 64)
+        if sp:
+            x = DTensor.from_local(x.chunk(dist.get_world_size(), dim=1)[dist.get_rank()], mesh, (Shard(1),))
+        fwd, bwd = CollectiveCounter(), CollectiveCounter()
+        with fwd:
+            y = model.layers["0"](x, model.context(2, 16, 0, None, None, torch.device("cpu")))
+        y = y.full_tensor() if isinstance(y, DTensor) else y
+        with bwd:
+            y.pow(2).mean().backward()
+        assert dict(fwd.counts) == expected[sp], f"sp={sp} forward collectives {dict(fwd.counts)}"
+        assert dict(bwd.counts) == expected[sp], f"sp={sp} backward collectives {dict(bwd.counts)}"
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -66,6 +88,7 @@ def main() -> None:
         for cfg in (dense, moe):
             for sp in (False, True):
                 check(cfg, sp, mesh)
+        check_collectives(mesh)
         if dist.get_rank() == 0:
             print("all blocks match", file=sys.stderr)
     finally:

@@ -27,21 +27,28 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-class GatherSequence(ParallelStyle):
-    """Before the module runs, turn its first input from sequence-sharded into replicated.
+class ReplicateInput(ParallelStyle):
+    """Before the module runs, make its first input a replicated DTensor over the tp mesh.
 
-    Only the first positional argument (the hidden states) is touched, so the module's other
-    arguments (rotary tables, caches, position ids) pass through whatever their number.
+    With sequence parallelism the input arrives sharded along the sequence and is all-gathered
+    here, once for all the column-parallel projections that follow; without it the input is
+    already whole and is only wrapped, so backward sums the projections' input gradients
+    locally and all-reduces once instead of once per projection. Only the first positional
+    argument (the hidden states) is touched, so the module's other arguments pass through.
     """
 
+    def __init__(self, sequence_sharded: bool) -> None:
+        super().__init__()
+        self.src = (Shard(1),) if sequence_sharded else (Replicate(),)
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        def replicate(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
             x = args[0]
             if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+                x = DTensor.from_local(x, device_mesh, self.src, run_check=False)
             return (x.redistribute(device_mesh, (Replicate(),)), *args[1:]), kwargs
 
-        module.register_forward_pre_hook(gather, with_kwargs=True)
+        module.register_forward_pre_hook(replicate, with_kwargs=True)
         return module
 
 
@@ -76,8 +83,9 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         "attention.v_proj": ColwiseParallel(),
         "attention.o_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
     }
+    plan["attention"] = ReplicateInput(sp)
     if sp:
-        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(), "attention": GatherSequence()})
+        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
     if hasattr(block, "moe"):
         if sp:
             plan["moe"] = ReplicatedRegion()
@@ -85,8 +93,7 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     plan.update({"feed_forward.up_proj": ColwiseParallel(), "feed_forward.down_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp)})
     if getattr(block.feed_forward, "gate_proj", None) is not None:
         plan["feed_forward.gate_proj"] = ColwiseParallel()
-    if sp:
-        plan["feed_forward"] = GatherSequence()
+    plan["feed_forward"] = ReplicateInput(sp)
     return plan
 
 
