@@ -93,6 +93,10 @@ class ParallelConfig:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"] = "1f1b"  # pipeline schedule (pp > 1)
+    microbatches: int = 0  # micro-batches per pipeline step; 0 means pp
+    pp_virtual_stages: int = 0  # stages per pp rank; 0 means 2 for interleaved/zero-bubble schedules, else 1
+    layers_per_stage: str = ""  # comma-separated block counts per stage, e.g. "3,5"; empty balances by count
     cp: int = 1
     ep: int = 1
     sequence_parallel: bool = True  # with tp > 1: shard norms/dropout activations along the sequence
@@ -448,6 +452,7 @@ def validate(config: JobConfig) -> None:
         _require(getattr(p, key) >= 1, f"parallel.{key} must be >= 1, got {getattr(p, key)}")
     _require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallel.dp_shard must be >= 1 or -1 (the rest), got {p.dp_shard}")
     _require(p.ac_every >= 1, f"parallel.ac_every must be >= 1, got {p.ac_every}")
+    _require(p.microbatches >= 0 and p.pp_virtual_stages >= 0, f"parallel.microbatches and parallel.pp_virtual_stages must be >= 0 (0 = default), got {p.microbatches}, {p.pp_virtual_stages}")
     if p.tp > 1:
         _require(m.n_heads % p.tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; pick a tp that divides the head count")
         _require(kv % p.tp == 0, f"model.n_kv_heads={kv} is not divisible by parallel.tp={p.tp}; use tp <= n_kv_heads that divides it")
@@ -457,6 +462,9 @@ def validate(config: JobConfig) -> None:
         dp = p.dp_replicate * p.dp_shard
         _require(t.batch_size % dp == 0, f"train.batch_size={t.batch_size} (global) is not divisible by the data-parallel degree {dp}; make it a multiple")
     from tessera.parallel.compat import incompatibilities  # late: tessera.parallel imports this module
+    from tessera.parallel.pipeline import check_pipeline_plan
+
+    check_pipeline_plan(config, p.dp_replicate * p.dp_shard if p.dp_shard != -1 else None)
 
     problems = incompatibilities(config)
     _require(not problems, f"unsupported parallel combination: {problems[0] if problems else ''} (see the compatibility table in README.md)")

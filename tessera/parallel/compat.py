@@ -15,33 +15,43 @@ LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
 # feature -> layouts it does NOT support, with the reason shown to the user.
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "training": {
-        "pp": "pipeline parallelism is not implemented yet",
         "cp": "context parallelism is not implemented yet",
         "ep": "expert parallelism is not implemented yet",
     },
     "activation checkpointing": {},
-    "torch.compile": {"tp": "compile is not validated with tensor parallelism yet", "sp": "compile is not validated with sequence parallelism yet"},
+    "torch.compile": {
+        "tp": "compile is not validated with tensor parallelism yet",
+        "sp": "compile is not validated with sequence parallelism yet",
+        "pp": "compile is not validated with pipeline stages yet",
+    },
     "bf16": {},
     "fp16": {
         "fsdp": "fp16 needs a sharded grad scaler; use bf16",
         "hsdp": "fp16 needs a sharded grad scaler; use bf16",
         "tp": "fp16 with DTensor gradients is not supported; use bf16",
         "sp": "fp16 with DTensor gradients is not supported; use bf16",
+        "pp": "the pipeline schedule runs backward itself, without the fp16 loss scaler; use bf16",
     },
     "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "ddp": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "tp": "offload with tensor parallelism is not supported",
         "sp": "offload with tensor parallelism is not supported",
+        "pp": "offload is not validated with pipeline stages yet",
     },
-    "meta init": {},
+    "meta init": {"pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"},
     "tied embeddings": {
         "tp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false",
         "sp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false",
+        "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
     },
     "encoder / encoder-decoder": {"tp": "the tensor-parallel plan covers decoder-only models", "sp": "the tensor-parallel plan covers decoder-only models"},
     "absolute positions (learned, sinusoidal)": {"sp": "position tables are added before the sequence is sharded; set parallel.sequence_parallel=false"},
-    "score-bias positions (t5_bias, alibi)": {"tp": "the bias tables are not sharded by head yet", "sp": "the bias tables are not sharded by head yet"},
+    "score-bias positions (t5_bias, alibi)": {
+        "tp": "the bias tables are not sharded by head yet",
+        "sp": "the bias tables are not sharded by head yet",
+        "pp": "the score-bias module is shared by the blocks of every stage; use rope or learned positions",
+    },
     "sparse/linear attention kernels": {"tp": "only the sdpa and eager kernels are sharded", "sp": "only the sdpa and eager kernels are sharded"},
     "mixture of experts": {},
 }
@@ -50,6 +60,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 # Pairs of layouts that do not combine, with the reason.
 UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
     frozenset({"ddp", "tp"}): "DDP does not take DTensor parameters; use FSDP or HSDP (parallel.dp_shard > 1) with tp",
+    frozenset({"ddp", "pp"}): "DDP would all-reduce every micro-batch's gradients; use FSDP or HSDP (parallel.dp_shard > 1) with pp",
 }
 
 

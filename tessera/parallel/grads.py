@@ -7,6 +7,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 
@@ -17,12 +19,14 @@ def _group_key(p: torch.Tensor) -> tuple:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None) -> float:
     """Clip gradients to a global L2 norm ``max_norm`` and return the norm before clipping.
 
     torch's ``clip_grad_norm_`` needs all gradients of one kind; tensor parallelism leaves
     some plain (modules outside the TP plan) and FSDP puts others on different meshes. Each
     group's norm is computed by torch (a DTensor norm reduces over its mesh), then combined.
+    With pipeline parallelism each rank holds only its stages' parameters: the squared norms
+    are summed over ``pp_mesh`` so every stage clips by the same global norm.
     """
     groups: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
     for p in parameters:
@@ -33,6 +37,11 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
     total = math.sqrt(sum(n * n for n in norms))
+    if pp_mesh is not None:
+        device = next((p.device for params in groups.values() for p in params), torch.device("cpu"))
+        squared = torch.tensor([total * total], dtype=torch.float64, device=device)
+        dist.all_reduce(squared, group=pp_mesh.get_group())
+        total = math.sqrt(squared.item())
     if math.isfinite(max_norm) and total > max_norm:
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total))

@@ -148,11 +148,12 @@ class Checkpointer:
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         tensors = {"model": model_sd, "optim": optim_sd["state"], "rng": _rng_state()}
+        param_groups = _gather_param_groups(_to_json(optim_sd["param_groups"]))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)))
         if self.is_main:
-            meta = dict(extra, step=step, optim_param_groups=_to_json(optim_sd["param_groups"]))
+            meta = dict(extra, step=step, optim_param_groups=param_groups)
             (tmp / META).write_text(json.dumps(meta, indent=1))
             if final.exists():
                 shutil.rmtree(final)
@@ -191,6 +192,26 @@ class Checkpointer:
         if restore_rng:
             _set_rng_state(tensors["rng"])
         return meta
+
+
+def _gather_param_groups(groups: list[dict]) -> list[dict]:
+    """The optimizer's parameter groups with every rank's parameter names.
+
+    Under pipeline parallelism each rank's optimizer holds only its stages' parameters; the
+    checkpoint lists all of them so any layout (e.g. one process) can load it.
+    """
+    if not torch.distributed.is_initialized():
+        return groups
+    everyone: list[list[dict]] = [[] for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather_object(everyone, groups)
+    merged = [dict(g, params=list(g["params"])) for g in groups]
+    for group, *theirs in zip(merged, *everyone):
+        seen = set(group["params"])
+        for fqn in (fqn for other in theirs for fqn in other["params"]):
+            if fqn not in seen:
+                seen.add(fqn)
+                group["params"].append(fqn)
+    return merged
 
 
 def _barrier() -> None:

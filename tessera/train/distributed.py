@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from tessera.config import ConfigError, JobConfig
 from tessera.parallel import ParallelDims, parallelize, uses_fsdp
 from tessera.parallel.compat import incompatibilities
+from tessera.parallel.pipeline import LossFn, Pipeline, build_pipeline, check_pipeline_plan
 from tessera.parallel.env import DistEnv, device_for, init_distributed
 
 
@@ -74,6 +75,15 @@ class ParallelContext:
         """Apply the configured layout (see :func:`tessera.parallel.parallelize`)."""
         return parallelize(model, self.dims, config)
 
+    def pipeline(self, model: nn.Module, config: JobConfig, loss_fn: LossFn) -> Pipeline:
+        """Split ``model`` into this rank's pipeline stages, each parallelized like a whole model."""
+        return build_pipeline(model, self.dims, config, self.device, loss_fn, lambda stage: parallelize(stage, self.dims, config))
+
+    @property
+    def pp_mesh(self):
+        """The pipeline-parallel mesh (None without pipeline parallelism)."""
+        return self.dims.submesh("pp")
+
     @property
     def fsdp(self) -> bool:
         return uses_fsdp(self.dims)
@@ -90,6 +100,7 @@ def setup_parallel(config: JobConfig, device: torch.device) -> ParallelContext:
         raise ConfigError(f"unsupported parallel combination: {problems[0]} (see the compatibility table in README.md)")
     if config.train.batch_size % dims.dp:
         raise ConfigError(f"train.batch_size={config.train.batch_size} (global) is not divisible by the data-parallel degree {dims.dp}; make it a multiple")
+    check_pipeline_plan(config, dims.dp)
     if env.is_distributed:
         dims.build_mesh(device.type)
     return ParallelContext(env, dims, device_for(env, device.type) if env.is_distributed else device)

@@ -117,6 +117,10 @@ class Trainer:
             model = build_model(cfg.model)
         self.n_params = count_parameters(model)
         self.n_embedding_params = self.n_params - count_parameters(model, exclude_embeddings=True)
+        self.pipeline = None
+        if cfg.parallel.pp > 1:  # this rank's stages; self.model holds their modules under full-model names
+            self.pipeline = self.par.pipeline(model, cfg, lm_loss)
+            return self.pipeline.model
         model = self.par.parallelize(model, cfg)
         if cfg.parallel.meta_init:
             model.to_empty(device=self.device)
@@ -161,6 +165,10 @@ class Trainer:
         for _ in range(cfg.train.grad_accum):
             batch = self.data.train.next_batch().to(self.device)
             args, kwargs, labels, loss_mask = self.objective(batch)
+            if self.pipeline is not None:  # kwargs are empty: document masks are refused with pp
+                with self.par.loss_context(), self._autocast():
+                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum)
+                continue
             with self.par.loss_context():
                 with self._autocast():
                     logits = self.model(*args, **kwargs)
@@ -171,7 +179,7 @@ class Trainer:
             total_loss += scalar(loss)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.par.pp_mesh)
         lr = self.scheduler.get_last_lr()[0]
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -197,11 +205,16 @@ class Trainer:
         for start in starts:
             batch = self.data.collate([dataset[i] for i in range(start, start + size)]).to(self.device)
             args, kwargs, labels, loss_mask = self.objective(batch)
+            weight = labels.numel() if loss_mask is None else int(loss_mask.sum())
+            if self.pipeline is not None:
+                with self.par.loss_context(), self._autocast():
+                    total += self.pipeline.eval_loss(args, labels, loss_mask)
+                count += weight
+                continue
             with self.par.loss_context():
                 with self._autocast():
                     logits = self.model(*args, **kwargs)
                 loss = lm_loss(logits, labels, loss_mask=loss_mask)
-            weight = labels.numel() if loss_mask is None else int(loss_mask.sum())
             total += scalar(loss) * weight
             count += weight
         self.model.train()
@@ -293,8 +306,8 @@ class Trainer:
         cfg = self.config
         if cfg.log.plot and self.par.is_main:
             plot_loss_curve(self.run_dir)
-        if cfg.train.sample_tokens > 0 and self.par.tp_enabled:
-            logger.print(f"sample skipped under tensor parallelism; run: tessera generate {self.run_dir}")
+        if cfg.train.sample_tokens > 0 and (self.par.tp_enabled or self.pipeline is not None):
+            logger.print(f"sample skipped under tensor/pipeline parallelism; run: tessera generate {self.run_dir}")
         elif cfg.train.sample_tokens > 0 and cfg.model.arch == "decoder":  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)

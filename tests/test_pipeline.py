@@ -1,0 +1,93 @@
+"""Pipeline stage splitting (one process) and the config-time errors of impossible pipeline plans."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tessera.config import ConfigError, load_config
+from tessera.model import build_model
+from tessera.parallel.pipeline import local_stage_ids, split_model, stage_layer_counts
+
+from conftest import TINY_OVERRIDES
+
+
+def _config(*overrides: str):
+    return load_config(None, [*TINY_OVERRIDES, "model.n_layers=4", *overrides])
+
+
+def test_layer_counts_balance_or_follow_the_explicit_list():
+    assert stage_layer_counts(4, 2) == [2, 2]
+    assert stage_layer_counts(5, 4) == [2, 1, 1, 1]
+    assert stage_layer_counts(4, 2, "1,3") == [1, 3]
+    assert local_stage_ids(1, 2, 2) == [1, 3]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.pp_schedule=gpipe", "parallel.layers_per_stage=1,3"],
+        ["parallel.pp_schedule=interleaved_1f1b", "parallel.microbatches=2"],
+        ["parallel.pp_schedule=interleaved_zb", "parallel.microbatches=4"],
+        ["model.arch=encoder", "model.sentinel_tokens=1", "parallel.pp_schedule=gpipe"],
+        ["model.moe_experts=4", "parallel.pp_schedule=1f1b", "parallel.microbatches=2"],
+    ],
+)
+def test_stages_chain_to_the_full_model(overrides):
+    """Running the stages one after another gives the full model's logits; names are the full model's."""
+    cfg = _config("parallel.pp=2", *overrides)
+    torch.manual_seed(0)
+    full = build_model(cfg.model).eval()
+    tokens = torch.randint(0, 500, (2, 16))
+    with torch.no_grad():
+        want = full(tokens)
+    v = 2 if "interleaved" in cfg.parallel.pp_schedule else 1
+    local0, stages0 = split_model(full, cfg, local_stage_ids(0, 2, v))
+    local1, stages1 = split_model(full, cfg, local_stage_ids(1, 2, v))
+    order = sorted([*zip(local_stage_ids(0, 2, v), stages0), *zip(local_stage_ids(1, 2, v), stages1)], key=lambda s: s[0])
+    h = tokens
+    with torch.no_grad():
+        for _, stage in order:
+            h = stage(h)
+    torch.testing.assert_close(h, want, rtol=0, atol=0)
+    names = set(local0.state_dict()) | set(local1.state_dict())
+    assert names == set(full.state_dict())
+    assert not set(local0.state_dict()) & set(local1.state_dict())
+    assert isinstance(local0, type(full)) and isinstance(stages1[-1], type(full))  # same type, stage forward
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["parallel.pp=8"], "every stage needs a block"),
+        (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=1"], "microbatches >= pp"),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.microbatches=3"], "multiple of pp=2"),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual_stages=1"], "needs several stages per rank"),
+        (["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_virtual_stages=2"], "runs one stage per rank"),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=4"], "every stage needs a block"),
+        (["parallel.pp=2", "parallel.layers_per_stage=2,1"], "summing to model.n_layers=4"),
+        (["parallel.pp=2", "parallel.layers_per_stage=4,0"], "positive block counts"),
+        (["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=4", "train.batch_size=4"], "not divisible by dp=2 x parallel.microbatches=4"),
+        (["parallel.pp=2", "model.arch=encoder_decoder", "model.sentinel_tokens=8"], "encoder_decoder"),
+        (["parallel.pp=2", "data.document_mask=true"], "data.document_mask"),
+        (["parallel.pp=2", "model.tie_embeddings=true"], "tied embeddings with pp"),
+        (["parallel.pp=2", "parallel.meta_init=true"], "meta init with pp"),
+        (["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"], "ddp with pp"),
+        (["parallel.pp=2", "parallel.compile=true"], "torch.compile with pp"),
+    ],
+)
+def test_impossible_pipeline_plans_fail_at_config_time(overrides, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        _config(*overrides)
+
+
+def test_stage_forward_needs_no_process_group():
+    """The split is plain module surgery: shared modules, nothing copied."""
+    cfg = _config("parallel.pp=2")
+    full = build_model(cfg.model)
+    local, (stage,) = split_model(full, cfg, [1])
+    assert stage.layers["2"] is full.layers["2"] and list(stage.layers) == ["2", "3"]
+    assert stage.tok_embeddings is None and stage.output is full.output
+    assert local.layers["3"] is full.layers["3"]
