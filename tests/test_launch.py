@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -14,16 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
-import tessera.train.trainer as trainer_module
+from conftest import REPO, TINY_OVERRIDES, run_cli
+from tessera.config import load_config
 from tessera.cli import main
 from tessera.launcher.common import LaunchError, check_world_size, parse_endpoint
 from tessera.launcher.torchrun import accelerate_command, accelerate_config, make_spec, torchrun_command
 
-needs_multiprocess = pytest.mark.skipif(
-    not hasattr(trainer_module, "setup_parallel"),
-    reason="multi-process training (the trainer on tessera.train.distributed, issue 5) has not landed yet",
-)
 
 
 def free_port() -> int:
@@ -118,7 +115,7 @@ def test_dry_run_prints_the_validated_command(tiny_config, tmp_path, capsys):
     config = write_config(tiny_config, tmp_path / "job.toml")
     assert main(["launch", str(config), "--nproc-per-node", "2", "--train.steps", "3", "--dry-run"]) == 0
     printed = shlex.split(capsys.readouterr().out.strip())
-    assert printed == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "-m", "tessera", "train", str(config), "--train.steps", "3"]
+    assert printed == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "-m", "tessera", "train", str(config), "--train.steps", "3"]
     assert main(["launch", str(config), "--train.stepz", "3", "--dry-run"]) == 2
     assert "unknown config key 'train.stepz'" in capsys.readouterr().err
 
@@ -133,7 +130,7 @@ def test_accelerate_config_is_what_accelerate_reads(tiny_config, tmp_path, capsy
     assert (loaded.num_machines, loaded.num_processes, loaded.main_process_ip, loaded.main_process_port) == (2, 4, "127.0.0.1", 29411)
     assert (loaded.rdzv_backend, loaded.same_network, loaded.distributed_type.value) == ("c10d", False, "MULTI_GPU")
     printed = shlex.split(capsys.readouterr().out.splitlines()[-1])
-    assert printed[:3] == ["accelerate", "launch", f"--config_file={yaml_path}"]
+    assert printed[:4] == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "accelerate", "launch", f"--config_file={yaml_path}"]
     assert printed[-4:] == ["-m", "tessera", "train", str(config)]
 
 
@@ -144,3 +141,82 @@ def test_accelerate_single_node_uses_a_free_port():
     text = accelerate_config(spec, JobConfig())
     assert "num_processes: 2" in text and "main_process_port: 0" in text and "rdzv_backend: static" in text
     assert accelerate_command(spec, "a.yaml", "c.toml", ["x.y=1"]) == ["accelerate", "launch", "--config_file=a.yaml", "--max_restarts=0", "-m", "tessera", "train", "c.toml", "x.y=1"]
+
+
+# ---------------------------------------------------------------- real multi-process runs
+
+# A constant LR and no periodic eval: where a run is interrupted cannot change its losses.
+JOB_OVERRIDES = ("train.steps=60", "optim.schedule=constant", "train.eval_every=0", "checkpoint.every=4")
+
+
+_REFERENCE: dict[str, list[tuple[int, float]]] = {}
+
+
+def four_process_losses(tmp_path_factory, cache_dir: Path) -> list[tuple[int, float]]:
+    """Losses of the JOB_OVERRIDES tiny job run uninterrupted by ``tessera launch --nproc-per-node 4``.
+
+    Run once per session and shared with the SLURM tests (both compare against it).
+    """
+    if "losses" not in _REFERENCE:
+        root = tmp_path_factory.mktemp("reference")
+        recipe = root / "job.toml"
+        recipe.write_text(load_config(None, [*TINY_OVERRIDES, f"train.run_dir={root / 'job'}", f"data.cache_dir={cache_dir}", *JOB_OVERRIDES]).to_toml())
+        done = run_cli("launch", str(recipe), "--nproc-per-node", "4")
+        assert done.returncode == 0, done.stderr[-3000:]
+        _REFERENCE["losses"] = losses(root / "job")
+    return _REFERENCE["losses"]
+
+
+@pytest.fixture(scope="session")
+def four_process_reference(tmp_path_factory, cache_dir) -> list[tuple[int, float]]:
+    """:func:`four_process_losses` as a fixture."""
+    return four_process_losses(tmp_path_factory, cache_dir)
+
+
+def workers_of(agent: subprocess.Popen) -> list[int]:
+    """PIDs of the ``tessera train`` processes a torchrun agent has started."""
+    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children")
+    pids = [int(p) for p in children.read_text().split()] if children.exists() else []
+    return [p for p in pids if b"tessera\x00train" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def stop_agents(agents: list[subprocess.Popen]) -> None:
+    """Terminate what is still running (agents stop their workers; stragglers are killed by PID)."""
+    for agent in agents:
+        if agent.poll() is None:
+            workers = workers_of(agent)
+            agent.terminate()
+            try:
+                agent.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_two_agents_on_localhost_train_together_and_restart_after_a_killed_worker(tiny_config, tmp_path, four_process_reference):
+    recipe = write_config(tiny_config, tmp_path / "job.toml", *JOB_OVERRIDES)
+    run_dir = tmp_path / "job"
+    cmd = [sys.executable, "-m", "tessera", "launch", str(recipe), "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    agents = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT) for log in logs]
+    try:
+        deadline = time.monotonic() + 240
+        while not ((run_dir / "checkpoints" / "step_00000004").is_dir() and len(losses(run_dir)) >= 6):
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents), logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        killed_at = len(losses(run_dir))
+        assert killed_at < 60, "the run ended before a worker could be killed"
+        os.kill(workers_of(agents[0])[0], signal.SIGKILL)
+        codes = [agent.wait(timeout=300) for agent in agents]
+    finally:
+        stop_agents(agents)
+    output = [log.read_text() for log in logs]
+    assert codes == [0, 0], output[0][-3000:] + output[1][-3000:]
+    assert "exitcode: -9" in output[0], "torchrun should report the killed worker before restarting the group"
+    assert losses(run_dir) == four_process_reference  # bitwise: the restarted group resumed from a checkpoint

@@ -56,6 +56,7 @@ def test_guard_records_the_signal_and_restores_handlers(tmp_path):
     assert json.loads((tmp_path / PREEMPTION_MARKER).read_text())["step"] == 7
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_75_and_the_rerun_matches_an_uninterrupted_run(tiny_config, tmp_path):
     reference = train(tiny_config(*PREEMPT_OVERRIDES, run_dir=tmp_path / "reference"))
     config = tiny_config(*PREEMPT_OVERRIDES, run_dir=tmp_path / "preempted")

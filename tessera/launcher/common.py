@@ -14,6 +14,11 @@ class LaunchError(ValueError):
     """A launch request that cannot work; its message is one line saying what to change."""
 
 
+# torchrun's agents share one TCPStore with the workers by default, and a restarted worker group
+# can read the dead group's keys from it (agents count restarts separately), then fail to connect
+# or hang: pytorch/pytorch#135712. A fresh store per worker group avoids it.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)$")
 
 

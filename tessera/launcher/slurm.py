@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from tessera.config import JobConfig, load_config
-from tessera.launcher.common import LaunchError, check_world_size, train_args
+from tessera.launcher.common import TORCHRUN_ENV, LaunchError, check_world_size, train_args
 from tessera.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_MARKER
 
 SCRIPT_NAME = "job.sbatch"
@@ -135,16 +135,17 @@ def _sbatch_lines(spec: SlurmSpec, run_dir: str, job_name: str) -> list[str]:
 
 def _environment(spec: SlurmSpec) -> list[str]:
     lines = [
-        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
-        "export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1",
+        ("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}", ""),
+        ("export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1", ""),
+        *((f"export {key}={value}", "a fresh store per worker group, so restarts work (pytorch#135712)") for key, value in TORCHRUN_ENV.items()),
     ]
     if spec.device == "gpu":
         lines += [
-            "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1     # a dead peer fails the job instead of hanging it",
-            "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}",
-            "# export NCCL_SOCKET_IFNAME=ib0               # uncomment and name your cluster's fabric interface",
+            ("export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "a dead peer fails the job instead of hanging it"),
+            ("export NCCL_DEBUG=${NCCL_DEBUG:-WARN}", ""),
+            ("# export NCCL_SOCKET_IFNAME=ib0", "uncomment and name your cluster's fabric interface"),
         ]
-    return lines
+    return [f"{line.ljust(47)} # {comment}" if comment else line for line, comment in lines]
 
 
 def render_sbatch(config: JobConfig, spec: SlurmSpec, command: str) -> str:

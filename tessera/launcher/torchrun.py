@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from tessera.config import JobConfig, load_config
-from tessera.launcher.common import Endpoint, LaunchError, check_world_size, parse_endpoint, train_args
+from tessera.launcher.common import TORCHRUN_ENV, Endpoint, LaunchError, check_world_size, parse_endpoint, train_args
 
 
 _ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -115,7 +115,10 @@ def accelerate_command(spec: TorchrunSpec, yaml_path: str, config_path: str, ove
 
 
 def launch(config_path: str, overrides: list[str], spec: TorchrunSpec, via: str = "torchrun", dry_run: bool = False) -> int:
-    """Validate the job, then print the command (``dry_run``) or replace this process with it."""
+    """Validate the job, then print the command (``dry_run``) or replace this process with it.
+
+    The command runs with :data:`TORCHRUN_ENV` (printed in front of it, so a copy runs the same).
+    """
     config = load_config(config_path, overrides)
     check_world_size(config, spec.nnodes, spec.nproc_per_node)
     if via == "accelerate":
@@ -126,9 +129,9 @@ def launch(config_path: str, overrides: list[str], spec: TorchrunSpec, via: str 
         cmd = accelerate_command(spec, str(yaml_path), config_path, overrides)
     else:
         cmd = torchrun_command(spec, config_path, overrides)
-    print(shlex.join(cmd), flush=True)
+    print(shlex.join([f"{k}={v}" for k, v in TORCHRUN_ENV.items()] + cmd), flush=True)
     if dry_run:
         return 0
     if shutil.which(cmd[0]) is None:
         raise LaunchError(f"'{cmd[0]}' is not on PATH; install it in this environment ({sys.executable})")
-    os.execvp(cmd[0], cmd)
+    os.execvpe(cmd[0], cmd, {**os.environ, **TORCHRUN_ENV})
