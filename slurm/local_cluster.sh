@@ -45,7 +45,7 @@ write_conf() {
         echo "AuthType=auth/munge"
         echo "CredType=cred/munge"
         # cred_expire is also how long a requeued job waits before it may start again (default 120 s).
-        echo "AuthInfo=socket=$dir/munge.sock,cred_expire=10"
+        echo "AuthInfo=socket=$dir/munge.sock,cred_expire=5"
         echo "SlurmUser=$user"
         echo "SlurmdUser=$user"
         echo "StateSaveLocation=$dir/state"
@@ -63,6 +63,7 @@ write_conf() {
         echo "SchedulerType=sched/builtin"
         echo "SchedulerParameters=sched_interval=2"
         echo "MpiDefault=none"
+        echo "MailProg=/bin/true"
         echo "ReturnToService=2"
         echo "SlurmdParameters=config_overrides"
         echo "MinJobAge=600"

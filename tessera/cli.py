@@ -213,21 +213,21 @@ def _cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
-    from tessera.launcher.common import default_nproc_per_node
-    from tessera.launcher.torchrun import launch, make_spec
+    from tessera.launcher.torchrun import launch
 
-    nproc = args.nproc_per_node or default_nproc_per_node()
-    run_dir = load_config(args.config, overrides).train.run_dir
-    spec = make_spec(args.nnodes, nproc, args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id, args.node_rank, args.max_restarts, run_dir)
-    return launch(args.config, overrides, spec, args.via, args.dry_run)
+    return launch(
+        args.config, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
+        rdzv_id=args.rdzv_id, node_rank=args.node_rank, max_restarts=args.max_restarts, via=args.via, dry_run=args.dry_run,
+    )
 
 
 def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.launcher.slurm import SlurmSpec, slurm
 
     spec = SlurmSpec(
-        args.nodes, args.gpus_per_node, args.device, args.partition, args.time, args.account, args.qos, args.exclusive, args.job_name,
-        args.cpus_per_task, args.mem, args.signal_seconds, args.rdzv_port, args.max_restarts, args.sbatch, args.setup,
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, device=args.device, partition=args.partition, time=args.time, account=args.account,
+        qos=args.qos, exclusive=args.exclusive, job_name=args.job_name, cpus_per_task=args.cpus_per_task, mem=args.mem,
+        signal_seconds=args.signal_seconds, rdzv_port=args.rdzv_port, max_restarts=args.max_restarts, sbatch_options=args.sbatch, setup=args.setup,
     )
     return slurm(args.config, overrides, spec, args.argv, args.submit, args.dry_run)
 
