@@ -47,6 +47,7 @@ def test_gpu_script_is_one_torchrun_per_node_with_rendezvous_on_the_first_node(c
     assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in script
     assert "--rdzv-backend=c10d" in script and '--rdzv-endpoint="$HEAD_ADDR:$RDZV_PORT"' in script and "--nproc-per-node=8" in script
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in script and "OMP_NUM_THREADS" in script
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in script, "torchrun must forward the pre-timeout USR1, not die of it"
     assert '-m tessera train "$RUN_DIR/config.toml"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     assert script.splitlines()[2] == "# Written by: tessera slurm configs/smoke.toml --nodes 2 --gpus-per-node 8 --device gpu --partition gpu --time 04:00:00 --account proj --qos high --exclusive --mem 0 --sbatch=--constraint=h100"
     syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
