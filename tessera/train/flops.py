@@ -22,8 +22,12 @@ def flops_per_token(matmul_params: int, cfg: ModelConfig, seq_len: int) -> float
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
-def measure_cpu_peak_flops(size: int = 1024, repeats: int = 5) -> float:
-    """Best achieved FLOP/s of an fp32 square matmul on this CPU with the current threads."""
+def measure_cpu_peak_flops(size: int = 1024, repeats: int = 20) -> float:
+    """Best achieved FLOP/s of an fp32 square matmul on this CPU with the current threads.
+
+    The best of many short trials, so a neighbour briefly busy on the same cores lowers it
+    less; a CPU shared with other work can still make the reported MFU exceed what it is.
+    """
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b  # warm up the kernels and the thread pool
     best = float("inf")
