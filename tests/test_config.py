@@ -97,7 +97,7 @@ def test_console_script_prints_no_traceback():
     result = run_cli("train", "configs/smoke.toml", "--optim.warmup_steps", "999999")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "tessera: error: optim.warmup_steps=999999 is longer than train.steps=450; shorten the warmup or train longer"
+        "tessera: error: optim.warmup_steps=999999 is longer than train.steps=340; shorten the warmup or train longer"
     ]
 
 

@@ -23,7 +23,7 @@ def test_every_sharded_block_matches_its_unsharded_twin():
         (["parallel.tp=2", "train.seq_len=33", "model.max_seq_len=64"], "train.seq_len=33 is not divisible by parallel.tp=2"),
         (["parallel.tp=2", "model.arch=encoder", "model.objective=masked_lm", "model.sentinel_tokens=1"], "encoder / encoder-decoder with"),
         (["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.tp=2"], "ddp with tp"),
-        (["parallel.pp=2"], "training with pp: pipeline parallelism is not implemented yet"),
+        (["parallel.pp=4", "model.n_layers=2"], "4 pipeline stages (pp=4 x 1 per rank) but model.n_layers=2"),
         (["parallel.dp_shard=4", "train.batch_size=6"], "train.batch_size=6 (global) is not divisible by the data-parallel degree 4"),
         (["parallel.cpu_offload=true", "parallel.dp_shard=1"], "cpu offload (CUDA) with single"),
     ],
