@@ -101,3 +101,9 @@ def assert_losses_close(got: list[float], want: list[float], rtol: float = 1e-5)
     assert len(got) == len(want) and len(want) > 0, (got, want)
     for step, (a, b) in enumerate(zip(got, want), 1):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e} > {rtol})"
+
+
+def write_tiny_recipe(path: Path, cache_dir: Path, *overrides: str) -> Path:
+    """A TOML recipe of the tiny job (plus ``overrides``) that torchrun workers can load."""
+    path.write_text(load_config(None, [*TINY_OVERRIDES, f"data.cache_dir={cache_dir}", *overrides]).to_toml())
+    return path

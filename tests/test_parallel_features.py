@@ -13,15 +13,14 @@ from tessera.parallel.compat import render_markdown
 from tessera.train.distributed import setup_parallel
 from tessera.train.trainer import train
 
-from conftest import REPO, TINY_OVERRIDES, assert_losses_close, step_losses, torchrun
+from conftest import REPO, assert_losses_close, step_losses, torchrun, write_tiny_recipe
 
 BASE = ["train.steps=5", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0"]
 
 
 @pytest.mark.slow
 def test_zero2_compile_and_meta_init_under_fsdp(tmp_path, cache_dir):
-    recipe = tmp_path / "job.toml"
-    recipe.write_text(load_config(None, [*TINY_OVERRIDES, f"data.cache_dir={cache_dir}", *BASE]).to_toml())
+    recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, *BASE)
     reference = step_losses(train(load_config(recipe, [f"train.run_dir={tmp_path}/ref"])).run_dir)
     variants = {
         "zero2": ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"],

@@ -15,7 +15,7 @@ import pytest
 
 from tessera.train.trainer import train
 
-from conftest import assert_losses_close, step_losses, torchrun
+from conftest import assert_losses_close, step_losses, torchrun, write_tiny_recipe
 
 STEPS = 5
 BASE = [f"train.steps={STEPS}", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0", "checkpoint.enabled=false"]
@@ -35,12 +35,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def base_recipe(tmp_path_factory, cache_dir):
-    from conftest import TINY_OVERRIDES
-    from tessera.config import load_config
-
-    path = tmp_path_factory.mktemp("parity") / "base.toml"
-    path.write_text(load_config(None, [*TINY_OVERRIDES, f"data.cache_dir={cache_dir}", *BASE]).to_toml())
-    return path
+    return write_tiny_recipe(tmp_path_factory.mktemp("parity") / "base.toml", cache_dir, *BASE)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from tessera.config import load_config
 from tessera.train.metrics import read_metrics
 from tessera.train.trainer import train
 
-from conftest import TINY_OVERRIDES, assert_losses_close, run_cli, step_losses, torchrun
+from conftest import assert_losses_close, run_cli, step_losses, torchrun, write_tiny_recipe
 
 STEPS = 6
 BASE = [f"train.steps={STEPS}", "train.batch_size=8", "model.n_layers=4", "log.every=1", "optim.schedule=constant", "train.eval_every=0", "checkpoint.every=3"]
@@ -48,9 +48,7 @@ def _resume_copy(src, dst) -> None:
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory, cache_dir):
-    path = tmp_path_factory.mktemp("pipeline") / "base.toml"
-    path.write_text(load_config(None, [*TINY_OVERRIDES, f"data.cache_dir={cache_dir}", *BASE]).to_toml())
-    return path
+    return write_tiny_recipe(tmp_path_factory.mktemp("pipeline") / "base.toml", cache_dir, *BASE)
 
 
 @pytest.fixture(scope="module")

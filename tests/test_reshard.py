@@ -13,15 +13,14 @@ from tessera.api import load
 from tessera.config import load_config
 from tessera.train.trainer import train
 
-from conftest import TINY_OVERRIDES, assert_losses_close, run_cli, step_losses, torchrun
+from conftest import assert_losses_close, run_cli, step_losses, torchrun, write_tiny_recipe
 
 BASE = ["train.steps=8", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0", "checkpoint.every=4", "model.tie_embeddings=false"]
 
 
 @pytest.mark.slow
 def test_checkpoints_reshard_across_layouts(tmp_path, cache_dir):
-    recipe = tmp_path / "job.toml"
-    recipe.write_text(load_config(None, [*TINY_OVERRIDES, f"data.cache_dir={cache_dir}", *BASE]).to_toml())
+    recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, *BASE)
     reference = step_losses(train(load_config(recipe, [f"train.run_dir={tmp_path}/ref"])).run_dir)
 
     # Save at FSDP=4 after 4 of 8 steps.

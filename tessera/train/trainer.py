@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
 from tessera.data.pipeline import DataBundle, Split, build_data
-from tessera.model import Decoder, build_model, count_parameters, generate, moe_losses, moe_metrics
+from tessera.model import build_model, count_parameters, generate, moe_losses, moe_metrics
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.train.metrics import MetricsLogger, plot_loss_curve
