@@ -31,7 +31,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.M
     apply_activation_checkpointing(block_containers(model), p.activation_checkpoint, p.ac_every)
     if p.compile:
         apply_compile(block_containers(model))
-    if dims.dp_shard * dims.cp > 1:
+    if uses_fsdp(dims):
         mesh = dims.submesh("hsdp") or dims.submesh("fsdp")
         apply_fsdp(model, mesh, _PARAM_DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload)
     elif dims.dp_replicate > 1:

@@ -12,7 +12,9 @@ from typing import Any
 
 LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
 
-# feature -> layouts it does NOT support, with the reason shown to the user.
+# feature -> layouts it does NOT support, with the reason shown to the user. "sp" is tensor
+# parallelism with sequence parallelism on, so it inherits every "tp" entry (a job with sp
+# also has tp and is refused there); only what fails with sp alone is listed under "sp".
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "training": {
         "cp": "context parallelism is not implemented yet",
@@ -21,7 +23,6 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "activation checkpointing": {},
     "torch.compile": {
         "tp": "compile is not validated with tensor parallelism yet",
-        "sp": "compile is not validated with sequence parallelism yet",
         "pp": "compile is not validated with pipeline stages yet",
     },
     "bf16": {},
@@ -29,30 +30,26 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "fsdp": "fp16 needs a sharded grad scaler; use bf16",
         "hsdp": "fp16 needs a sharded grad scaler; use bf16",
         "tp": "fp16 with DTensor gradients is not supported; use bf16",
-        "sp": "fp16 with DTensor gradients is not supported; use bf16",
         "pp": "the pipeline schedule runs backward itself, without the fp16 loss scaler; use bf16",
     },
     "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "ddp": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "tp": "offload with tensor parallelism is not supported",
-        "sp": "offload with tensor parallelism is not supported",
         "pp": "offload is not validated with pipeline stages yet",
     },
     "meta init": {"pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"},
     "tied embeddings": {
         "tp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false",
-        "sp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false",
         "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
     },
-    "encoder / encoder-decoder": {"tp": "the tensor-parallel plan covers decoder-only models", "sp": "the tensor-parallel plan covers decoder-only models"},
+    "encoder / encoder-decoder": {"tp": "the tensor-parallel plan covers decoder-only models"},
     "absolute positions (learned, sinusoidal)": {"sp": "position tables are added before the sequence is sharded; set parallel.sequence_parallel=false"},
     "score-bias positions (t5_bias, alibi)": {
         "tp": "the bias tables are not sharded by head yet",
-        "sp": "the bias tables are not sharded by head yet",
         "pp": "the score-bias module is shared by the blocks of every stage; use rope or learned positions",
     },
-    "sparse/linear attention kernels": {"tp": "only the sdpa and eager kernels are sharded", "sp": "only the sdpa and eager kernels are sharded"},
+    "sparse/linear attention kernels": {"tp": "only the sdpa and eager kernels are sharded"},
     "mixture of experts": {},
 }
 
@@ -135,13 +132,14 @@ def incompatibilities(config: Any, world_size: int | None = None) -> list[str]:
 def render_markdown() -> str:
     """The matrix as a Markdown table (the README's copy is checked against this by a test).
 
-    A layout that cannot train at all shows "n/a" for every other feature; ``sp`` is tensor
-    parallelism with sequence parallelism on, so a "no" under ``tp`` also holds for it.
+    A layout that cannot train at all shows "n/a" for every other feature; a "no" under
+    ``tp`` also shows under ``sp``.
     """
     missing = UNSUPPORTED["training"]
     rows = ["| feature | " + " | ".join(LAYOUTS) + " |", "|---" * (len(LAYOUTS) + 1) + "|"]
     for feature, unsupported in UNSUPPORTED.items():
-        cells = ["no" if layout in unsupported else "n/a" if layout in missing else "yes" for layout in LAYOUTS]
+        refused = set(unsupported) | ({"sp"} if "tp" in unsupported else set())
+        cells = ["no" if layout in refused else "n/a" if layout in missing else "yes" for layout in LAYOUTS]
         rows.append(f"| {feature} | " + " | ".join(cells) + " |")
     rows.append("")
     rows += [f"- not {' with '.join(sorted(pair))}: {reason}" for pair, reason in UNSUPPORTED_PAIRS.items()]

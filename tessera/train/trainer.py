@@ -325,9 +325,8 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    if step == 0:
-        keep = []
+    lines = path.read_text().splitlines() if step > 0 else []  # a fresh run starts an empty file
+    keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
     path.write_text("".join(line + "\n" for line in keep))
 
 
