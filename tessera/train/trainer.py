@@ -24,6 +24,7 @@ from tessera.train.metrics import MetricsLogger, plot_loss_curve
 from tessera.train.optim import build_optimizer, build_scheduler
 from tessera.train.preemption import PreemptionGuard
 from tessera.parallel import clip_grad_norm
+from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -343,6 +344,7 @@ class Trainer:
         ):  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
+        param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
         if not self.parallel.is_main:
             return
         summary = {
@@ -350,6 +352,7 @@ class Trainer:
             "seconds": result.seconds,
             "val_losses": result.val_losses,
             "final_loss": result.losses[-1] if result.losses else None,
+            "param_sumsq": param_sumsq,  # per tensor, layout-independent: the parity tests' final check
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         vals = list(result.val_losses.values())
