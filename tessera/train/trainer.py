@@ -85,8 +85,6 @@ class Trainer:
         self.run_dir = Path(config.train.run_dir)
         self.device = resolve_device(config.train.device)
         self.dtype = DTYPES[config.train.dtype]
-        if self.dtype == torch.float16 and self.device.type == "cpu":
-            raise ConfigError("train.dtype='fp16' needs a GPU; use train.dtype=bf16 or fp32 on CPU")
         self.resume_from = resolve_resume(config)
         self.parallel = setup_parallel(config, self.device)
         self.device = self.parallel.device
