@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
@@ -49,6 +50,8 @@ def lm_loss(
         logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing, reduction="none"
     )
     mask = loss_mask.flatten().float()
+    if isinstance(losses, DTensor):  # loss parallelism: the per-token losses are replicated over tp
+        mask = DTensor.from_local(mask, losses.device_mesh, losses.placements, run_check=False)
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
