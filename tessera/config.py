@@ -143,6 +143,7 @@ class TrainConfig:
     resume: str = "auto"  # auto | none | path to a checkpoint directory
     sample_prompt: str = "def "
     sample_tokens: int = 64  # tokens generated at the end of training; 0 disables
+    threads: int = 0  # torch CPU threads per process; 0 = auto: OMP_NUM_THREADS if set, else usable cores / processes on the node
 
 
 @dataclass
@@ -181,7 +182,11 @@ class LogConfig:
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
     tensorboard: bool = True
     plot: bool = True
-    peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 measures (CPU) or looks up (GPU)
+    peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 measures (CPU, cached per machine) or looks up (GPU)
+    wandb: bool = False  # also log to Weights & Biases (pip install 'tessera[wandb]')
+    wandb_project: str = "tessera"  # W&B project
+    wandb_run_name: str = ""  # W&B run name; "" = the run directory's name
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"  # auto: $WANDB_MODE, else online when logged in and reachable, else offline
 
 
 @dataclass
@@ -437,6 +442,7 @@ def validate(config: JobConfig) -> None:
     _require(0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
     _require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), f"train.device={t.device!r} must be auto, cpu or cuda")
     _require(t.sample_tokens >= 0, f"train.sample_tokens must be >= 0, got {t.sample_tokens}")
+    _require(t.threads >= 0, f"train.threads must be >= 0 (0 = auto), got {t.threads}")
     _require(bool(t.run_dir), "train.run_dir must not be empty")
 
     _require(o.lr > 0, f"optim.lr must be positive, got {o.lr}")

@@ -26,6 +26,7 @@ from typing import Literal
 
 from tessera.config import JobConfig, load_config
 from tessera.launcher.common import TORCHRUN_ENV, LaunchError, check_world_size, train_args
+from tessera.status import refuse_if_running
 from tessera.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_MARKER
 
 SCRIPT_NAME = "job.sbatch"
@@ -54,6 +55,7 @@ class SlurmSpec:
     max_restarts: int = 0
     sbatch_options: list[str] = field(default_factory=list)
     setup: list[str] = field(default_factory=list)
+    python: str = field(default_factory=lambda: sys.executable)  # runs torchrun (`PYTHON -m torch.distributed.run`) and training
 
 
 def time_limit_seconds(text: str) -> int:
@@ -74,19 +76,17 @@ def time_limit_seconds(text: str) -> int:
     return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s
 
 
-def job_device(requested: str, config: JobConfig) -> tuple[Literal["gpu", "cpu"], str]:
-    """``--device`` (gpu, cpu or auto: from train.device, else whether a GPU is visible here) and a note."""
+def job_device(requested: str, config: JobConfig) -> Literal["gpu", "cpu"]:
+    """``--device``: gpu, cpu, or auto (cpu when train.device=cpu, else gpu).
+
+    The flags describe what the job needs on the compute nodes, never what the machine writing
+    the script has (a login node usually has no GPU): a CPU job is asked for with ``--device cpu``.
+    """
     if requested in ("gpu", "cpu"):
-        return requested, ""  # type: ignore[return-value]
+        return requested  # type: ignore[return-value]
     if requested != "auto":
         raise LaunchError(f"--device {requested!r} is not one of 'auto', 'gpu', 'cpu'")
-    if config.train.device != "auto":
-        return ("cpu" if config.train.device == "cpu" else "gpu"), ""
-    import torch
-
-    if torch.cuda.is_available():
-        return "gpu", ""
-    return "cpu", "tessera: no GPU visible here and train.device=auto: writing a CPU job (no --gres); pass --device gpu for a GPU cluster"
+    return "cpu" if config.train.device == "cpu" else "gpu"
 
 
 def check_spec(spec: SlurmSpec, config: JobConfig) -> None:
@@ -135,7 +135,8 @@ def _sbatch_lines(spec: SlurmSpec, run_dir: str, job_name: str) -> list[str]:
 
 def _environment(spec: SlurmSpec) -> list[str]:
     lines = [
-        ("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}", ""),
+        (f"THREADS=$(( SLURM_CPUS_ON_NODE / {spec.gpus_per_node} )); (( THREADS > 0 )) || THREADS=1", ""),
+        ("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}", "torch threads per process: the node's cores / processes"),
         ("export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1", ""),
         *((f"export {key}={value}", "a fresh store per worker group, so restarts work (pytorch#135712)") for key, value in TORCHRUN_ENV.items()),
     ]
@@ -157,7 +158,7 @@ def render_sbatch(config: JobConfig, spec: SlurmSpec, command: str) -> str:
     port = str(spec.rdzv_port) if spec.rdzv_port else "$((29500 + SLURM_JOB_ID % 1000))"
     signals = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     torchrun = [
-        "torchrun",
+        '"$PYTHON" -m torch.distributed.run',
         f"--nnodes={spec.nodes}",
         f"--nproc-per-node={spec.gpus_per_node}",
         "--rdzv-backend=c10d",
@@ -180,6 +181,7 @@ def render_sbatch(config: JobConfig, spec: SlurmSpec, command: str) -> str:
         "",
         "set -uo pipefail",
         f"RUN_DIR={shlex.quote(run_dir)}",
+        f"PYTHON={shlex.quote(spec.python)}".ljust(47) + " # runs torchrun and training: a virtual environment needs no activation",
         "",
         "# The c10d rendezvous lives on the job's first node, at the address SLURM knows it by.",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
@@ -235,14 +237,12 @@ def slurm(config_path: str, overrides: list[str], spec: SlurmSpec, argv: list[st
     """
     command = shlex.join(["tessera", *(a for a in argv if a not in ("--submit", "--dry-run"))])
     config = load_config(config_path, overrides)
-    device, note = job_device(spec.device, config)
-    spec = dataclasses.replace(spec, device=device)
+    spec = dataclasses.replace(spec, device=job_device(spec.device, config))
     check_spec(spec, config)
-    if note:
-        print(note, file=sys.stderr)
     if dry_run:
         print(render_sbatch(config, spec, command), end="")
         return 0
+    refuse_if_running(config.train.run_dir, "this job", trust_heartbeat=True)
     script = write_job(config, spec, command)
     print(f"wrote {script} and {script.parent / CONFIG_NAME}")
     if submit_job:
