@@ -89,20 +89,20 @@ class ModelConfig:
 class ParallelConfig:
     """Parallel degrees; their product must equal the world size (dp_shard=-1 takes the rest)."""
 
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    pp: int = 1
+    dp_replicate: int = 1  # replicas of the model (DDP, or the replicate dimension of HSDP)
+    dp_shard: int = -1  # ranks sharding params, grads and optimizer state (FSDP); -1 = the processes left
+    tp: int = 1  # tensor-parallel degree (Megatron-style column/row-parallel linears, vocab-parallel head)
+    pp: int = 1  # pipeline stages (the outermost mesh dimension)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"] = "1f1b"  # pipeline schedule (pp > 1)
     microbatches: int = 0  # micro-batches per pipeline step; 0 means pp
     pp_virtual_stages: int = 0  # stages per pp rank; 0 means 2 for interleaved/zero-bubble schedules, else 1
     layers_per_stage: str = ""  # comma-separated block counts per stage, e.g. "3,5"; empty balances by count
-    cp: int = 1
-    ep: int = 1
+    cp: int = 1  # context-parallel degree (not implemented yet: must be 1)
+    ep: int = 1  # expert-parallel degree (not implemented yet: must be 1)
     sequence_parallel: bool = True  # with tp > 1: shard norms/dropout activations along the sequence
     reshard_after_forward: bool = True  # FSDP: true is ZeRO-3, false keeps params gathered until backward (ZeRO-2)
     cpu_offload: bool = False  # FSDP: parameters, gradients and optimizer step on the CPU
-    activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"
+    activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"  # selective = every ac_every-th block
     ac_every: int = 2  # selective: checkpoint every n-th block
     compile: bool = False  # torch.compile each transformer block
     meta_init: bool = False  # build on the meta device, shard, then initialize (for models too big for one host)
@@ -112,15 +112,15 @@ class ParallelConfig:
 class OptimConfig:
     """AdamW and the learning-rate schedule."""
 
-    name: Literal["adamw"] = "adamw"
-    lr: float = 3e-4
+    name: Literal["adamw"] = "adamw"  # the optimizer (no decay on norms, biases, embeddings)
+    lr: float = 3e-4  # peak learning rate, reached after warmup_steps
     min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of lr
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    warmup_steps: int = 100
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"  # decay after warmup; wsd: warmup-stable-decay
+    warmup_steps: int = 100  # linear warmup from 0 to lr
     decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
 
@@ -129,21 +129,21 @@ class OptimConfig:
 class TrainConfig:
     """The training loop: length, batch, precision, evaluation, where outputs go."""
 
-    run_dir: str = "runs/default"
-    steps: int = 1000
+    run_dir: str = "runs/default"  # where config, checkpoints, metrics and plots go
+    steps: int = 1000  # optimizer steps to train
     batch_size: int = 8  # sequences per micro-batch, over all data-parallel ranks together
-    grad_accum: int = 1
-    seq_len: int = 256
-    seed: int = 1234
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    seq_len: int = 256  # tokens per training sequence
+    seed: int = 1234  # seeds weights, data order and sampling
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute precision; fp16 needs a GPU
     device: str = "auto"  # auto | cpu | cuda
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # cross-entropy label smoothing
     eval_every: int = 100  # 0 disables periodic evaluation (a final one still runs)
-    eval_batches: int = 8
+    eval_batches: int = 8  # global batches of the validation split per evaluation
     resume: str = "auto"  # auto | none | path to a checkpoint directory
-    sample_prompt: str = "def "
+    sample_prompt: str = "def "  # prompt of the sample generated at the end of training
     sample_tokens: int = 64  # tokens generated at the end of training; 0 disables
-    threads: int = 0  # torch CPU threads per process; 0 = auto: OMP_NUM_THREADS if set, else usable cores / processes on the node
+    threads: int = 0  # torch threads per process; 0 = $OMP_NUM_THREADS, else cores / local processes
 
 
 @dataclass
@@ -169,24 +169,24 @@ class DataConfig:
 class CheckpointConfig:
     """DCP checkpoints in the run directory."""
 
-    enabled: bool = True
+    enabled: bool = True  # save checkpoints at all
     every: int = 500  # steps between saves; the last step always saves
-    keep_last: int = 3
+    keep_last: int = 3  # older checkpoints are deleted
 
 
 @dataclass
 class LogConfig:
     """Console, metrics.jsonl, TensorBoard and the loss plot."""
 
-    every: int = 10
-    progress: Literal["auto", "bar", "lines", "none"] = "auto"
-    tensorboard: bool = True
-    plot: bool = True
+    every: int = 10  # steps per logged record (loss and grad norm are means over them)
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a terminal, else lines
+    tensorboard: bool = True  # TensorBoard events in RUN_DIR/tensorboard
+    plot: bool = True  # draw RUN_DIR/loss_curve.png at the end
     peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 measures (CPU, cached per machine) or looks up (GPU)
     wandb: bool = False  # also log to Weights & Biases (pip install 'tessera[wandb]')
     wandb_project: str = "tessera"  # W&B project
     wandb_run_name: str = ""  # W&B run name; "" = the run directory's name
-    wandb_mode: Literal["auto", "online", "offline"] = "auto"  # auto: $WANDB_MODE, else online when logged in and reachable, else offline
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"  # auto: $WANDB_MODE, else online if logged in
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -116,7 +117,7 @@ class WandbSink:
         import wandb
 
         id_file = run_dir / "wandb-id.txt"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
         self.mode, self.why = wandb_mode(log.wandb_mode)
         self.run = wandb.init(project=log.wandb_project, name=log.wandb_run_name or run_dir.name, id=run_id, resume="allow",
