@@ -64,8 +64,11 @@ def field_comments(cls: type) -> dict[str, str]:
         tree = ast.parse(f.read())
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
-            return {stmt.target.id: comments.get(stmt.end_lineno or stmt.lineno, "")
-                    for stmt in node.body if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
+            return {
+                stmt.target.id: comments.get(stmt.end_lineno or stmt.lineno, "")
+                for stmt in node.body
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+            }
     return {}
 
 

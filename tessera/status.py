@@ -15,10 +15,11 @@ import json
 import os
 import socket
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+import tomllib
 
 from tessera.config import ConfigError
 
@@ -77,8 +78,17 @@ class RunLock:
         except OSError:
             pass  # a filesystem without locks: keep the heartbeat only
         now = time.time()
-        self.file, self.info = file, {"pid": os.getpid(), "host": socket.gethostname(), "started": now, "updated": now, "step": 0,
-                                      "state": "running"}
+        self.file, self.info = (
+            file,
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": now,
+                "updated": now,
+                "step": 0,
+                "state": "running",
+            },
+        )
         self._write()
         return self
 
@@ -137,8 +147,14 @@ def run_holder(run_dir: str | Path, trust_heartbeat: bool = True) -> Holder | No
     if not path.is_file():
         return None
     locked, info = _locked_here(path), _read_lock(path)
-    holder = Holder(int(info.get("pid", 0)), str(info.get("host", "?")), float(info.get("started", 0)), float(info.get("updated", 0)),
-                    int(info.get("step", 0)), remote=not locked)
+    holder = Holder(
+        int(info.get("pid", 0)),
+        str(info.get("host", "?")),
+        float(info.get("started", 0)),
+        float(info.get("updated", 0)),
+        int(info.get("step", 0)),
+        remote=not locked,
+    )
     if locked:
         return holder
     other_host = info.get("host") != socket.gethostname() or locked is None
@@ -152,7 +168,10 @@ def in_use_message(run_dir: Path, holder: Holder | None, what: str) -> str:
     """The one-line refusal when ``run_dir`` is held."""
     who = holder.describe() if holder else "another process"
     hint = f"if that process is gone, delete {run_dir / LOCK_NAME}; " if holder and holder.remote else ""
-    return f"train.run_dir '{run_dir}' belongs to a training that is still running ({who}); {hint}wait for it, stop it, or set another train.run_dir for {what}"
+    return (
+        f"train.run_dir '{run_dir}' belongs to a training that is still running ({who}); "
+        f"{hint}wait for it, stop it, or set another train.run_dir for {what}"
+    )
 
 
 def refuse_if_running(run_dir: str | Path, what: str, trust_heartbeat: bool = False) -> None:
@@ -182,7 +201,9 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 def _run_config(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "config.toml"
     if not path.is_file():
-        raise ConfigError(f"'{run_dir}' is not a tessera run directory (no config.toml); give train.run_dir of a run, e.g. runs/smoke")
+        raise ConfigError(
+            f"'{run_dir}' is not a tessera run directory (no config.toml); give train.run_dir of a run, e.g. runs/smoke"
+        )
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
@@ -225,14 +246,21 @@ def run_status(run_dir: str | Path) -> str:
     holder = run_holder(run_dir)
     step = max([r["step"] for r in records] + [holder.step if holder else 0])
     vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    lines = [("run", str(run_dir)), ("state", _state_line(run_dir, holder, step, total)),
-             ("step", f"{step:,} / {total:,} ({100 * step / max(total, 1):.0f}%)"),
-             ("tokens seen", f"{step * tokens_per_step:,}")]
+    lines = [
+        ("run", str(run_dir)),
+        ("state", _state_line(run_dir, holder, step, total)),
+        ("step", f"{step:,} / {total:,} ({100 * step / max(total, 1):.0f}%)"),
+        ("tokens seen", f"{step * tokens_per_step:,}"),
+    ]
     if trained:
-        lines.append(("train loss", f"{trained[-1]['loss']:.4f} at step {trained[-1]['step']} (mean of its logging window)"))
+        lines.append(
+            ("train loss", f"{trained[-1]['loss']:.4f} at step {trained[-1]['step']} (mean of its logging window)")
+        )
     if vals:
         best = min(vals, key=lambda v: v[1])
-        lines.append(("val loss", f"last {vals[-1][1]:.4f} at step {vals[-1][0]}; best {best[1]:.4f} at step {best[0]}"))
+        lines.append(
+            ("val loss", f"last {vals[-1][1]:.4f} at step {vals[-1][0]}; best {best[1]:.4f} at step {best[0]}")
+        )
     checkpoint = _latest_checkpoint(run_dir)
     lines.append(("checkpoint", f"{checkpoint[0]} (step {checkpoint[1]})" if checkpoint else "none yet"))
     per_step = _seconds_per_step(records, holder.started if holder else 0.0, tokens_per_step) if trained else None

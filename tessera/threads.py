@@ -30,7 +30,8 @@ class ThreadChoice:
 
     def describe(self) -> str:
         """``"2 torch threads per process (auto: 2 cores / 1 process; train.threads sets it)"``."""
-        return f"{self.threads} torch thread{'s' if self.threads != 1 else ''} per process ({self.reason}; train.threads sets it)"
+        plural = "s" if self.threads != 1 else ""
+        return f"{self.threads} torch thread{plural} per process ({self.reason}; train.threads sets it)"
 
 
 def _cgroup_cores(root: Path = Path("/sys/fs/cgroup")) -> float | None:
@@ -67,7 +68,9 @@ def choose_threads(configured: int, local_processes: int, environ: dict[str, str
         return ThreadChoice(int(omp), "OMP_NUM_THREADS")
     cores, procs = usable_cores(), max(1, local_processes)
     per_process = max(1, cores // procs)
-    return ThreadChoice(per_process, f"auto: {cores} core{'s' if cores != 1 else ''} / {procs} process{'es' if procs != 1 else ''}")
+    return ThreadChoice(
+        per_process, f"auto: {cores} core{'s' if cores != 1 else ''} / {procs} process{'es' if procs != 1 else ''}"
+    )
 
 
 def busy_hint(threads: int) -> str:

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
-
 from conftest import REPO, TINY_OVERRIDES, run_cli
+
 from tessera.cli import build_parser, main
 from tessera.config import ConfigError, JobConfig, load_config
 
@@ -60,7 +60,10 @@ def test_thread_choice_prefers_the_key_then_the_environment_then_cores_per_proce
     assert threads.choose_threads(0, 4, {"OMP_NUM_THREADS": "2"}) == threads.ThreadChoice(2, "OMP_NUM_THREADS")
     assert threads.choose_threads(0, 4, {}) == threads.ThreadChoice(4, "auto: 16 cores / 4 processes")
     assert threads.choose_threads(0, 32, {}).threads == 1
-    assert "4 torch threads per process (auto: 16 cores / 4 processes; train.threads sets it)" == threads.choose_threads(0, 4, {}).describe()
+    assert (
+        "4 torch threads per process (auto: 16 cores / 4 processes; train.threads sets it)"
+        == threads.choose_threads(0, 4, {}).describe()
+    )
 
 
 def test_usable_cores_follow_affinity_and_the_cgroup_quota(tmp_path, monkeypatch):
@@ -131,8 +134,18 @@ def finished_run(tmp_path_factory, cache_dir):
     from tessera.train.trainer import train
 
     run_dir = tmp_path_factory.mktemp("first_hour") / "run"
-    config = load_config(None, [*TINY_OVERRIDES, f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}",
-                                "train.steps=6", "log.every=3", "train.eval_every=3", "log.tensorboard=true"])
+    config = load_config(
+        None,
+        [
+            *TINY_OVERRIDES,
+            f"train.run_dir={run_dir}",
+            f"data.cache_dir={cache_dir}",
+            "train.steps=6",
+            "log.every=3",
+            "train.eval_every=3",
+            "log.tensorboard=true",
+        ],
+    )
     return run_dir, train(config).losses
 
 
@@ -161,7 +174,11 @@ def test_status_of_a_finished_run(finished_run):
     assert lines["state"] == "finished" and lines["step"] == "6 / 6 (100%)"
     assert lines["tokens seen"] == f"{6 * 4 * 32:,}"  # steps x batch x seq_len
     assert lines["checkpoint"] == f"{run_dir / 'checkpoints' / 'step_00000006'} (step 6)"
-    vals = {r["step"]: r["val_loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r}
+    vals = {
+        r["step"]: r["val_loss"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "val_loss" in r
+    }
     best = min(vals, key=vals.get)
     assert lines["val loss"] == f"last {vals[6]:.4f} at step 6; best {vals[best]:.4f} at step {best}"
     assert lines["speed"].endswith("tokens/s") and "ETA" not in lines["speed"]
@@ -211,8 +228,14 @@ def test_a_running_training_keeps_slurm_and_train_away_from_its_run_dir(held_run
     before = (run_dir / "config.toml").read_text()
     assert main(["slurm", str(run_dir / "config.toml"), "--gpus-per-node", "2", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"tessera: error: train.run_dir '{run_dir}' belongs to a training that is still running (pid {pid} ")
-    assert err.count("\n") == 1 and (run_dir / "config.toml").read_text() == before and not (run_dir / "job.sbatch").exists()
+    assert err.startswith(
+        f"tessera: error: train.run_dir '{run_dir}' belongs to a training that is still running (pid {pid} "
+    )
+    assert (
+        err.count("\n") == 1
+        and (run_dir / "config.toml").read_text() == before
+        and not (run_dir / "job.sbatch").exists()
+    )
     assert main(["train", str(run_dir / "config.toml")]) == 2
     assert "belongs to a training that is still running" in capsys.readouterr().err
 
@@ -222,7 +245,14 @@ def test_a_fresh_heartbeat_from_another_host_counts_as_running_for_slurm_only(ti
 
     run_dir = tmp_path / "remote"
     run_dir.mkdir()
-    beat = {"pid": 7, "host": "n17", "started": time.time() - 60, "updated": time.time() - 5, "step": 9, "state": "running"}
+    beat = {
+        "pid": 7,
+        "host": "n17",
+        "started": time.time() - 60,
+        "updated": time.time() - 5,
+        "step": 9,
+        "state": "running",
+    }
     (run_dir / LOCK_NAME).write_text(json.dumps(beat))
     with pytest.raises(ConfigError, match=f"pid 7 on host n17, step 9.*delete {run_dir / LOCK_NAME}"):
         refuse_if_running(run_dir, "this job", trust_heartbeat=True)
@@ -246,7 +276,11 @@ class _Terminal(io.StringIO):
 
 def _records():
     base = {"lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 12345.0, "mfu": 0.031}
-    return [{"step": 0, "val_loss": 5.0, "val_ppl": 148.4}, {"step": 5, "loss": 4.5, **base}, {"step": 10, "loss": 4.0, **base}]
+    return [
+        {"step": 0, "val_loss": 5.0, "val_ppl": 148.4},
+        {"step": 5, "loss": 4.5, **base},
+        {"step": 10, "loss": 4.0, **base},
+    ]
 
 
 def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(tmp_path):
@@ -264,7 +298,11 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(tmp_path):
     assert re.search(r"\[\d\d:\d\d<\d\d:\d\d\]", bar), bar  # elapsed < remaining
     assert "step 0/20 | val 5.0000 (ppl 148.4)\n" in bar  # evaluations stay on screen above the bar
     lines = pipe.getvalue().splitlines()
-    assert "\r" not in pipe.getvalue() and len(lines) == 3 and lines[2].startswith("step 10/20 | loss 4.0000 | lr 1.00e-03")
+    assert (
+        "\r" not in pipe.getvalue()
+        and len(lines) == 3
+        and lines[2].startswith("step 10/20 | loss 4.0000 | lr 1.00e-03")
+    )
 
 
 # ---------------------------------------------------------------- key documentation
@@ -324,11 +362,13 @@ def test_config_keys_lists_every_key_and_each_is_a_real_override():
     every = _leaf_keys(JobConfig, "")
     assert len(every) > 100
     for key in every:
-        assert re.search(rf"^  {re.escape(key)} = ", table, re.M), key
+        assert re.search(rf"^  {re.escape(key)} = ", table, re.MULTILINE), key
     for doc in (k for s in sections() for k in s.keys):
         value = doc.value if isinstance(doc.value, str) else toml_value(doc.value)
-        assert load_config(None, [f"{doc.key}={value}"]) == JobConfig(), doc.key  # the default, set by its documented name
-    assert "  train.dtype = \"fp32\"" in table and "(one of fp32 | bf16 | fp16)" in table
+        assert load_config(None, [f"{doc.key}={value}"]) == JobConfig(), (
+            doc.key
+        )  # the default, set by its documented name
+    assert '  train.dtype = "fp32"' in table and "(one of fp32 | bf16 | fp16)" in table
     undocumented = [k.key for s in sections() for k in s.keys if not k.comment]
     assert not undocumented, f"keys without a comment in tessera/config.py: {undocumented}"
 
@@ -381,9 +421,17 @@ def test_prepare_records_the_tokenizer_and_inspect_finds_it(tmp_path, small_toke
     prefix = tmp_path / "out" / "code"
     prepare_corpus(str(rows), prefix, str(given), cache_dir=cache_dir)
     record = json.loads(Path(f"{prefix}.tokenizer.json").read_text())
-    assert record == {"path": str(given.resolve()), "sha256": file_sha256(given), "vocab_size": 300, "copy": "code.tokenizer.model"}
+    assert record == {
+        "path": str(given.resolve()),
+        "sha256": file_sha256(given),
+        "vocab_size": 300,
+        "copy": "code.tokenizer.model",
+    }
     report = inspect_dataset(prefix)
-    assert f"tokenizer   {prefix}.tokenizer.model (sha256 {record['sha256'][:12]}, recorded by tessera prepare from {given.resolve()})" in report
+    assert (
+        f"tokenizer   {prefix}.tokenizer.model (sha256 {record['sha256'][:12]}, "
+        f"recorded by tessera prepare from {given.resolve()})" in report
+    )
     assert "def g49(y):\n      return y - 49" in report
     Path(f"{prefix}.tokenizer.model").unlink()
     assert "def g49(y)" in inspect_dataset(prefix)  # the recorded original, same hash
@@ -401,10 +449,15 @@ def test_blend_mix_of_the_first_samples(tmp_path):
 
     write_megatron_dataset(tmp_path / "web", 600, 10, 100, seed=1)
     write_megatron_dataset(tmp_path / "code", 400, 200, 290, seed=2)
-    splits = build_splits(f"0.75 {tmp_path / 'web'} 0.25 {tmp_path / 'code'}", "1", 32, 1234, EOD, 300, tmp_path / "cache")
+    splits = build_splits(
+        f"0.75 {tmp_path / 'web'} 0.25 {tmp_path / 'code'}", "1", 32, 1234, EOD, 300, tmp_path / "cache"
+    )
     loader = SequenceLoader(splits["train"], batch_size=4, seed=1234, prefetch=0)
     line = realized_mix(loader, 400)
-    assert line == f"data mix of the next 400 samples: {tmp_path / 'web'} 75.0% (weight 75.0%), {tmp_path / 'code'} 25.0% (weight 25.0%)"
+    assert (
+        line == f"data mix of the next 400 samples: {tmp_path / 'web'} 75.0% (weight 75.0%), "
+        f"{tmp_path / 'code'} 25.0% (weight 25.0%)"
+    )
     assert realized_mix(SequenceLoader(splits["train"].datasets[0], 4, 1234, prefetch=0)) == ""
 
 
@@ -436,11 +489,11 @@ def _wandb_records(path: Path):
     pos, block, pending = 7, 32768, b""
     while pos + 7 <= len(data):
         left = block - pos % block
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
         if left < 7 or (kind == 0 and length == 0):
             pos += left
             continue
-        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending, pos = pending + data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
@@ -456,16 +509,25 @@ def test_wandb_logs_offline_without_an_account(tiny_config, tmp_path, monkeypatc
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: not logged in
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
-    config = tiny_config("log.wandb=true", "log.wandb_project=first-hour", "train.steps=4", "log.every=2", "log.progress=lines")
+    config = tiny_config(
+        "log.wandb=true", "log.wandb_project=first-hour", "train.steps=4", "log.every=2", "log.progress=lines"
+    )
     result = train(config)
     assert "wandb: offline (no W&B API key (wandb login))" in capsys.readouterr().out
     run_dir = Path(config.train.run_dir)
     (wandb_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     records = list(_wandb_records(wandb_file))
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-    assert (run.project, run.display_name, run.run_id) == ("first-hour", "run", (run_dir / "wandb-id.txt").read_text().strip())
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
+    assert (run.project, run.display_name, run.run_id) == (
+        "first-hour",
+        "run",
+        (run_dir / "wandb-id.txt").read_text().strip(),
+    )
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     logged = {h["step"]: h["train/loss"] for h in history if "train/loss" in h}
     assert logged == pytest.approx({2: sum(result.losses[:2]) / 2, 4: sum(result.losses[2:]) / 2})
     assert {h["step"] for h in history if "val/loss" in h} == {0, 4}
@@ -478,4 +540,7 @@ def test_wandb_without_the_package_is_one_clear_line(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     monkeypatch.chdir(REPO)
     assert main(["train", "configs/smoke.toml", "log.wandb=true"]) == 2
-    assert capsys.readouterr().err == "tessera: error: log.wandb=true needs the wandb package: pip install 'tessera[wandb]' (or set log.wandb=false)\n"
+    assert (
+        capsys.readouterr().err == "tessera: error: log.wandb=true needs the wandb package: "
+        "pip install 'tessera[wandb]' (or set log.wandb=false)\n"
+    )

@@ -69,7 +69,10 @@ def inspect_dataset(prefix: str | Path, tokenizer: str = "", samples: int = 3, s
         f"tokenizer   {tok_line}",
         f"documents   {len(lengths):,}",
         f"tokens      {int(lengths.sum()):,}",
-        f"doc length  min {lengths.min():,}  mean {lengths.mean():,.1f}  median {int(np.median(lengths)):,}  max {lengths.max():,}",
+        (
+            f"doc length  min {lengths.min():,}  mean {lengths.mean():,.1f}  "
+            f"median {int(np.median(lengths)):,}  max {lengths.max():,}"
+        ),
         "length histogram (tokens per document):",
     ]
     histogram = length_histogram(lengths)
@@ -82,7 +85,10 @@ def inspect_dataset(prefix: str | Path, tokenizer: str = "", samples: int = 3, s
         ids = indexed.get(int(doc))
         head = f"sample: document {doc} ({len(ids)} tokens)"
         body = tok.decode(ids.tolist())[:sample_chars] if tok else " ".join(map(str, ids[:64].tolist()))
-        lines += [head + ("" if tok else ", token ids (no tokenizer; pass --tokenizer)"), "  " + body.replace("\n", "\n  ")]
+        lines += [
+            head + ("" if tok else ", token ids (no tokenizer; pass --tokenizer)"),
+            "  " + body.replace("\n", "\n  "),
+        ]
     return "\n".join(lines)
 
 
@@ -96,6 +102,8 @@ def realized_mix(loader: SequenceLoader, samples: int = 1000) -> str:
         return ""
     n = min(samples, len(dataset))
     counts = Counter(dataset.source_of(int(i)) for i in loader.sample_ids(loader.consumed, n))
-    parts = [f"{part.prefix} {100 * counts.get(k, 0) / n:.1f}% (weight {100 * w:.1f}%)"
-             for k, (part, w) in enumerate(zip(dataset.datasets, dataset.weights))]
+    parts = [
+        f"{part.prefix} {100 * counts.get(k, 0) / n:.1f}% (weight {100 * w:.1f}%)"
+        for k, (part, w) in enumerate(zip(dataset.datasets, dataset.weights))
+    ]
     return f"data mix of the next {n:,} samples: " + ", ".join(parts)

@@ -18,7 +18,15 @@ import torch
 from tessera.config import ModelConfig
 
 # Dense bf16 tensor-core peaks (FLOP/s) of common accelerators, by a substring of the device name.
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12, "V100": 125e12}
+GPU_PEAK_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "4090": 165e12,
+    "V100": 125e12,
+}
 
 
 def flops_per_token(matmul_params: int, cfg: ModelConfig, seq_len: int) -> float:
@@ -81,7 +89,9 @@ def cached_cpu_peak_flops(cache_dir: Path | None, local_processes: int = 1) -> t
     return peak, f"measured, cached in {path}"
 
 
-def peak_flops(device: torch.device, configured: float = 0.0, cache_dir: Path | None = None, local_processes: int = 1) -> tuple[float, str]:
+def peak_flops(
+    device: torch.device, configured: float = 0.0, cache_dir: Path | None = None, local_processes: int = 1
+) -> tuple[float, str]:
     """Peak FLOP/s per device and its source: log.peak_flops, a known GPU's bf16 peak, or the cached CPU probe."""
     if configured > 0:
         return configured, "log.peak_flops"

@@ -23,7 +23,9 @@ def _human(n: float) -> str:
 
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def format_step(record: dict[str, Any], total_steps: int, eta_s: float | None) -> str:
@@ -43,7 +45,11 @@ def _postfix(record: dict[str, Any]) -> str:
     """What the progress bar shows after the bar itself."""
     parts = []
     if "loss" in record:
-        parts = [f"loss {record['loss']:.4f}", f"{_human(record['tokens_per_s'])} tok/s", f"mfu {100 * record['mfu']:.1f}%"]
+        parts = [
+            f"loss {record['loss']:.4f}",
+            f"{_human(record['tokens_per_s'])} tok/s",
+            f"mfu {100 * record['mfu']:.1f}%",
+        ]
     if "val_loss" in record:
         parts.append(f"val {record['val_loss']:.4f}")
     return " | ".join(parts)
@@ -98,7 +104,9 @@ def tensorboard_tag(key: str) -> str:
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
-    return {tensorboard_tag(k): v for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float))}
+    return {
+        tensorboard_tag(k): v for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float))
+    }
 
 
 def check_sinks(log: LogConfig) -> None:
@@ -106,7 +114,9 @@ def check_sinks(log: LogConfig) -> None:
     import importlib.util
 
     if log.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("log.wandb=true needs the wandb package: pip install 'tessera[wandb]' (or set log.wandb=false)")
+        raise ConfigError(
+            "log.wandb=true needs the wandb package: pip install 'tessera[wandb]' (or set log.wandb=false)"
+        )
 
 
 class WandbSink:
@@ -120,8 +130,15 @@ class WandbSink:
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
         self.mode, self.why = wandb_mode(log.wandb_mode)
-        self.run = wandb.init(project=log.wandb_project, name=log.wandb_run_name or run_dir.name, id=run_id, resume="allow",
-                              dir=str(run_dir), config=config, mode=self.mode)
+        self.run = wandb.init(
+            project=log.wandb_project,
+            name=log.wandb_run_name or run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+            mode=self.mode,
+        )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")  # re-logged steps after a resume are fine
 
@@ -168,8 +185,17 @@ class MetricsLogger:
     terminal else "lines". An enabled logger (rank 0) also holds the run's :class:`RunLock`.
     """
 
-    def __init__(self, run_dir: str | Path, total_steps: int, progress: str = "auto", tensorboard: bool = True,
-                 stream: TextIO | None = None, enabled: bool = True, wandb: LogConfig | None = None, config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int,
+        progress: str = "auto",
+        tensorboard: bool = True,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        wandb: LogConfig | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
@@ -207,8 +233,15 @@ class MetricsLogger:
     def for_job(cls, config: JobConfig, enabled: bool = True) -> MetricsLogger:
         """The logger a :class:`~tessera.config.JobConfig` asks for."""
         log = config.log
-        return cls(config.train.run_dir, config.train.steps, log.progress, log.tensorboard, enabled=enabled,
-                   wandb=log if log.wandb else None, config=config.to_dict())
+        return cls(
+            config.train.run_dir,
+            config.train.steps,
+            log.progress,
+            log.tensorboard,
+            enabled=enabled,
+            wandb=log if log.wandb else None,
+            config=config.to_dict(),
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         """Record one step's metrics (``step`` plus any numbers); a disabled logger (ranks > 0) drops it."""
@@ -246,8 +279,14 @@ class MetricsLogger:
         from tqdm import tqdm
 
         if self.bar is None:
-            self.bar = tqdm(total=self.total_steps, initial=record["step"], file=self.stream, unit="step", dynamic_ncols=True,
-                            bar_format="step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]")
+            self.bar = tqdm(
+                total=self.total_steps,
+                initial=record["step"],
+                file=self.stream,
+                unit="step",
+                dynamic_ncols=True,
+                bar_format="step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]",
+            )
         if "val_loss" in record:
             self.bar.write(format_step(record, self.total_steps, None), file=self.stream)
         self.bar.set_postfix_str(_postfix(record), refresh=False)
