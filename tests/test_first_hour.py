@@ -294,7 +294,7 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(tmp_path):
             logger.log(record)
         logger.close()
     bar = terminal.getvalue()
-    assert "\r" in bar and "step 10/20  50%|" in bar and "loss 4.0000 | 12.3k tok/s | mfu 3.1%" in bar
+    assert "\r" in bar and "step 10/20  50%|" in bar and "| loss 4.0000 | 12.3k tok/s | mfu 3.1% [" in bar
     assert re.search(r"\[\d\d:\d\d<\d\d:\d\d\]", bar), bar  # elapsed < remaining
     assert "step 0/20 | val 5.0000 (ppl 148.4)\n" in bar  # evaluations stay on screen above the bar
     lines = pipe.getvalue().splitlines()

@@ -41,7 +41,7 @@ def format_step(record: dict[str, Any], total_steps: int, eta_s: float | None) -
     return " | ".join(parts)
 
 
-def _postfix(record: dict[str, Any]) -> str:
+def _bar_text(record: dict[str, Any]) -> str:
     """What the progress bar shows after the bar itself."""
     parts = []
     if "loss" in record:
@@ -285,11 +285,11 @@ class MetricsLogger:
                 file=self.stream,
                 unit="step",
                 dynamic_ncols=True,
-                bar_format="step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]",
+                bar_format="step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| {desc} [{elapsed}<{remaining}]",
             )
         if "val_loss" in record:
             self.bar.write(format_step(record, self.total_steps, None), file=self.stream)
-        self.bar.set_postfix_str(_postfix(record), refresh=False)
+        self.bar.set_description_str(_bar_text(record), refresh=False)
         self.bar.update(record["step"] - self.bar.n)
         self.bar.refresh()
 
