@@ -73,14 +73,18 @@ def choose_threads(configured: int, local_processes: int, environ: dict[str, str
     )
 
 
+def machine_load_if_busy() -> float | None:
+    """The 1-minute load average when more work is runnable than there are usable cores, else None."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return load if load > usable_cores() + 0.5 else None
+
+
 def busy_hint(threads: int) -> str:
-    """A hint when the 1-minute load says more work is runnable than there are cores (empty otherwise)."""
-    if threads <= 1 or not hasattr(os, "getloadavg"):
+    """A hint when the machine is busier than its cores (empty otherwise, and for one thread)."""
+    load = machine_load_if_busy()
+    if threads <= 1 or load is None:
         return ""
-    load, cores = os.getloadavg()[0], usable_cores()
-    if load <= cores + 0.5:
-        return ""
-    return f"machine busy (load {load:.1f} on {cores} cores): if steps are slow, try train.threads=1"
+    return f"machine busy (load {load:.1f} on {usable_cores()} cores): if steps are slow, try train.threads=1"
 
 
 def apply_threads(configured: int, local_processes: int) -> ThreadChoice:

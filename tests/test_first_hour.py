@@ -66,6 +66,17 @@ def test_thread_choice_prefers_the_key_then_the_environment_then_cores_per_proce
     )
 
 
+def test_a_busy_machine_gets_a_hint(monkeypatch):
+    from tessera import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (4.2, 3.0, 2.0))
+    assert threads.busy_hint(2) == "machine busy (load 4.2 on 2 cores): if steps are slow, try train.threads=1"
+    assert threads.busy_hint(1) == ""
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.9, 3.0, 2.0))
+    assert threads.busy_hint(2) == ""
+
+
 def test_usable_cores_follow_affinity_and_the_cgroup_quota(tmp_path, monkeypatch):
     from tessera import threads
 
@@ -117,6 +128,12 @@ def test_cpu_peak_is_measured_once_per_machine_and_thread_count(tmp_path, monkey
 
     probes = []
     monkeypatch.setattr(flops, "measure_cpu_peak_flops", lambda: probes.append(1) or 5e10 * len(probes))
+    monkeypatch.setattr(flops, "machine_load_if_busy", lambda: 5.0)
+    busy = (5e10, "measured on a busy machine (load 5.0), not cached")
+    assert flops.peak_flops(torch.device("cpu"), 0.0, tmp_path) == busy
+    assert not (tmp_path / "cpu_peak.json").exists()
+    probes.clear()
+    monkeypatch.setattr(flops, "machine_load_if_busy", lambda: None)
     first, source = flops.peak_flops(torch.device("cpu"), 0.0, tmp_path)
     assert (first, source) == (5e10, f"measured, cached in {tmp_path / 'cpu_peak.json'}")
     assert flops.peak_flops(torch.device("cpu"), 0.0, tmp_path) == (5e10, f"cached in {tmp_path / 'cpu_peak.json'}")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tessera.config import ModelConfig
+from tessera.threads import machine_load_if_busy
 
 # Dense bf16 tensor-core peaks (FLOP/s) of common accelerators, by a substring of the device name.
 GPU_PEAK_BF16 = {
@@ -61,27 +62,32 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _read_cache(path: Path) -> dict[str, float]:
+    try:
+        cache = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
 def cached_cpu_peak_flops(cache_dir: Path | None, local_processes: int = 1) -> tuple[float, str]:
     """This machine's measured CPU peak per process and where it came from.
 
     The probe runs once per CPU model, thread count, processes per node and torch version and is
     kept in ``cache_dir/cpu_peak.json``: one noisy measurement no longer moves every run's MFU.
-    (Under torchrun the local processes probe at about the same time, sharing the cores as
-    they will while training.)
+    A probe taken while other work loads the machine is used but not kept, so a busy moment is
+    not remembered. (Under torchrun the local processes probe at about the same time, sharing
+    the cores as they will while training.) Delete the file to measure again.
     """
     key = f"{cpu_name()} | {torch.get_num_threads()} threads x {local_processes} processes | torch {torch.__version__}"
     path = cache_dir / "cpu_peak.json" if cache_dir is not None else None
-    cache: dict[str, float] = {}
-    if path is not None and path.is_file():
-        try:
-            cache = json.loads(path.read_text())
-        except ValueError:
-            cache = {}
-        if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
-            return float(cache[key]), f"cached in {path}"
+    cache = _read_cache(path) if path is not None else {}
+    if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
+        return float(cache[key]), f"cached in {path}"
     peak = measure_cpu_peak_flops()
-    if path is None:
-        return peak, "measured"
+    busy = machine_load_if_busy()
+    if path is None or busy is not None:
+        return peak, "measured" + (f" on a busy machine (load {busy:.1f}), not cached" if busy is not None else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps({**cache, key: peak}, indent=1))
