@@ -53,9 +53,14 @@ def _source_comments(path: str) -> dict[int, str]:
         return {tok.start[0]: tok.string.lstrip("#").strip() for tok in tokens if tok.type == tokenize.COMMENT}
 
 
+def _first_comment(comments: dict[int, str], first: int, last: int) -> str:
+    """The first comment on lines ``first..last`` (a field a formatter wrapped keeps its comment inside)."""
+    return next((comments[line] for line in range(first, last + 1) if line in comments), "")
+
+
 @functools.cache
 def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> the trailing comment of its definition in ``cls``'s source ("" when none)."""
+    """Field name -> the comment on its definition's line(s) in ``cls``'s source ("" when none)."""
     path = inspect.getsourcefile(cls)
     if path is None:
         return {}
@@ -65,7 +70,7 @@ def field_comments(cls: type) -> dict[str, str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
             return {
-                stmt.target.id: comments.get(stmt.end_lineno or stmt.lineno, "")
+                stmt.target.id: _first_comment(comments, stmt.lineno, stmt.end_lineno or stmt.lineno)
                 for stmt in node.body
                 if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
             }
@@ -105,8 +110,8 @@ def _section(name: str, cls: type, instance: Any) -> list[SectionDoc]:
         type_text, choices = _type_text(hints[f.name])
         comment = str(f.metadata.get("doc", "")) or comments.get(f.name, "")
         keys.append(KeyDoc(f"{name}.{f.name}", type_text, choices, value, comment))
-    doc = inspect.getdoc(cls) or ""
-    return [SectionDoc(name, doc.splitlines()[0] if doc else "", tuple(keys)), *subs]
+    doc = (inspect.getdoc(cls) or "").split("\n")[0].removeprefix(f"[{name}]:").strip()
+    return [SectionDoc(name, doc, tuple(keys)), *subs]
 
 
 def toml_value(value: Any) -> str:

@@ -533,7 +533,12 @@ def test_wandb_logs_offline_without_an_account(tiny_config, tmp_path, monkeypatc
     assert "wandb: offline (no W&B API key (wandb login))" in capsys.readouterr().out
     run_dir = Path(config.train.run_dir)
     (wandb_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 60  # wandb's service process may still be writing after finish() returns
     records = list(_wandb_records(wandb_file))
+    while "exit" not in [r.WhichOneof("record_type") for r in records]:
+        assert time.monotonic() < deadline, f"{wandb_file} has no exit record"
+        time.sleep(0.2)
+        records = list(_wandb_records(wandb_file))
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert (run.project, run.display_name, run.run_id) == (
         "first-hour",
