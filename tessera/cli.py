@@ -64,14 +64,14 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         print(commented_toml(config), end="")
         return 0
-    from tessera.status import refuse_if_running
+    from tessera.status import claim_run
     from tessera.train.metrics import check_sinks
     from tessera.train.preemption import PREEMPTED_EXIT_CODE
     from tessera.train.trainer import train_and_exit
 
     check_sinks(config.log)
-    refuse_if_running(config.train.run_dir, "tessera train")
-    return PREEMPTED_EXIT_CODE if train_and_exit(config).preempted else 0
+    with claim_run(config.train.run_dir):  # before anything is built: the run is busy from now on
+        return PREEMPTED_EXIT_CODE if train_and_exit(config).preempted else 0
 
 
 # ---------------------------------------------------------------- config

@@ -10,14 +10,16 @@ shared filesystem may not carry locks) is recognised by a heartbeat younger than
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
 import tomllib
 
@@ -58,17 +60,29 @@ def duration(seconds: float) -> str:
 
 
 class RunLock:
-    """Held by rank 0 of a training for its whole duration; see the module doc."""
+    """Held by rank 0 of a training for its whole duration; see the module doc.
+
+    Re-entrant within a process: ``tessera train`` claims the run before anything is built
+    (:func:`claim_run`) and the metrics logger joins that claim; the lock is dropped when the
+    last holder releases it.
+    """
+
+    _held: ClassVar[dict[Path, RunLock]] = {}
 
     def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir) / LOCK_NAME
+        self.path = (Path(run_dir) / LOCK_NAME).absolute()
         self.file: TextIO | None = None
         self.info: dict[str, Any] = {}
+        self.holders = 0
 
     def acquire(self) -> RunLock:
-        """Take the lock or raise a ConfigError naming the process that has it."""
+        """Take the lock (or join this process's hold on it); a ConfigError names another holder."""
+        held = RunLock._held.get(self.path)
+        if held is not None:
+            held.holders += 1
+            return held
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        file = open(self.path, "a+")
+        file = open(self.path, "a+")  # noqa: SIM115 (held open until release: the flock lives on it)
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -78,17 +92,10 @@ class RunLock:
         except OSError:
             pass  # a filesystem without locks: keep the heartbeat only
         now = time.time()
-        self.file, self.info = (
-            file,
-            {
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "started": now,
-                "updated": now,
-                "step": 0,
-                "state": "running",
-            },
-        )
+        self.file, self.holders = file, 1
+        self.info = {"pid": os.getpid(), "host": socket.gethostname(), "started": now, "updated": now, "step": 0}
+        self.info["state"] = "running"
+        RunLock._held[self.path] = self
         self._write()
         return self
 
@@ -107,13 +114,30 @@ class RunLock:
         self._write()
 
     def release(self) -> None:
-        """Mark the run as ended and drop the lock."""
-        if self.file is None:
+        """Leave the hold; the last holder marks the run as ended and drops the lock."""
+        self.holders -= 1
+        if self.holders > 0 or self.file is None:
             return
+        RunLock._held.pop(self.path, None)
         self.info.update(state="ended", updated=time.time())
         self._write()
         self.file.close()
         self.file = None
+
+
+@contextlib.contextmanager
+def claim_run(run_dir: str | Path) -> Iterator[None]:
+    """Hold ``run_dir`` for a training from its first moment (rank 0 only; a ConfigError if it is taken)."""
+    from tessera.parallel.env import dist_env  # the one module that reads torchrun's environment
+
+    if dist_env().rank != 0:
+        yield
+        return
+    lock = RunLock(run_dir).acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _read_lock(path: Path) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -255,6 +256,22 @@ def test_a_running_training_keeps_slurm_and_train_away_from_its_run_dir(held_run
     )
     assert main(["train", str(run_dir / "config.toml")]) == 2
     assert "belongs to a training that is still running" in capsys.readouterr().err
+
+
+def test_tessera_train_holds_the_run_from_its_start_and_the_logger_joins_that_hold(tmp_path):
+    from tessera.status import claim_run, run_holder
+    from tessera.train.metrics import MetricsLogger
+
+    run_dir = tmp_path / "claimed"
+    with claim_run(run_dir):  # what `tessera train` does before building data and model
+        assert run_holder(run_dir).pid == os.getpid()
+        logger = MetricsLogger(run_dir, 10, "none", tensorboard=False)
+        logger.log({"step": 3, "loss": 1.0})
+        logger.close()
+        assert run_holder(run_dir).step == 3  # the logger leaving does not end the claim
+        other = subprocess.run([sys.executable, "-c", HOLD, str(run_dir)], capture_output=True, text=True, cwd=REPO)
+        assert other.returncode == 1 and "belongs to a training that is still running (pid" in other.stderr
+    assert run_holder(run_dir) is None
 
 
 def test_a_fresh_heartbeat_from_another_host_counts_as_running_for_slurm_only(tiny_config, tmp_path):
