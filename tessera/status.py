@@ -262,12 +262,14 @@ def _state_line(run_dir: Path, holder: Holder | None, step: int, total: int) -> 
 def run_status(run_dir: str | Path) -> str:
     """The report ``tessera status`` prints; safe to call while the run is training."""
     run_dir = Path(run_dir)
+    holder = run_holder(run_dir)
+    if holder is not None and not (run_dir / "config.toml").is_file():
+        return f"{'run':<12} {run_dir}\n{'state':<12} starting (preparing data and model): {holder.describe()}"
     train = _run_config(run_dir).get("train", {})
     total = int(train.get("steps", 0))
     tokens_per_step = int(train.get("batch_size", 0)) * int(train.get("grad_accum", 1)) * int(train.get("seq_len", 0))
     records = read_records(run_dir)
     trained = [r for r in records if "loss" in r]
-    holder = run_holder(run_dir)
     step = max([r["step"] for r in records] + [holder.step if holder else 0])
     vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     lines = [

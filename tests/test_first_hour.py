@@ -259,12 +259,14 @@ def test_a_running_training_keeps_slurm_and_train_away_from_its_run_dir(held_run
 
 
 def test_tessera_train_holds_the_run_from_its_start_and_the_logger_joins_that_hold(tmp_path):
-    from tessera.status import claim_run, run_holder
+    from tessera.status import claim_run, run_holder, run_status
     from tessera.train.metrics import MetricsLogger
 
     run_dir = tmp_path / "claimed"
     with claim_run(run_dir):  # what `tessera train` does before building data and model
         assert run_holder(run_dir).pid == os.getpid()
+        state = run_status(run_dir).splitlines()[1]
+        assert state.startswith(f"state        starting (preparing data and model): pid {os.getpid()}")
         logger = MetricsLogger(run_dir, 10, "none", tensorboard=False)
         logger.log({"step": 3, "loss": 1.0})
         logger.close()
