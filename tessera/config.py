@@ -199,7 +199,7 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    """Console, metrics.jsonl, TensorBoard and the loss plot."""
+    """Console, metrics.jsonl, TensorBoard, Weights & Biases and the loss plot."""
 
     every: int = 10  # steps per logged record (loss and grad norm are means over them)
     progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a terminal, else lines

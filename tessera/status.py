@@ -140,7 +140,7 @@ def claim_run(run_dir: str | Path) -> Iterator[None]:
         lock.release()
 
 
-def _read_lock(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -170,7 +170,7 @@ def run_holder(run_dir: str | Path, trust_heartbeat: bool = True) -> Holder | No
     path = Path(run_dir) / LOCK_NAME
     if not path.is_file():
         return None
-    locked, info = _locked_here(path), _read_lock(path)
+    locked, info = _locked_here(path), _read_json(path)
     holder = Holder(
         int(info.get("pid", 0)),
         str(info.get("host", "?")),
@@ -251,9 +251,13 @@ def _seconds_per_step(records: list[dict[str, Any]], since: float, tokens_per_st
 def _state_line(run_dir: Path, holder: Holder | None, step: int, total: int) -> str:
     if holder is not None:
         return "running: " + holder.describe()
-    preempted = run_dir / "preempted.json"
-    if preempted.is_file():
-        return f"stopped by a preemption signal ({preempted.read_text().strip()}); rerun to continue"
+    preempted = _read_json(run_dir / "preempted.json")  # the trainer's marker: signal, step, checkpoint
+    if preempted:
+        return (
+            f"stopped by {preempted.get('signal', 'a signal')} at step {preempted.get('step', '?')} "
+            "after a checkpoint; "
+            f"`tessera train {run_dir / 'config.toml'}` continues it"
+        )
     if step >= total:
         return "finished"
     return f"not running (stopped at step {step} of {total}); `tessera train {run_dir / 'config.toml'}` continues it"
@@ -270,7 +274,8 @@ def run_status(run_dir: str | Path) -> str:
     tokens_per_step = int(train.get("batch_size", 0)) * int(train.get("grad_accum", 1)) * int(train.get("seq_len", 0))
     records = read_records(run_dir)
     trained = [r for r in records if "loss" in r]
-    step = max([r["step"] for r in records] + [holder.step if holder else 0])
+    checkpoint = _latest_checkpoint(run_dir)
+    step = max([r["step"] for r in records] + [holder.step if holder else 0, checkpoint[1] if checkpoint else 0])
     vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     lines = [
         ("run", str(run_dir)),
@@ -287,7 +292,6 @@ def run_status(run_dir: str | Path) -> str:
         lines.append(
             ("val loss", f"last {vals[-1][1]:.4f} at step {vals[-1][0]}; best {best[1]:.4f} at step {best[0]}")
         )
-    checkpoint = _latest_checkpoint(run_dir)
     lines.append(("checkpoint", f"{checkpoint[0]} (step {checkpoint[1]})" if checkpoint else "none yet"))
     per_step = _seconds_per_step(records, holder.started if holder else 0.0, tokens_per_step) if trained else None
     if per_step:
