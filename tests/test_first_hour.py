@@ -222,6 +222,7 @@ def held_run(finished_run, tmp_path):
     (run_dir / "config.toml").write_text(load_config(run_dir / "config.toml", [f"train.run_dir={run_dir}"]).to_toml())
     records = (run_dir / "metrics.jsonl").read_text().splitlines()
     kept = [line for line in records if json.loads(line)["step"] <= 3]
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000006")
     (run_dir / "metrics.jsonl").write_text("\n".join(kept) + '\n{"step": 4, "lo')  # a line being written
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
