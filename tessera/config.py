@@ -156,7 +156,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
     seq_len: int = 256  # tokens per training sequence
     seed: int = 1234  # seeds weights, data order and sampling
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute precision; fp16 needs a GPU
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute precision: autocast (or FSDP mixed precision)
     device: str = "auto"  # auto | cpu | cuda
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     eval_every: int = 100  # 0 disables periodic evaluation (a final one still runs)

@@ -225,11 +225,3 @@ def test_two_agents_on_localhost_train_together_and_restart_after_a_killed_worke
     assert "exitcode: -9" in output[0], "torchrun should report the killed worker before restarting the group"
     assert losses(run_dir) == four_process_reference  # bitwise: the restarted group resumed from a checkpoint
 
-
-@pytest.mark.slow
-def test_accelerate_launch_trains_without_accelerate_on_path(tiny_config, tmp_path):
-    recipe = write_config(tiny_config, tmp_path / "job.toml", "train.steps=2", "train.eval_every=0", "checkpoint.enabled=false")
-    done = run_cli("launch", str(recipe), "--nproc-per-node", "2", "--via", "accelerate", env=NO_LAUNCHERS_ON_PATH)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"{sys.executable} -m accelerate.commands.launch" in done.stdout
-    assert [step for step, _ in losses(tmp_path / "job")] == [1, 2]
