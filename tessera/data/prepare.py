@@ -171,7 +171,8 @@ def record_tokenizer(prefix: str | Path, tokenizer: Tokenizer) -> Tokenizer:
     kept = tokenizer_sidecar(prefix)
     if not (kept.is_file() and kept.samefile(tokenizer.path)):
         shutil.copyfile(tokenizer.path, kept)
-    record = {"path": str(tokenizer.path.resolve()), "sha256": file_sha256(kept), "vocab_size": tokenizer.vocab_size, "copy": kept.name}
+    record = {"path": str(tokenizer.path.resolve()), "sha256": file_sha256(kept), "vocab_size": tokenizer.vocab_size}
+    record["copy"] = kept.name
     tokenizer_record(prefix).write_text(json.dumps(record, indent=1) + "\n")
     return Tokenizer(kept)
 

@@ -26,7 +26,8 @@ class DistEnv:
 def dist_env() -> DistEnv:
     """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE of this process (single-process values when unset)."""
     get = os.environ.get
-    return DistEnv(int(get("RANK", 0)), int(get("WORLD_SIZE", 1)), int(get("LOCAL_RANK", 0)), int(get("LOCAL_WORLD_SIZE", 1)))
+    rank, world, local = int(get("RANK", 0)), int(get("WORLD_SIZE", 1)), int(get("LOCAL_RANK", 0))
+    return DistEnv(rank, world, local, int(get("LOCAL_WORLD_SIZE", 1)))
 
 
 def init_distributed(device_type: str) -> DistEnv:
