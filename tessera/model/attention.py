@@ -124,7 +124,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.attention.qkv_bias)
         self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attention.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attention.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias or cfg.attention.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
         self.features = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig, model_config, validate_model
+from tessera.model.block import layer_kind
 from tessera.model.ffn import ffn_hidden_size
 from tessera.model.hf_families import FAMILIES, HFConversionError, Rule
 
@@ -178,37 +180,72 @@ def _canonical(cfg: ModelConfig) -> dict[str, Any]:
     values["head_dim"] = cfg.head_dim or cfg.dim // cfg.n_heads
     values["n_decoder_layers"] = (cfg.n_decoder_layers or cfg.n_layers) if cfg.arch == "encoder_decoder" else 0
     values["attention.kernel"] = "sdpa" if cfg.attention.kernel == "eager" else cfg.attention.kernel
-    drop = set(_TRAINING_ONLY) | {
-        f"attention.{k}" for k in ("block_size", "random_blocks", "performer_features", "global_tokens")
-    }
-    if cfg.position.kind != "rope":
-        drop |= {
-            f"position.{k}"
-            for k in ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_len", "rotary_fraction")
-        }
-    if cfg.position.kind != "t5_bias":
-        drop |= {"position.rel_buckets", "position.rel_max_distance"}
-    if not cfg.moe.experts:
-        drop |= {k for k in values if k.startswith("moe.")}
-    if cfg.position.rope_scaling != "yarn":
+    values["attention.o_bias"] = cfg.bias or cfg.attention.o_bias  # where a bias is, not which switch put it there
+    values["ffn_bias"] = cfg.bias or cfg.ffn_bias
+    kinds = "".join(layer_kind(cfg, i) for i in range(cfg.n_layers))
+    values["layer_pattern"] = kinds
+    values.update(_resolved_rope(cfg))
+    if "M" in kinds and not cfg.mamba.dt_rank:
+        values["mamba.dt_rank"] = math.ceil(cfg.dim / 16)
+    drop = set(_TRAINING_ONLY) | {"bias", "mamba.chunk"} | _unused(cfg, kinds)
+    drop |= {f"attention.{k}" for k in ("block_size", "random_blocks", "performer_features", "global_tokens")}
+    prefixes = tuple(k for k in drop if k.endswith("."))
+    return {k: v for k, v in values.items() if k not in drop and not k.startswith(prefixes)}
+
+
+def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
+    """Dotted keys (or prefixes ending in '.') that cannot change this model's numbers."""
+    drop: set[str] = set()
+    pos = cfg.position
+    if pos.kind != "rope":
+        drop |= {f"position.rope_{k}" for k in ("theta", "scaling", "scaling_factor", "original_max_len")}
+        drop |= {"position.rotary_fraction", "position.rope_attention_factor", "mla.mscale"}
+    if pos.rope_scaling != "llama3":
+        drop |= {"position.rope_low_freq_factor", "position.rope_high_freq_factor"}
+    if pos.rope_scaling != "yarn":
+        drop |= {"position.rope_attention_factor", "mla.mscale"}
+    if pos.rope_scaling not in ("yarn", "llama3"):
         drop.add("position.rope_original_max_len")
-    elif not cfg.position.rope_original_max_len:
-        values["position.rope_original_max_len"] = int(cfg.max_seq_len / cfg.position.rope_scaling_factor)
-    return {k: v for k, v in values.items() if k not in drop}
+    if pos.kind != "t5_bias":
+        drop |= {"position.rel_buckets", "position.rel_max_distance"}
+    if not set(kinds) - {"M"}:  # no attention layer at all
+        drop |= {"n_heads", "n_kv_heads", "head_dim", "attention.", "position.", "mla."}
+    if "M" not in kinds:
+        drop.add("mamba.")
+    drop |= {"mamba.head_dim", "mamba.groups"} if cfg.mamba.version == 1 else {"mamba.dt_rank", "mamba.dt_norm"}
+    if not cfg.mla.kv_rank:
+        drop.add("mla.")
+    if not cfg.moe.experts:
+        drop.add("moe.")
+    if set(kinds) == {"M"} and not cfg.mamba.ffn:  # no FFN either
+        drop |= {"ffn_hidden", "activation", "ffn_bias", "moe.", "mamba.ffn"}
+    return drop
+
+
+def _resolved_rope(cfg: ModelConfig) -> dict[str, Any]:
+    pos = cfg.position
+    if pos.rope_scaling in ("yarn", "llama3") and not pos.rope_original_max_len:
+        return {"position.rope_original_max_len": int(cfg.max_seq_len / pos.rope_scaling_factor)}
+    return {}
 
 
 def detect_family(cfg: ModelConfig) -> str:
     """The HF family a tessera config exports to (checked exactly by :func:`export_config`)."""
+    kinds = {layer_kind(cfg, i) for i in range(cfg.n_layers)}
     if cfg.arch == "encoder":
         return "bert"
     if cfg.arch == "encoder_decoder":
         return "t5"
+    if "M" in kinds:
+        return "jamba" if kinds != {"M"} or cfg.mamba.ffn else "mamba2" if cfg.mamba.version == 2 else "mamba"
     if cfg.moe.experts:
         return "mixtral"
     if cfg.position.kind == "learned":
         return "gpt2"
-    if cfg.attention.qkv_bias:
+    if "G" in kinds or cfg.attention.qkv_bias and not (cfg.attention.o_bias or cfg.ffn_bias):
         return "qwen2"
+    if cfg.attention.qkv_bias or cfg.attention.o_bias or cfg.ffn_bias:
+        return "llama"
     return "mistral" if cfg.attention.sliding_window else "llama"
 
 
