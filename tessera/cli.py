@@ -175,6 +175,7 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from tessera.api import load_with_tokenizer
     from tessera.model import generate
+    from tessera.model.generate import cache_footprint
 
     model, tokenizer = load_with_tokenizer(args.path)
     ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(args.prompt)])
@@ -182,6 +183,8 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     out = generate(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, tokenizer.eos_id, gen)
     print(args.prompt + tokenizer.decode(out[0].tolist()))
+    per_token, fixed = cache_footprint(model)
+    print(f"decoding cache: {per_token:,} bytes per token of context, {fixed:,} bytes fixed (SSM state)", file=sys.stderr)
     return 0
 
 

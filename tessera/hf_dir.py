@@ -106,7 +106,8 @@ def _training_lines(meta: dict[str, Any], run_dir: Path) -> list[str]:
     ]
     metrics = _final_metrics(run_dir, step)
     if metrics:
-        lines.append("- Final " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items()) + ".")
+        names = {"loss": "training loss", "val_loss": "validation loss"}
+        lines.append("- Final " + ", ".join(f"{names[k]} {metrics[k]:.4f}" for k in names if k in metrics) + ".")
     return lines
 
 

@@ -41,6 +41,12 @@ def _jamba() -> transformers.PreTrainedModel:
     return transformers.JambaForCausalLM(cfg)
 
 
+def _deepseek(**kw) -> transformers.PreTrainedModel:
+    """Latent attention in every layer; dense FFNs (first_k_dense_replace = all layers)."""
+    cfg = transformers.DeepseekV3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, first_k_dense_replace=2, max_position_embeddings=128, **kw)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
 HF_MODELS = {
     "llama": lambda: _llama(),
     "llama_yarn": lambda: _llama(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}),
@@ -62,6 +68,10 @@ HF_MODELS = {
     "mamba": lambda: transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8)),
     "mamba2": lambda: transformers.Mamba2ForCausalLM(transformers.Mamba2Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8, num_heads=4, head_dim=16, n_groups=2, chunk_size=8)),
     "jamba": _jamba,
+    "deepseek_v3": lambda: _deepseek(rope_interleave=True, q_lora_rank=16),
+    "deepseek_v3_plain_rope": lambda: _deepseek(rope_interleave=False, q_lora_rank=None),
+    # DeepSeek's YaRN: mscale = mscale_all_dim (cos/sin magnitude 1) and the softmax scale times mscale(40)^2
+    "deepseek_v3_yarn": lambda: _deepseek(q_lora_rank=16, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
 }
 
 

@@ -133,6 +133,8 @@ def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str
     spec = FAMILIES[family]
     if family == "gpt2" and "wte.weight" in tensors:  # original OpenAI-format files lack the prefix
         tensors = {f"transformer.{k}": v for k, v in tensors.items()}
+    if spec.prepare is not None:
+        spec.prepare(hf_config, cfg, tensors)
     rules = spec.rules(cfg, family)
     used = {k for r in rules for k in r.theirs}
     ignored = spec.ignored + (_OUTPUT_KEYS if cfg.tie_embeddings else ())
@@ -199,11 +201,13 @@ def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
     pos = cfg.position
     if pos.kind != "rope":
         drop |= {f"position.rope_{k}" for k in ("theta", "scaling", "scaling_factor", "original_max_len")}
-        drop |= {"position.rotary_fraction", "position.rope_attention_factor", "mla.mscale"}
+        drop |= {"position.rotary_fraction", "position.rope_attention_factor"}
     if pos.rope_scaling != "llama3":
         drop |= {"position.rope_low_freq_factor", "position.rope_high_freq_factor"}
     if pos.rope_scaling != "yarn":
-        drop |= {"position.rope_attention_factor", "mla.mscale"}
+        drop.add("position.rope_attention_factor")
+    if pos.rope_scaling == "none":
+        drop.add("mla.mscale")
     if pos.rope_scaling not in ("yarn", "llama3"):
         drop.add("position.rope_original_max_len")
     if pos.kind != "t5_bias":
@@ -238,6 +242,8 @@ def detect_family(cfg: ModelConfig) -> str:
         return "t5"
     if "M" in kinds:
         return "jamba" if kinds != {"M"} or cfg.mamba.ffn else "mamba2" if cfg.mamba.version == 2 else "mamba"
+    if cfg.mla.kv_rank:
+        return "deepseek_v3"
     if cfg.moe.experts:
         return "mixtral"
     if cfg.position.kind == "learned":

@@ -55,7 +55,7 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim = mla.nope_head_dim, mla.rope_head_dim, mla.v_head_dim
         qk_dim = self.nope + self.rope
         self.scale = cfg.attention.scale or qk_dim**-0.5
-        if mla.mscale and cfg.position.rope_scaling == "yarn":
+        if mla.mscale and cfg.position.rope_scaling != "none":  # DeepSeek's yarn_apply_mscale
             self.scale *= yarn_mscale(cfg.position.rope_scaling_factor, mla.mscale) ** 2
         bias = cfg.attention.qkv_bias
         if mla.q_rank:

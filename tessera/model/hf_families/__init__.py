@@ -8,7 +8,7 @@ args, raising :class:`HFConversionError` for any option tessera cannot reproduce
 
 from __future__ import annotations
 
-from tessera.model.hf_families import bert, gpt2, llama, mamba, t5
+from tessera.model.hf_families import bert, deepseek, gpt2, llama, mamba, t5
 from tessera.model.hf_families.common import Family, HFConversionError, Rule
 
 FAMILIES: dict[str, Family] = {
@@ -17,6 +17,7 @@ FAMILIES: dict[str, Family] = {
     **bert.FAMILIES,
     **t5.FAMILIES,
     **mamba.FAMILIES,
+    **deepseek.FAMILIES,
 }
 
 __all__ = ["FAMILIES", "Family", "HFConversionError", "Rule"]

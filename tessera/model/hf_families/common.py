@@ -21,16 +21,12 @@ class Rule:
 
     kind: ``copy`` (1:1), ``t`` (transposed, GPT-2 Conv1D), ``fused`` / ``fused_t`` (our q, k, v
     concatenated along HF's output dim, transposed for Conv1D), ``experts`` (our (E, in, out)
-    bank <-> E per-expert (out, in) HF matrices), ``unsqueeze`` (ours is HF's without its
-    trailing size-1 dimension).
+    bank <-> E per-expert (out, in) HF matrices).
     """
 
     ours: tuple[str, ...]
     theirs: tuple[str, ...]
     kind: str = "copy"
-    # Optional row permutation applied to HF's tensor on import (its inverse on export), e.g. DeepSeek's
-    # interleaved RoPE channels; a tuple of row indices.
-    rows: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +39,8 @@ class Family:
     to_hf: Callable[[ModelConfig], dict[str, Any]]
     rules: Callable[[ModelConfig, str], list[Rule]]
     ignored: tuple[str, ...] = ()  # HF tensor-name substrings that carry nothing tessera needs
+    # Rewrites an HF checkpoint's tensors in place into the layout ``rules`` expect (hf config, tessera config).
+    prepare: Callable[[dict[str, Any], ModelConfig, dict[str, Any]], None] | None = None
 
 
 def copy(ours: str, theirs: str) -> Rule:
