@@ -55,6 +55,14 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "sparse/linear attention kernels": {"tp": "only the sdpa and eager kernels are sharded"},
     "mixture of experts": {},
+    "Mamba layers": {
+        "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
+        "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
+    },
+    "latent attention": {
+        "tp": "the tensor-parallel plan does not cover latent attention's projections",
+        "cp": "ring attention is written for standard attention's keys and values, not the latent cache",
+    },
 }
 
 
@@ -117,6 +125,10 @@ def job_features(config: Any) -> set[str]:
         features.add("sparse/linear attention kernels")
     if m.moe.experts > 1:
         features.add("mixture of experts")
+    if "M" in m.layer_pattern:
+        features.add("Mamba layers")
+    if m.mla.kv_rank:
+        features.add("latent attention")
     return features
 
 

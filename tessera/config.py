@@ -754,6 +754,11 @@ def validate(config: JobConfig) -> None:
     _validate_optim(config.optim, config.train)
     check_layout(config)
     _validate_data(config.data)
+    _require(
+        not (config.data.document_mask and "M" in config.model.layer_pattern),
+        "data.document_mask cannot reset Mamba layers' state at document boundaries; set data.document_mask=false "
+        "or use attention layers only",
+    )
     _validate_output(config)
 
 

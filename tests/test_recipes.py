@@ -23,6 +23,9 @@ PUBLISHED = {
     "mixtral-8x7b": 46_702_792_704,
     "bert-base": 109_514_298,  # BertForMaskedLM: encoder + MLM head, no pooler
     "t5-base": 222_903_552,
+    "mamba-130m": 129_135_360,
+    "mamba2-130m": 128_989_632,
+    "jamba-v0.1": 51_570_323_328,  # 52B total (12B active)
 }
 
 
@@ -38,7 +41,7 @@ TINY = sorted(p.stem for p in (CONFIGS / "tiny").glob("*.toml"))
 
 
 def test_every_family_has_a_tiny_recipe():
-    assert set(TINY) >= {"llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"}
+    assert set(TINY) >= {"llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5", "mamba", "mamba2", "jamba"}
 
 
 @pytest.mark.parametrize("family", TINY)
