@@ -215,13 +215,13 @@ def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
     imp = conv_sub.add_parser(
         "hf-import", help="HF model directory (config.json + safetensors) -> tessera run directory", allow_abbrev=False
     )
-    imp.add_argument("hf_dir", help="HF model directory: llama, mistral, qwen2, gpt2, mixtral, bert or t5")
+    imp.add_argument("hf_dir", help="HF model directory: llama, mistral, qwen2, mixtral, gpt2, bert, t5, mamba, mamba2, jamba or deepseek_v3")
     imp.add_argument("out_dir", help="tessera run directory to write (one checkpoint, step 0)")
     exp = conv_sub.add_parser(
         "hf-export", help="tessera run or checkpoint directory -> HF model directory", allow_abbrev=False
     )
     exp.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
-    exp.add_argument("out_dir", help="HF model directory to write (config.json + model.safetensors)")
+    exp.add_argument("out_dir", help="HF model directory to write (config, safetensors, tokenizer, generation config, model card)")
     exp.add_argument("--family", default=None, help="HF family to write (default: detected from the model config)")
     cons = conv_sub.add_parser(
         "consolidate", help="tessera run or checkpoint (any layout) -> one model.safetensors", allow_abbrev=False
