@@ -36,6 +36,7 @@ class AttentionConfig:
     scale: float = 0.0  # softmax scale; 0 means 1/sqrt(head_dim) (T5 uses 1)
     scale_by_layer: bool = False  # divide the scale by layer index + 1 (GPT-2 scale_attn_by_inverse_layer_idx)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys
+    qk_norm_scope: Literal["head", "all"] = "head"  # qk_norm per head (Qwen3) or over all heads' channels (OLMoE)
     sliding_window: int = 0  # keys within this many positions (Mistral); the local width for longformer
     global_tokens: int = 0  # longformer/bigbird: the first positions attend and are attended everywhere
     block_size: int = 16  # bigbird block

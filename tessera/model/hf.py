@@ -22,6 +22,7 @@ from tessera.config import ConfigError, ModelConfig, model_config, validate_mode
 from tessera.model.block import layer_kind
 from tessera.model.ffn import ffn_hidden_size
 from tessera.model.hf_families import FAMILIES, HFConversionError, Rule
+from tessera.model.moe import is_moe_layer
 
 __all__ = ["FAMILIES", "HFConversionError", "detect_family", "is_hf_dir", "load_hf", "read_hf", "save_hf"]
 
@@ -187,6 +188,7 @@ def _canonical(cfg: ModelConfig) -> dict[str, Any]:
     kinds = "".join(layer_kind(cfg, i) for i in range(cfg.n_layers))
     values["layer_pattern"] = kinds
     values.update(_resolved_rope(cfg))
+    values["moe.ffn_hidden"] = cfg.moe.ffn_hidden or values["ffn_hidden"]
     if "M" in kinds and not cfg.mamba.dt_rank:
         values["mamba.dt_rank"] = math.ceil(cfg.dim / 16)
     drop = set(_TRAINING_ONLY) | {"bias", "mamba.chunk"} | _unused(cfg, kinds)
@@ -221,6 +223,10 @@ def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
         drop.add("mla.")
     if not cfg.moe.experts:
         drop.add("moe.")
+    if not cfg.attention.qk_norm:
+        drop.add("attention.qk_norm_scope")
+    if not any((k != "M" or cfg.mamba.ffn) and not is_moe_layer(cfg, i) for i, k in enumerate(kinds)):
+        drop.add("ffn_hidden")  # no dense FFN anywhere
     if set(kinds) == {"M"} and not cfg.mamba.ffn:  # no FFN either
         drop |= {"ffn_hidden", "activation", "ffn_bias", "moe.", "mamba.ffn"}
     return drop
@@ -245,7 +251,7 @@ def detect_family(cfg: ModelConfig) -> str:
     if cfg.mla.kv_rank:
         return "deepseek_v3"
     if cfg.moe.experts:
-        return "mixtral"
+        return _moe_family(cfg)
     if cfg.position.kind == "learned":
         return "gpt2"
     if "G" in kinds or cfg.attention.qkv_bias and not (cfg.attention.o_bias or cfg.ffn_bias):
@@ -253,6 +259,17 @@ def detect_family(cfg: ModelConfig) -> str:
     if cfg.attention.qkv_bias or cfg.attention.o_bias or cfg.ffn_bias:
         return "llama"
     return "mistral" if cfg.attention.sliding_window else "llama"
+
+
+def _moe_family(cfg: ModelConfig) -> str:
+    a, moe = cfg.attention, cfg.moe
+    if a.qk_norm and a.qk_norm_scope == "all":
+        return "olmoe"
+    if getattr(moe, "shared_gate", False):
+        return "qwen2_moe"
+    if a.qk_norm or moe.router == "softmax_topk" or moe.every != 1 or getattr(moe, "first_dense", 0):
+        return "qwen3_moe"
+    return "mixtral"
 
 
 def export_config(cfg: ModelConfig, family: str | None = None) -> tuple[dict[str, Any], str]:

@@ -8,7 +8,7 @@ args, raising :class:`HFConversionError` for any option tessera cannot reproduce
 
 from __future__ import annotations
 
-from tessera.model.hf_families import bert, deepseek, gpt2, llama, mamba, t5
+from tessera.model.hf_families import bert, deepseek, gpt2, llama, mamba, moe, t5
 from tessera.model.hf_families.common import Family, HFConversionError, Rule
 
 FAMILIES: dict[str, Family] = {
@@ -16,6 +16,7 @@ FAMILIES: dict[str, Family] = {
     **gpt2.FAMILIES,
     **bert.FAMILIES,
     **t5.FAMILIES,
+    **moe.FAMILIES,
     **mamba.FAMILIES,
     **deepseek.FAMILIES,
 }
