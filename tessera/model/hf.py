@@ -37,6 +37,8 @@ _TRAINING_ONLY = (
     "sentinel_tokens",
     "moe.aux_loss_coef",
     "moe.z_loss_coef",
+    "moe.aux_loss_scope",
+    "moe.bias_update_rate",
     "multiple_of",
     "ffn_multiplier",
 )
@@ -189,6 +191,9 @@ def _canonical(cfg: ModelConfig) -> dict[str, Any]:
     values["layer_pattern"] = kinds
     values.update(_resolved_rope(cfg))
     values["moe.ffn_hidden"] = cfg.moe.ffn_hidden or values["ffn_hidden"]
+    if "moe.shared_ffn_hidden" in values:  # issue 13's key: 0 means shared_experts x the expert width
+        shared = values["moe.shared_ffn_hidden"] or values["moe.ffn_hidden"] * cfg.moe.shared_experts
+        values["moe.shared_ffn_hidden"] = shared
     if "M" in kinds and not cfg.mamba.dt_rank:
         values["mamba.dt_rank"] = math.ceil(cfg.dim / 16)
     drop = set(_TRAINING_ONLY) | {"bias", "mamba.chunk"} | _unused(cfg, kinds)

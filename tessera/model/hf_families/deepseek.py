@@ -11,6 +11,7 @@ from tessera.model.hf_families.common import (
     ACT_IN,
     ACT_OUT,
     Family,
+    HFConversionError,
     Rule,
     copy,
     fail,
@@ -21,7 +22,7 @@ from tessera.model.hf_families.common import (
     rope_params,
     rope_to_hf,
 )
-from tessera.model.hf_families.llama import dense_ffn_rules
+from tessera.model.hf_families.llama import dense_ffn_rules, expert_rules
 from tessera.model.moe import is_moe_layer
 
 
@@ -46,16 +47,9 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     n_heads = hf["num_attention_heads"]
     if get(hf, "num_key_value_heads", default=n_heads) != n_heads:
         fail("num_key_value_heads", hf["num_key_value_heads"], "deepseek_v3", "latent attention expands every head")
-    n_layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
-    if dense < n_layers:
-        fail(
-            "first_k_dense_replace",
-            dense,
-            "deepseek_v3",
-            f"routed-expert layers (any below num_hidden_layers={n_layers}) are not mapped yet",
-        )
+    n_layers = hf["num_hidden_layers"]
     bias = bool(hf.get("attention_bias", False))
-    return {
+    out = {
         "vocab_size": hf["vocab_size"],
         "dim": hf["hidden_size"],
         "n_layers": n_layers,
@@ -69,6 +63,53 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "attention": {"qkv_bias": bias, "o_bias": bias},
         "position": rope_from_hf(hf, "deepseek_v3"),
         "mla": _mla_from_hf(hf),
+    }
+    if hf.get("first_k_dense_replace", 3) < n_layers:
+        out["moe"] = _moe_from_hf(hf)
+    return out
+
+
+def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3 routing: sigmoid scores, group-limited top-k, aux-free bias, scaled weights, shared experts.
+    The training-only keys follow the paper (sequence-wise aux loss 1e-4, bias update speed 1e-3)."""
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+        fail("topk_method/scoring_func", (hf.get("topk_method"), hf.get("scoring_func")), "deepseek_v3")
+    hidden, shared = hf["moe_intermediate_size"], int(hf.get("n_shared_experts") or 0)
+    return {
+        "experts": get(hf, "n_routed_experts", "num_local_experts"),
+        "top_k": hf["num_experts_per_tok"],
+        "first_dense": hf.get("first_k_dense_replace", 3),
+        "router": "sigmoid",
+        "norm_topk": bool(hf.get("norm_topk_prob", True)),
+        "route_scale": float(hf.get("routed_scaling_factor", 1.0)),
+        "groups": hf.get("n_group") or 1,
+        "topk_groups": hf.get("topk_group") or 1,
+        "expert_bias": True,
+        "bias_update_rate": 0.001,
+        "aux_loss_scope": "sequence",
+        "aux_loss_coef": 0.0001,
+        "ffn_hidden": hidden,
+        "shared_experts": shared,
+        "shared_ffn_hidden": hidden * shared,
+    }
+
+
+def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    if not moe.experts:
+        return {"first_k_dense_replace": cfg.n_layers}
+    if moe.router != "sigmoid":
+        raise HFConversionError(f"model.moe.router={moe.router!r} cannot be expressed in deepseek_v3; use sigmoid")
+    return {
+        "first_k_dense_replace": moe.first_dense,
+        "n_routed_experts": moe.experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.ffn_hidden or ffn_hidden(cfg),
+        "n_shared_experts": moe.shared_experts,
+        "norm_topk_prob": moe.norm_topk,
+        "routed_scaling_factor": moe.route_scale,
+        "n_group": moe.groups,
+        "topk_group": moe.topk_groups,
     }
 
 
@@ -95,7 +136,7 @@ def _deepseek_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "qk_nope_head_dim": mla.nope_head_dim,
         "v_head_dim": mla.v_head_dim,
         "rope_interleave": False,  # tessera rotates halves; interleaved checkpoints are de-interleaved on import
-        "first_k_dense_replace": cfg.n_layers,
+        **_moe_to_hf(cfg),
         **rope,
     }
 
@@ -128,6 +169,14 @@ def _deepseek_rules(cfg: ModelConfig, family: str) -> list[Rule]:
         rules += _mla_rules(cfg, f"{ours}.attention", f"{theirs}.self_attn")
         if not is_moe_layer(cfg, i):
             rules += dense_ffn_rules(cfg, f"{ours}.feed_forward", f"{theirs}.mlp")
+            continue
+        rules += [
+            copy(f"{ours}.moe.router.weight", f"{theirs}.mlp.gate.weight"),
+            copy(f"{ours}.moe.expert_bias", f"{theirs}.mlp.gate.e_score_correction_bias"),
+        ]
+        rules += expert_rules(f"{ours}.moe", f"{theirs}.mlp", cfg.moe.experts, ("gate_proj", "up_proj", "down_proj"))
+        if cfg.moe.shared_experts:
+            rules += dense_ffn_rules(cfg, f"{ours}.moe.shared", f"{theirs}.mlp.shared_experts", bias=False)
     return rules
 
 

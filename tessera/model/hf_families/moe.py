@@ -6,7 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.model.hf_families.common import Family, HFConversionError, Rule, copy, fail, ffn_hidden, get, linear
+from tessera.model.hf_families.common import (
+    Family,
+    HFConversionError,
+    Rule,
+    copy,
+    fail,
+    ffn_hidden,
+    get,
+)
 from tessera.model.hf_families.llama import (
     attention_rules,
     dense_ffn_rules,
@@ -154,7 +162,7 @@ def _moe_rules(cfg: ModelConfig, family: str) -> list[Rule]:
         rules.append(copy(f"{ours}.moe.router.weight", f"{theirs}.mlp.gate.weight"))
         rules += expert_rules(f"{ours}.moe", f"{theirs}.mlp", cfg.moe.experts, _EXPERT_NAMES)
         if cfg.moe.shared_experts:
-            rules += [r for p in _EXPERT_NAMES for r in linear(f"{ours}.moe.shared.{p}", f"{theirs}.mlp.shared_expert.{p}", False)]
+            rules += dense_ffn_rules(cfg, f"{ours}.moe.shared", f"{theirs}.mlp.shared_expert", bias=False)
             rules.append(copy(f"{ours}.moe.shared_gate.weight", f"{theirs}.mlp.shared_expert_gate.weight"))
     return rules
 
@@ -170,4 +178,3 @@ FAMILIES = {
     ),
     "olmoe": Family("olmoe", "OlmoeForCausalLM", _olmoe_from_hf, _olmoe_to_hf, _moe_rules, _ROPE_BUFFERS),
 }
-
