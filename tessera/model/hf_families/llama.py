@@ -88,11 +88,10 @@ def attention_rules(cfg: ModelConfig, ours: str, theirs: str) -> list[Rule]:
     return rules
 
 
-def dense_ffn_rules(cfg: ModelConfig, ours: str, theirs: str) -> list[Rule]:
-    """A gated FFN as HF's ``mlp.{gate,up,down}_proj``."""
-    return [
-        r for p in ("gate_proj", "up_proj", "down_proj") for r in linear(f"{ours}.{p}", f"{theirs}.{p}", _ffn_bias(cfg))
-    ]
+def dense_ffn_rules(cfg: ModelConfig, ours: str, theirs: str, bias: bool | None = None) -> list[Rule]:
+    """A gated FFN as HF's ``mlp.{gate,up,down}_proj`` (with the model's FFN biases unless ``bias`` says)."""
+    bias = _ffn_bias(cfg) if bias is None else bias
+    return [r for p in ("gate_proj", "up_proj", "down_proj") for r in linear(f"{ours}.{p}", f"{theirs}.{p}", bias)]
 
 
 def expert_rules(ours: str, theirs: str, n: int, names: tuple[str, str, str]) -> list[Rule]:
