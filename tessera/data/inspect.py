@@ -49,8 +49,5 @@ def inspect_dataset(prefix: str | Path, tokenizer: str = "", samples: int = 3, s
         ids = indexed.get(int(doc))
         head = f"sample: document {doc} ({len(ids)} tokens)"
         body = tok.decode(ids.tolist())[:sample_chars] if tok else " ".join(map(str, ids[:64].tolist()))
-        lines += [
-            head + ("" if tok else ", token ids (no tokenizer; pass --tokenizer)"),
-            "  " + body.replace("\n", "\n  "),
-        ]
+        lines += [head + ("" if tok else ", token ids (no tokenizer; pass --tokenizer)"), "  " + body.replace("\n", "\n  ")]
     return "\n".join(lines)

@@ -105,9 +105,7 @@ def _remove(*paths: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def write_indexed_dataset(
-    texts: Iterable[str], tokenizer: Tokenizer, prefix: str | Path, num_proc: int = 1, progress: bool = False
-) -> PrepareSummary:
+def write_indexed_dataset(texts: Iterable[str], tokenizer: Tokenizer, prefix: str | Path, num_proc: int = 1, progress: bool = False) -> PrepareSummary:
     """Tokenize ``texts`` (one document each) into ``prefix.bin``/``prefix.idx``; see the module doc."""
     import torch  # megatron's builder takes tensors
     from tqdm import tqdm
@@ -141,13 +139,7 @@ def write_indexed_dataset(
 
 
 def prepare_source(
-    source: str,
-    prefix: str | Path,
-    tokenizer: Tokenizer,
-    text_field: str = "text",
-    max_chars: int = 0,
-    num_proc: int = 1,
-    progress: bool = False,
+    source: str, prefix: str | Path, tokenizer: Tokenizer, text_field: str = "text", max_chars: int = 0, num_proc: int = 1, progress: bool = False
 ) -> PrepareSummary:
     """Stream the documents of ``source`` (see :mod:`tessera.data.sources`) into an indexed dataset."""
     texts = (doc.text for doc in iter_documents(source, max_chars, text_field))
@@ -180,9 +172,7 @@ def prepare_corpus(
     if tokenizer == "default":
         sample = list(iter_documents(source, tokenizer_chars, text_field))
         if not sample:
-            raise DataError(
-                f"data source '{source}' has no non-empty text documents; point it at text or at rows with a '{text_field}' field"
-            )
+            raise DataError(f"data source '{source}' has no non-empty text documents; point it at text or at rows with a '{text_field}' field")
         tok, _ = train_or_load_tokenizer("default", vocab_size, sample, corpus_hash(sample), tokenizer_chars, cache_dir)
         Path(prefix).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(tok.path, tokenizer_sidecar(prefix))
@@ -192,9 +182,7 @@ def prepare_corpus(
     return prepare_source(source, prefix, tok, text_field, max_chars, num_proc, progress), tok
 
 
-def prepared_dataset(
-    docs: list[Document], content_hash: str, tokenizer: Tokenizer, cache_dir: str | Path, num_proc: int = 1
-) -> Path:
+def prepared_dataset(docs: list[Document], content_hash: str, tokenizer: Tokenizer, cache_dir: str | Path, num_proc: int = 1) -> Path:
     """The indexed dataset prefix for this corpus and tokenizer, written once and then reused."""
     key = hashlib.sha256(content_hash.encode() + tokenizer.path.read_bytes()).hexdigest()[:16]
     prefix = Path(cache_dir) / "datasets" / key / "data"

@@ -86,10 +86,7 @@ def job_device(requested: str, config: JobConfig) -> tuple[Literal["gpu", "cpu"]
 
     if torch.cuda.is_available():
         return "gpu", ""
-    return (
-        "cpu",
-        "tessera: no GPU visible here and train.device=auto: writing a CPU job (no --gres); pass --device gpu for a GPU cluster",
-    )
+    return "cpu", "tessera: no GPU visible here and train.device=auto: writing a CPU job (no --gres); pass --device gpu for a GPU cluster"
 
 
 def check_spec(spec: SlurmSpec, config: JobConfig) -> None:
@@ -98,22 +95,16 @@ def check_spec(spec: SlurmSpec, config: JobConfig) -> None:
     if spec.signal_seconds < 1:
         raise LaunchError(f"--signal-seconds must be positive, got {spec.signal_seconds}")
     if spec.time and time_limit_seconds(spec.time) <= spec.signal_seconds:
-        raise LaunchError(
-            f"--time {spec.time} is not longer than --signal-seconds {spec.signal_seconds}; the job would be told to stop before it starts"
-        )
+        raise LaunchError(f"--time {spec.time} is not longer than --signal-seconds {spec.signal_seconds}; the job would be told to stop before it starts")
     if not 0 <= spec.rdzv_port <= 65535:
         raise LaunchError(f"--rdzv-port must be 1-65535 (or 0 for 29500 + job id % 1000), got {spec.rdzv_port}")
     if spec.max_restarts < 0 or spec.cpus_per_task < 0:
         raise LaunchError("--max-restarts and --cpus-per-task must be >= 0")
     for option in spec.sbatch_options:
         if not _SLURM_OPTION.match(option):
-            raise LaunchError(
-                f"--sbatch '{option}' is not an sbatch option; write it as --name or --name=value, e.g. --sbatch=--constraint=h100"
-            )
+            raise LaunchError(f"--sbatch '{option}' is not an sbatch option; write it as --name or --name=value, e.g. --sbatch=--constraint=h100")
     if config.train.resume == "none":
-        raise LaunchError(
-            "train.resume='none' would restart a requeued job from scratch; use train.resume=auto for SLURM jobs"
-        )
+        raise LaunchError("train.resume='none' would restart a requeued job from scratch; use train.resume=auto for SLURM jobs")
 
 
 def _sbatch_lines(spec: SlurmSpec, run_dir: str, job_name: str) -> list[str]:
@@ -128,17 +119,8 @@ def _sbatch_lines(spec: SlurmSpec, run_dir: str, job_name: str) -> list[str]:
         lines.append(f"#SBATCH --gres=gpu:{per_node}")
     if cpus:
         lines.append(f"#SBATCH --cpus-per-task={cpus}")
-    lines += [
-        f"#SBATCH --{key}={value}"
-        for key, value in (
-            ("mem", spec.mem),
-            ("partition", spec.partition),
-            ("time", spec.time),
-            ("account", spec.account),
-            ("qos", spec.qos),
-        )
-        if value
-    ]
+    lines += [f"#SBATCH --{key}={value}" for key, value in
+              (("mem", spec.mem), ("partition", spec.partition), ("time", spec.time), ("account", spec.account), ("qos", spec.qos)) if value]
     if spec.exclusive:
         lines.append("#SBATCH --exclusive")
     lines += [f"#SBATCH {option}" for option in spec.sbatch_options]
@@ -146,8 +128,7 @@ def _sbatch_lines(spec: SlurmSpec, run_dir: str, job_name: str) -> list[str]:
         f"#SBATCH --output={run_dir}/logs/slurm-%j.out",
         "#SBATCH --open-mode=append           # a requeued job appends to the same log",
         "#SBATCH --requeue                    # a preempted job goes back into the queue",
-        f"#SBATCH --signal=USR1@{spec.signal_seconds}".ljust(37)
-        + f"# {spec.signal_seconds} s before the time limit: checkpoint and requeue",
+        f"#SBATCH --signal=USR1@{spec.signal_seconds}".ljust(37) + f"# {spec.signal_seconds} s before the time limit: checkpoint and requeue",
     ]
     return lines
 
@@ -156,10 +137,7 @@ def _environment(spec: SlurmSpec) -> list[str]:
     lines = [
         ("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}", ""),
         ("export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1", ""),
-        *(
-            (f"export {key}={value}", "a fresh store per worker group, so restarts work (pytorch#135712)")
-            for key, value in TORCHRUN_ENV.items()
-        ),
+        *((f"export {key}={value}", "a fresh store per worker group, so restarts work (pytorch#135712)") for key, value in TORCHRUN_ENV.items()),
     ]
     if spec.device == "gpu":
         lines += [
@@ -242,9 +220,7 @@ def write_job(config: JobConfig, spec: SlurmSpec, command: str) -> Path:
 def submit(script: Path) -> str:
     """``sbatch`` the script; returns the job id."""
     if shutil.which("sbatch") is None:
-        raise LaunchError(
-            f"sbatch is not installed here; {script} is written: submit it from a SLURM login node with: sbatch {script}"
-        )
+        raise LaunchError(f"sbatch is not installed here; {script} is written: submit it from a SLURM login node with: sbatch {script}")
     proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if proc.returncode != 0:
         reason = (proc.stderr.strip().splitlines() or ["no message"])[-1]
@@ -252,14 +228,7 @@ def submit(script: Path) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
-def slurm(
-    config_path: str,
-    overrides: list[str],
-    spec: SlurmSpec,
-    argv: list[str],
-    submit_job: bool = False,
-    dry_run: bool = False,
-) -> int:
+def slurm(config_path: str, overrides: list[str], spec: SlurmSpec, argv: list[str], submit_job: bool = False, dry_run: bool = False) -> int:
     """Validate, then print the script (``dry_run``), or write it and optionally submit it.
 
     ``argv`` is the ``tessera`` command line; the script records it (without --submit/--dry-run).

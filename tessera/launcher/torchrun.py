@@ -18,15 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from tessera.config import JobConfig, load_config
-from tessera.launcher.common import (
-    TORCHRUN_ENV,
-    Endpoint,
-    LaunchError,
-    check_world_size,
-    default_nproc_per_node,
-    parse_endpoint,
-    train_args,
-)
+from tessera.launcher.common import TORCHRUN_ENV, Endpoint, LaunchError, check_world_size, default_nproc_per_node, parse_endpoint, train_args
 
 
 _ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -55,16 +47,8 @@ class TorchrunSpec:
         return self.nnodes == 1 and self.rdzv_endpoint is None
 
 
-def make_spec(
-    nnodes: int,
-    nproc_per_node: int,
-    rdzv_endpoint: str | None = None,
-    rdzv_backend: str = "c10d",
-    rdzv_id: str = "",
-    node_rank: int | None = None,
-    max_restarts: int = 0,
-    run_dir: str = "",
-) -> TorchrunSpec:
+def make_spec(nnodes: int, nproc_per_node: int, rdzv_endpoint: str | None = None, rdzv_backend: str = "c10d",
+              rdzv_id: str = "", node_rank: int | None = None, max_restarts: int = 0, run_dir: str = "") -> TorchrunSpec:
     """A checked :class:`TorchrunSpec` from command-line values (LaunchError when they cannot work)."""
     if rdzv_backend not in ("c10d", "static"):
         raise LaunchError(f"--rdzv-backend {rdzv_backend!r} is not one of 'c10d', 'static'")
@@ -72,20 +56,14 @@ def make_spec(
         raise LaunchError(f"--max-restarts must be >= 0, got {max_restarts}")
     endpoint = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else None
     if nnodes > 1 and endpoint is None:
-        raise LaunchError(
-            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the address of the first node that every node can reach"
-        )
+        raise LaunchError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the address of the first node that every node can reach")
     if rdzv_backend == "c10d" and node_rank is not None:
-        raise LaunchError(
-            "--node-rank applies to --rdzv-backend static only; the c10d rendezvous assigns node ranks itself"
-        )
+        raise LaunchError("--node-rank applies to --rdzv-backend static only; the c10d rendezvous assigns node ranks itself")
     if rdzv_backend == "static":
         if endpoint is None:
             raise LaunchError("--rdzv-backend static needs --rdzv-endpoint HOST:PORT (the master: node rank 0)")
         if node_rank is None or not 0 <= node_rank < nnodes:
-            raise LaunchError(
-                f"--rdzv-backend static needs --node-rank from 0 to {nnodes - 1} (this node's rank), got {node_rank}"
-            )
+            raise LaunchError(f"--rdzv-backend static needs --node-rank from 0 to {nnodes - 1} (this node's rank), got {node_rank}")
     rdzv = rdzv_id or "tessera-" + (re.sub(r"[^A-Za-z0-9_.-]", "-", Path(run_dir).name) if run_dir else "job")
     return TorchrunSpec(nnodes, nproc_per_node, endpoint, rdzv_backend, rdzv, node_rank, max_restarts)  # type: ignore[arg-type]
 
@@ -97,20 +75,10 @@ def torchrun_command(spec: TorchrunSpec, config_path: str, overrides: list[str])
         cmd += ["--standalone", "--nnodes=1"]
     elif spec.rdzv_backend == "static":
         assert spec.rdzv_endpoint is not None
-        cmd += [
-            f"--nnodes={spec.nnodes}",
-            f"--node-rank={spec.node_rank}",
-            "--rdzv-backend=static",
-            f"--master-addr={spec.rdzv_endpoint.host}",
-            f"--master-port={spec.rdzv_endpoint.port}",
-        ]
+        cmd += [f"--nnodes={spec.nnodes}", f"--node-rank={spec.node_rank}", "--rdzv-backend=static",
+                f"--master-addr={spec.rdzv_endpoint.host}", f"--master-port={spec.rdzv_endpoint.port}"]
     else:
-        cmd += [
-            f"--nnodes={spec.nnodes}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={spec.rdzv_endpoint}",
-            f"--rdzv-id={spec.rdzv_id}",
-        ]
+        cmd += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
     cmd += [f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}"]
     return cmd + train_args(config_path, overrides)
 
@@ -146,19 +114,8 @@ def accelerate_command(spec: TorchrunSpec, yaml_path: str, config_path: str, ove
     return cmd + train_args(config_path, overrides)
 
 
-def launch(
-    config_path: str,
-    overrides: list[str],
-    nnodes: int = 1,
-    nproc_per_node: int = 0,
-    rdzv_endpoint: str = "",
-    rdzv_backend: str = "c10d",
-    rdzv_id: str = "",
-    node_rank: int | None = None,
-    max_restarts: int = 0,
-    via: str = "torchrun",
-    dry_run: bool = False,
-) -> int:
+def launch(config_path: str, overrides: list[str], nnodes: int = 1, nproc_per_node: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
+           rdzv_id: str = "", node_rank: int | None = None, max_restarts: int = 0, via: str = "torchrun", dry_run: bool = False) -> int:
     """Validate the job, then print the command (``dry_run``) or replace this process with it.
 
     ``nproc_per_node = 0`` means :func:`default_nproc_per_node`. The command runs with

@@ -14,15 +14,7 @@ import torch
 from tessera.config import ModelConfig
 
 # Dense bf16 tensor-core peaks (FLOP/s) of common accelerators, by a substring of the device name.
-GPU_PEAK_BF16 = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "4090": 165e12,
-    "V100": 125e12,
-}
+GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12, "V100": 125e12}
 
 
 def flops_per_token(matmul_params: int, cfg: ModelConfig, seq_len: int) -> float:

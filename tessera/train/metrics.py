@@ -19,9 +19,7 @@ def _human(n: float) -> str:
 
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
-    return (
-        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-    )
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def format_step(record: dict[str, Any], total_steps: int, eta_s: float | None) -> str:
@@ -45,13 +43,7 @@ class MetricsLogger:
     """
 
     def __init__(
-        self,
-        run_dir: str | Path,
-        total_steps: int,
-        progress: str = "auto",
-        tensorboard: bool = True,
-        stream: TextIO | None = None,
-        enabled: bool = True,
+        self, run_dir: str | Path, total_steps: int, progress: str = "auto", tensorboard: bool = True, stream: TextIO | None = None, enabled: bool = True
     ) -> None:
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
@@ -93,9 +85,7 @@ class MetricsLogger:
             return
         line = format_step(record, self.total_steps, self._eta(record["step"]))
         if self.progress == "bar":
-            self.stream.write(
-                "\r\033[K" + line + ("\n" if "val_loss" in record or record["step"] == self.total_steps else "")
-            )
+            self.stream.write("\r\033[K" + line + ("\n" if "val_loss" in record or record["step"] == self.total_steps else ""))
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
