@@ -280,3 +280,13 @@ def test_t5_export_refuses_scaling_that_transformers_4_cannot_read(tmp_path):
     cfg = model_config(arch="encoder_decoder", vocab_size=V, dim=32, n_layers=1, n_heads=4, position="t5_bias", norm="rmsnorm", activation="relu", tie_embeddings=False, output_dim_scale=True)
     with pytest.raises(HFConversionError, match="output_dim_scale"):
         save_hf(build_model(cfg), tmp_path / "out")
+
+
+def test_small_vocabularies_are_refused_only_where_a_tokenizer_is_trained(tmp_path):
+    from tessera.config import validate_model
+    from tessera.data.sources import DataError, Document
+    from tessera.data.tokenizer import train_tokenizer
+
+    validate_model(model_config(vocab_size=V, dim=32, n_layers=1, n_heads=4))  # a model may have any vocabulary
+    with pytest.raises(DataError, match="at least 260"):
+        train_tokenizer([Document("d", "def f(x):\n    return x\n")], "tiny", V, tmp_path)
