@@ -681,7 +681,8 @@ def _validate_mixers(m: ModelConfig) -> None:
     )
     _require(
         "G" not in pattern or (m.attention.sliding_window > 0 and m.attention.kernel in ("sdpa", "eager")),
-        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and the sdpa or eager kernel",
+        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and the sdpa or "
+        "eager kernel",
     )
     if "M" in pattern:
         _validate_mamba(m)

@@ -88,7 +88,8 @@ def _qwen2_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     moe = cfg.moe
     if moe.shared_experts != 1 or not getattr(moe, "shared_gate", False):
         raise HFConversionError(
-            "qwen2_moe always has one gated shared expert: set model.moe.shared_experts=1 and model.moe.shared_gate=true"
+            "qwen2_moe always has one gated shared expert: set model.moe.shared_experts=1 and "
+            "model.moe.shared_gate=true"
         )
     expert = moe.ffn_hidden or ffn_hidden(cfg)
     return {
