@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
+LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep", "deepspeed")
 
 # feature -> layouts it does NOT support, with the reason shown to the user. "sp" is tensor
 # parallelism with sequence parallelism on, so it inherits every "tp" entry (a job with sp
@@ -23,6 +23,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "activation checkpointing": {},
     "torch.compile": {
         "pp": "compile is not validated with pipeline stages yet",
+        "deepspeed": "compile is not validated with the DeepSpeed engine yet; set parallel.compile=false",
     },
     "bf16": {},
     "fp16": {
@@ -36,9 +37,11 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "ddp": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "tp": "offload with tensor parallelism is not supported",
         "pp": "offload is not validated with pipeline stages yet",
+        "deepspeed": "the DeepSpeed engine offloads with parallel.offload_optimizer / parallel.offload_params",
     },
     "meta init": {
-        "pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"
+        "pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)",
+        "deepspeed": "the DeepSpeed engine partitions a built model; set parallel.meta_init=false",
     },
     "tied embeddings": {
         "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
@@ -72,6 +75,11 @@ UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
     frozenset(
         {"ddp", "pp"}
     ): "DDP would all-reduce every micro-batch's gradients; use FSDP or HSDP (parallel.dp_shard > 1) with pp",
+    **{
+        frozenset({"deepspeed", layout}): f"the DeepSpeed engine is data parallel only; set parallel.{key}=1 "
+        "or parallel.engine='torch'"
+        for layout, key in (("ddp", "dp_replicate"), ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep"))
+    },
 }
 
 
@@ -87,6 +95,8 @@ def job_layouts(parallel: Any, world_size: int | None = None) -> set[str]:
             layouts.add(dim)
     if parallel.tp > 1 and parallel.sequence_parallel:
         layouts.add("sp")
+    if parallel.engine == "deepspeed":  # ZeRO over every rank; dp_replicate > 1 shows as ddp (refused)
+        return layouts | {"deepspeed"} | ({"ddp"} if parallel.dp_replicate > 1 else set())
     dp_shard = parallel.dp_shard
     if dp_shard == -1:
         if world_size is None:

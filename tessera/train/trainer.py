@@ -24,11 +24,9 @@ from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_check
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
-from tessera.train.optim import build_optimizer, build_scheduler
 from tessera.train.preemption import PreemptionGuard
-from tessera.parallel import clip_grad_norm
-from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
+from tessera.train.engine import build_engine
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -98,9 +96,8 @@ class Trainer:
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
-        self.optimizer = build_optimizer(self.model, config.optim)
-        self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+        self.engine = build_engine(config, self.model, self.parallel, self.dtype)  # torch or DeepSpeed (train/engine.py)
+        self.model, self.optimizer, self.scheduler = self.engine.model, self.engine.optimizer, self.engine.scheduler
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.parallel.is_main)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
@@ -159,7 +156,7 @@ class Trainer:
                 f"checkpoint '{path}' was trained with a different [model] section; resume with the same model config "
                 "or set train.resume=none"
             )
-        meta = self.checkpointer.load(path, self.model, self.optimizer)
+        meta = self.engine.load(self.checkpointer, path)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.data.train.load_state_dict(meta["loader"])
         self.step = int(meta["step"])
@@ -172,7 +169,7 @@ class Trainer:
             "model": self.config.to_dict()["model"],
             "config": self.config.to_dict(),
         }
-        return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
+        return self.engine.save(self.checkpointer, self.step, extra)
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``grad_accum`` micro-batches; returns its metrics."""
@@ -193,16 +190,10 @@ class Trainer:
                 loss = lm_loss(logits, labels, cfg.train.label_smoothing, loss_mask)
                 aux = moe_loss(moe_logs[-1])  # MoE load-balancing and router z-losses (None without MoE)
                 loss = (loss if aux is None else add_replicated(loss, aux)) / cfg.train.grad_accum
-                self.scaler.scale(loss).backward()
+                self.engine.backward(loss)
             total_loss += scalar(loss)
-        self.scaler.unscale_(self.optimizer)
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.parallel.pp_mesh)
         lr = self.scheduler.get_last_lr()[0]
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.engine.step()  # clip, optimizer and LR schedule step, zero the gradients
         stats = moe_metrics(moe_logs)  # tensors: read them with one sync
         moe = dict(zip(stats, torch.stack(list(stats.values())).tolist())) if stats else {}
         return {"loss": self.parallel.mean_over_dp(total_loss), "lr": lr, "grad_norm": grad_norm, **moe}
@@ -346,7 +337,7 @@ class Trainer:
         ):  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
-        param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
+        param_sumsq = self.engine.parameter_sums_of_squares()  # collective: every rank
         if not self.parallel.is_main:
             return
         summary = {
