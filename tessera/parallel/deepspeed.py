@@ -201,6 +201,18 @@ def full_moments(engine: Any, param: nn.Parameter) -> dict[str, torch.Tensor]:
     return {key: safe_get_full_optimizer_state(param, key).detach().float().cpu().reshape(shape) for key in ADAM_MOMENTS}
 
 
+def link_optimizer_state(engine: Any) -> None:
+    """Point every ZeRO-1/2 parameter's fragment at its Adam state (read before :func:`full_moments`).
+
+    DeepSpeed links them after the first group's first step, before a later group (with CPU
+    offload, stepped one at a time) has state, leaving that group's fragments without moments.
+    """
+    zero = engine.optimizer
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state") and _inner(engine).state:
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+
+
 def _is_z3(param: nn.Parameter) -> bool:
     return hasattr(param, "ds_id")
 
@@ -213,9 +225,7 @@ def create_optimizer_state(engine: Any, step: int) -> None:
     for flat in flats:
         count = torch.tensor(float(step)) if isinstance(inner, torch.optim.Adam) else step
         inner.state[flat] = {"step": count, **{key: torch.zeros_like(flat) for key in ADAM_MOMENTS}}
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2: link each parameter's fragment
-        zero._hp_optimizer_states_linked = False
-        zero._lazy_init_hp_params_optimizer_state()
+    link_optimizer_state(engine)
 
 
 def set_full(param: nn.Parameter, weight: torch.Tensor, moments: dict[str, torch.Tensor] | None) -> None:

@@ -115,6 +115,7 @@ class DeepSpeedEngine:
         """Checkpoint full weights and Adam state in tessera's layout, each tensor written by one rank."""
         model, optim = {}, {}
         count = torch.tensor(float(ds.optimizer_step_count(self.model)))
+        ds.link_optimizer_state(self.model)
         for i, (key, param, buffer) in enumerate(ds.state_entries(self.module, self.keys)):
             mine = i % self.world == self.rank
             if param is None:
