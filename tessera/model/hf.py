@@ -127,8 +127,17 @@ def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str
     path = Path(path)
     if not is_hf_dir(path):
         raise HFConversionError(f"'{path}' is not an HF model directory (no config.json with a model_type)")
-    hf_config = json.loads((path / "config.json").read_text())
-    tensors = _read_tensors(path)
+    return state_from_hf(json.loads((path / "config.json").read_text()), _read_tensors(path))
+
+
+def state_from_hf(
+    hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    """(ModelConfig, tessera state dict, family) of HF-named tensors and their config.json as a dict.
+
+    The mapping only moves, transposes, splits and stacks tensors, so it also maps tensors laid
+    out like the weights (e.g. Adam moments).
+    """
     if hf_config.get("model_type") == "t5":
         head = tensors.get("lm_head.weight")
         hf_config["tie_word_embeddings"] = head is None or torch.equal(head, tensors["shared.weight"])

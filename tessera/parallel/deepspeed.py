@@ -155,9 +155,7 @@ def state_keys(module: nn.Module) -> list[str]:
     return [canonical_name(key) for key in module.state_dict()]
 
 
-def state_entries(
-    module: nn.Module, keys: list[str]
-) -> Iterator[tuple[str, nn.Parameter | None, torch.Tensor | None]]:
+def state_entries(module: nn.Module, keys: list[str]) -> Iterator[tuple[str, nn.Parameter | None, torch.Tensor | None]]:
     """(state-dict key, its parameter or None, its buffer or None) for each of ``keys``."""
     from tessera.parallel.checksum import canonical_name
 
@@ -198,7 +196,9 @@ def full_moments(engine: Any, param: nn.Parameter) -> dict[str, torch.Tensor]:
     shape = full_shape(param)
     if optimizer_step_count(engine) == 0:
         return {key: torch.zeros(shape) for key in ADAM_MOMENTS}
-    return {key: safe_get_full_optimizer_state(param, key).detach().float().cpu().reshape(shape) for key in ADAM_MOMENTS}
+    return {
+        key: safe_get_full_optimizer_state(param, key).detach().float().cpu().reshape(shape) for key in ADAM_MOMENTS
+    }
 
 
 def link_optimizer_state(engine: Any) -> None:
