@@ -1,0 +1,1 @@
+"""The planner: will a layout fit, and how fast will it run? (``tessera plan``)."""

@@ -1,0 +1,156 @@
+"""Activation memory of one transformer block: the bytes autograd keeps for backward, per token.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+Table 2) count a GPT block's saved activations in units of ``sbh`` bytes (``s`` sequence,
+``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` tensor-parallel degree, 2-byte values):
+
+    no parallelism          sbh (34 + 5as/h)
+    tensor parallel         sbh (10 + 24/t + 5as/(ht))
+    TP + sequence parallel  sbh/t (34 + 5as/h)
+    TP + SP + selective     34 sbh/t
+    full recomputation      2 sbh
+
+The same accounting, split by where each saved tensor lives, describes tessera's blocks: a
+:class:`BlockActivation` holds bytes per token in four groups --
+
+- ``residual``: norm inputs/outputs and dropout masks (sequence-sharded under SP, else whole);
+- ``gathered``: the inputs of the column-parallel projections (whole without SP; under SP
+  Megatron keeps them sharded and re-gathers in backward, while DTensor saves the gathered copy,
+  so in tessera they stay whole);
+- ``sharded``: everything inside the tensor-parallel region (heads, FFN hidden): divided by t;
+- ``scores``: bytes per token per key position (softmax probabilities kept by non-fused
+  attention), divided by t -- zero for SDPA/flash kernels, which is Korthikanti's "selective".
+
+:func:`korthikanti_block` gives the paper's GPT block in these terms (6h + 4h + 24h + 5a·s, in
+bytes), and :func:`tessera_block` the zoo's blocks as tessera runs them (RMSNorm computed in
+fp32, SwiGLU, GQA, SDPA, autocast copies or FSDP's bf16 parameters), term by term; both are
+checked by tests, the latter against the bytes autograd actually saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.plan import modelcfg
+from tessera.plan.shapes import BlockParams, ModelShape
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per value of each kind of tensor, as a layout's precision settings produce them."""
+
+    param: int  # resident parameters (tessera keeps fp32 parameters as the master copy)
+    grad: int  # resident gradients
+    optim: int  # optimizer state per parameter (AdamW: two fp32 moments)
+    compute: int  # matmul inputs/outputs and gathered parameters
+    stream: int  # the residual stream between blocks
+    autocast: bool  # per-op casts (each projection keeps its own cast copy of its input)
+    reduce: int  # gradient reduction dtype (FSDP reduce_dtype)
+
+
+def tessera_precision(dtype: str, fsdp: bool) -> Precision:
+    """What tessera does for ``train.dtype``: fp32 throughout; bf16/fp16 via FSDP's
+    mixed-precision policy (bf16 parameters and stream) or, without FSDP, via autocast."""
+    if dtype == "fp32":
+        return Precision(4, 4, 8, 4, 4, False, 4)
+    if fsdp:
+        return Precision(4, 4, 8, 2, 2, False, 4)
+    return Precision(4, 4, 8, 2, 4, True, 4)
+
+
+@dataclass(frozen=True)
+class BlockActivation:
+    """Bytes one block keeps for backward per token, by how TP/SP split them (see module doc)."""
+
+    residual: float
+    gathered: float
+    sharded: float
+    scores: float = 0.0  # per token per key position
+
+    def bytes(self, tokens: int, keys: int, tp: int = 1, sp: bool = False, megatron_sp: bool = False) -> float:
+        """Saved bytes of ``tokens`` tokens attending to ``keys`` positions at tensor-parallel degree ``tp``."""
+        residual = self.residual / tp if sp else self.residual
+        gathered = self.gathered / tp if sp and megatron_sp else self.gathered
+        return tokens * (residual + gathered + (self.sharded + self.scores * keys) / tp)
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """What one block keeps under each activation-checkpointing mode."""
+
+    full: BlockActivation  # no checkpointing
+    checkpointed: BlockActivation  # a checkpointed block keeps only its input
+    op: BlockActivation  # op-level selective: matmul and attention outputs plus the input
+
+
+def korthikanti_block(h: int, a: int) -> BlockMemory:
+    """Korthikanti et al.'s GPT block (fp16, LayerNorm, GeLU 4h, dropout, unfused softmax)."""
+    # residual: 2 LayerNorm inputs (2h each) + 2 dropout masks (h each); gathered: QKV and FC1 inputs;
+    # sharded: Q, K (4h), V (2h), projection input (2h), FC1 output (8h), GeLU output (8h);
+    # scores: softmax output (2as), its dropout mask (as) and dropout output (2as) per token.
+    full = BlockActivation(residual=6.0 * h, gathered=4.0 * h, sharded=24.0 * h, scores=5.0 * a)
+    return BlockMemory(full, BlockActivation(2.0 * h, 0.0, 0.0), BlockActivation(2.0 * h, 4.0 * h, 24.0 * h))
+
+
+def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, mode: str = "none") -> float:
+    """Table 2 of Korthikanti et al. 2022, bytes per layer, written out as printed."""
+    sbh = s * b * h
+    return {
+        "none": sbh * (34 + 5 * a * s / h),
+        "tp": sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+        "tp_sp": sbh / t * (34 + 5 * a * s / h),
+        "tp_sp_selective": 34 * sbh / t,
+        "full": 2 * sbh,
+    }[mode]
+
+
+def _norm(h: int, prec: Precision, kind: str) -> float:
+    # RMSNorm: fp32 input copy (or the fp32 stream itself), the rsqrt, and the normalized output;
+    # LayerNorm: its input plus mean and rstd.
+    return 4.0 * h + 4 + prec.stream * h if kind == "rmsnorm" else prec.stream * h + 8
+
+
+def _ffn_hidden(f: int, gated: bool, c: int) -> float:
+    # gated: gate output, activation output, up output, their product; plain: up output, activation output
+    return (4.0 if gated else 2.0) * c * f
+
+
+def _moe(shape: ModelShape, prec: Precision) -> float:
+    """Per-token bytes of a routed MoE layer (router, dispatch, experts, weighting), all whole under TP."""
+    h, c, k, e = shape.dim, prec.compute, shape.top_k, shape.experts
+    inputs = (2 if prec.autocast and shape.gated else 1) * c * h
+    per_assignment = 12 + inputs + _ffn_hidden(shape.expert_hidden, shape.gated, c) + c * h + prec.stream * h
+    router = c * h + 8.0 * e + 12 * k + 4
+    shared = modelcfg.moe(shape.cfg, "shared_experts")
+    shared_bytes = _ffn_hidden(shape.expert_hidden * shared, shape.gated, c) if shared else 0.0
+    return router + k * per_assignment + shared_bytes
+
+
+def tessera_block(shape: ModelShape, block: BlockParams, prec: Precision) -> BlockMemory:
+    """The saved bytes per token of one zoo block as tessera runs it (pre-/post-norm, SDPA or eager)."""
+    cfg = shape.cfg
+    h, q, kv, c, heads = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, prec.compute, shape.n_heads
+    dropout = 1.0 if cfg.dropout > 0 else 0.0
+    residual = 2 * _norm(h, prec, cfg.norm) + dropout * 2 * h
+    attention = c * (q + 2 * kv) + c * q + 4.0 * heads  # q, k, v after RoPE; the kernel's output and logsumexp
+    scores = 0.0
+    if modelcfg.attention_kernel(cfg) == "eager" or modelcfg.attention_dropout(cfg) > 0:
+        # fp32 scores and probabilities per key, fp32 copies of q and the repeated k, v; no logsumexp
+        scores, attention = 8.0 * heads, attention + 12.0 * q - 4.0 * heads
+    if cfg.qk_norm:
+        attention += (4 + c) * (q + kv)
+    gathered = (3 if prec.autocast else 1) * c * h  # the q/k/v input (one cast copy per projection under autocast)
+    # op-level checkpointing keeps the block input, q/k/v and o_proj outputs, the kernel outputs, FFN matmul outputs
+    op_sharded = c * (q + 2 * kv) + c * q + 4.0 * heads
+    op_gathered = 2.0 * c * h  # o_proj and down_proj outputs: whole-size partial sums before the TP reduction
+    if block.moe:
+        gathered += _moe(shape, prec)
+        op_gathered += shape.top_k * (((3 if shape.gated else 2) * shape.expert_hidden + h) * c) + 4.0 * shape.experts
+        sharded = attention
+    else:
+        gathered += (2 if prec.autocast and shape.gated else 1) * c * h
+        sharded = attention + _ffn_hidden(shape.ffn_hidden, shape.gated, c) + dropout * shape.ffn_hidden
+        op_sharded += (2 if shape.gated else 1) * c * shape.ffn_hidden
+    full = BlockActivation(residual, gathered, sharded, scores)
+    checkpointed = BlockActivation(prec.stream * h, 0.0, 0.0)
+    return BlockMemory(full, checkpointed, BlockActivation(prec.stream * h, op_gathered, op_sharded))

@@ -1,0 +1,152 @@
+"""What the planner needs to know about a model: where its parameters live and its FLOPs per token.
+
+Parameters are counted on a meta-device build of the real zoo model (so every component the zoo
+has is counted exactly, for free), grouped by how the parallel layouts split them:
+
+- ``tp``: the column/row-parallel projections of attention and the dense FFN (divided by tp);
+- ``replicated``: norms, and under tessera's TP plan the whole MoE layer (router, shared
+  experts) outside the experts, which runs replicated on every tp rank;
+- ``experts``: the routed expert weights (divided by ep, not by tp);
+- the token embedding (first pipeline stage) and the output head (last stage), both vocab-parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera.config import ModelConfig
+from tessera.plan import modelcfg
+from tessera.train.flops import flops_per_token
+
+_TP_SHARDED = ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj", "feed_forward.")
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """Parameter counts of one transformer block, by how layouts split them."""
+
+    tp: int
+    replicated: int
+    experts: int
+    moe: bool
+
+    @property
+    def total(self) -> int:
+        """All parameters of the block."""
+        return self.tp + self.replicated + self.experts
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a model the planner reasons about (decoder, encoder or encoder-decoder)."""
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_hidden: int  # dense FFN width (0 when every block is MoE)
+    expert_hidden: int
+    experts: int
+    top_k: int
+    gated: bool
+    vocab: int
+    blocks: tuple[BlockParams, ...]
+    embedding: int  # token (+ type, learned position) embeddings: first stage
+    head: int  # output projection (+ MLM head) and final norm: last stage; 0 extra when tied
+    tied: bool
+    flops_per_token_base: float  # 6 N_active without the attention-score term (see flops_per_token)
+    cfg: ModelConfig
+
+    @property
+    def n_layers(self) -> int:
+        """Transformer blocks (encoder + decoder for encoder-decoders)."""
+        return len(self.blocks)
+
+    @property
+    def total(self) -> int:
+        """All unique parameters."""
+        return sum(b.total for b in self.blocks) + self.embedding + self.head
+
+    @property
+    def active_matmul(self) -> int:
+        """Parameters one token multiplies with: all but the embedding lookup, top-k of the experts."""
+        routed = sum(b.experts for b in self.blocks)
+        head = self.head + (self.vocab * self.dim if self.tied else 0)
+        active_experts = routed * self.top_k // self.experts if self.experts else 0
+        return sum(b.tp + b.replicated for b in self.blocks) + active_experts + head
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token: 6 N_active + 12 L H Q T (tessera's MFU formula)."""
+        return flops_per_token(self.active_matmul, self.cfg, seq_len)
+
+
+def _classify(block: nn.Module) -> BlockParams:
+    tp = replicated = experts = 0
+    for name, p in block.named_parameters():
+        if ".experts." in f".{name}":
+            experts += p.numel()
+        elif name.startswith("moe."):
+            replicated += p.numel()
+        elif name.startswith(_TP_SHARDED):
+            tp += p.numel()
+        else:
+            replicated += p.numel()
+    return BlockParams(tp, replicated, experts, hasattr(block, "moe"))
+
+
+def _one_period(cfg: ModelConfig) -> ModelConfig:
+    """The same model with only one period of block kinds (every ``moe_every``-th block is MoE)."""
+    period = max(1, modelcfg.moe(cfg, "every")) if modelcfg.moe(cfg, "experts") else 1
+    decoder = period if cfg.arch == "encoder_decoder" else 0
+    return dataclasses.replace(cfg, n_layers=period, n_decoder_layers=decoder)
+
+
+def model_shape(cfg: ModelConfig) -> ModelShape:
+    """Count ``cfg``'s parameters on a meta build of one period of its blocks, then scale to all blocks."""
+    from tessera.model import build_model
+    from tessera.parallel.blocks import block_containers
+
+    small = _one_period(cfg)
+    with torch.device("meta"):
+        model = build_model(small)
+    stacks = [[_classify(b) for b in layers.values()] for layers in block_containers(model)]
+    in_blocks = {id(p) for layers in block_containers(model) for p in layers.parameters()}
+    embedding = head = 0
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in in_blocks or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name.startswith(("tok_embeddings", "type_embeddings")) or "pos_embeddings" in name or "rel_bias" in name:
+            embedding += p.numel()
+        else:
+            head += p.numel()
+    depths = [cfg.n_layers] + ([cfg.n_decoder_layers or cfg.n_layers] if cfg.arch == "encoder_decoder" else [])
+    blocks = tuple(stack[i % len(stack)] for stack, depth in zip(stacks, depths) for i in range(depth))
+    return _shape(cfg, blocks, embedding, head)
+
+
+def _shape(cfg: ModelConfig, blocks: tuple[BlockParams, ...], embedding: int, head: int) -> ModelShape:
+    from tessera.model.ffn import GATED, ffn_hidden_size
+
+    dense = ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
+    experts = modelcfg.moe(cfg, "experts")
+    expert_hidden = modelcfg.moe(cfg, "ffn_hidden") or dense
+    shape = ModelShape(
+        dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads or cfg.n_heads, head_dim=cfg.head_dim or cfg.dim // cfg.n_heads,
+        ffn_hidden=dense if any(not b.moe for b in blocks) else 0, expert_hidden=expert_hidden if experts else 0, experts=experts,
+        top_k=modelcfg.moe(cfg, "top_k") if experts else 0, gated=cfg.activation in GATED, vocab=cfg.vocab_size, blocks=blocks,
+        embedding=embedding, head=head, tied=cfg.tie_embeddings, flops_per_token_base=0.0, cfg=cfg,
+    )
+    return dataclasses.replace(shape, flops_per_token_base=6.0 * shape.active_matmul)
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` in increasing order."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
