@@ -90,7 +90,7 @@ def tp_worker() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tessera.config import ModelConfig
+    from tessera.config import model_config
     from tessera.model import build_model
     from tessera.parallel.comms import CollectiveCounter
     from tessera.parallel.tensor import apply_tensor_parallel
@@ -100,7 +100,7 @@ def tp_worker() -> None:
     out = {}
     for sp in (False, True):
         torch.manual_seed(0)
-        model = build_model(ModelConfig(vocab_size=VOCAB, dim=DIM, n_layers=1, n_heads=HEADS, max_seq_len=128, tie_embeddings=False))
+        model = build_model(model_config(vocab_size=VOCAB, dim=DIM, n_layers=1, n_heads=HEADS, max_seq_len=128, tie_embeddings=False))
         apply_tensor_parallel(model, mesh, sp)
         block = model.layers["0"]
         x = torch.randn(BATCH, SEQ, DIM, requires_grad=True)

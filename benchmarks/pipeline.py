@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from tessera.parallel.pipeline import MULTI_STAGE, SCHEDULES
+from tessera.layout import MULTI_STAGE_SCHEDULES as MULTI_STAGE
+from tessera.parallel.pipeline import SCHEDULES
 
 _BUSY = [0.0]  # seconds of stage compute in this process
 

@@ -18,12 +18,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tessera.config import ModelConfig
+from tessera.config import model_config
 from tessera.model import build_model
 
 
 def _tessera(args: argparse.Namespace) -> torch.nn.Module:
-    cfg = ModelConfig(
+    cfg = model_config(
         vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
         ffn_hidden=args.ffn, max_seq_len=args.seq, norm_eps=1e-5,
     )

@@ -19,9 +19,55 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tessera.errors import ConfigError
+from tessera.layout import check_layout
 
-class ConfigError(ValueError):
-    """A user-caused configuration problem; its message is one line naming the key and the fix."""
+__all__ = ["ConfigError", "JobConfig", "ModelConfig", "load_config", "model_config"]
+
+
+@dataclass
+class AttentionConfig:
+    """[model.attention]: the attention kernel and its options."""
+
+    kernel: Literal["sdpa", "eager", "longformer", "bigbird", "linear", "performer"] = "sdpa"
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2, GPT-2, BERT)
+    dropout: float = 0.0  # on the attention weights
+    scale: float = 0.0  # softmax scale; 0 means 1/sqrt(head_dim) (T5 uses 1)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys
+    sliding_window: int = 0  # keys within this many positions (Mistral); the local width for longformer
+    global_tokens: int = 0  # longformer/bigbird: the first positions attend and are attended everywhere
+    block_size: int = 16  # bigbird block
+    random_blocks: int = 1  # bigbird random key blocks per query block
+    performer_features: int = 64  # performer random features
+
+
+@dataclass
+class PositionConfig:
+    """[model.position]: how token positions enter the model."""
+
+    kind: Literal["rope", "learned", "sinusoidal", "t5_bias", "alibi", "none"] = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_max_len: int = 0  # yarn: the pre-extension context (0 = max_seq_len / factor)
+    rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
+    rel_buckets: int = 32  # T5 relative-position buckets
+    rel_max_distance: int = 128
+
+
+@dataclass
+class MoEConfig:
+    """[model.moe]: mixture-of-experts feed-forward layers (experts = 0 keeps every FFN dense)."""
+
+    experts: int = 0  # 0 = dense FFN everywhere
+    top_k: int = 2  # 1 = switch routing
+    every: int = 1  # MoE on every n-th layer (layer i is MoE when (i + 1) % every == 0)
+    router: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"  # softmax after (renormalized) or before top-k
+    capacity_factor: float = 0.0  # 0 = dropless; else tokens over capacity are dropped
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    shared_experts: int = 0
+    ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
 
 
 @dataclass
@@ -29,60 +75,35 @@ class ModelConfig:
     """Architecture of the transformer (the zoo picks components from these names)."""
 
     arch: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"  # causal LM, MLM encoder (BERT), seq2seq (T5)
-    n_decoder_layers: int = 0  # encoder_decoder: decoder depth (0 = n_layers)
     vocab_size: int = 2048
     dim: int = 128
     n_layers: int = 4
+    n_decoder_layers: int = 0  # encoder_decoder: decoder depth (0 = n_layers)
     n_heads: int = 4
     n_kv_heads: int = 0  # 0 means n_heads (multi-head); 1 is multi-query; else grouped-query
+    head_dim: int = 0  # 0 means dim // n_heads
     ffn_hidden: int = 0  # 0 derives it from ffn_multiplier and multiple_of
     ffn_multiplier: float = 0.0  # 0 means 4x for plain FFNs and 8/3x for gated ones
     multiple_of: int = 32
     activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-5
-    position: Literal["rope", "learned", "sinusoidal", "t5_bias", "alibi", "none"] = "rope"
-    rope_theta: float = 10000.0
-    max_seq_len: int = 2048
-    attention: Literal["sdpa", "eager", "longformer", "bigbird", "linear", "performer"] = "sdpa"
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
-    dropout: float = 0.0  # residual and FFN dropout
-    attn_dropout: float = 0.0
-    init_std: float = 0.02
-    # --- the component zoo (issue 3) ---
-    head_dim: int = 0  # 0 means dim // n_heads
     norm_position: Literal["pre", "post"] = "pre"  # post-norm (BERT) has no final norm
     bias: bool = False  # biases on o_proj and the FFN linears (GPT-2, BERT)
     embed_norm: bool = False  # a norm right after the embeddings (BERT)
     type_vocab_size: int = 0  # BERT token-type embeddings (type 0 is added when none are given)
     output_dim_scale: bool = False  # multiply the final hidden by dim**-0.5 before the head (T5 v1.0)
-    attn_scale: float = 0.0  # softmax scale; 0 means 1/sqrt(head_dim) (T5 uses 1)
-    qk_norm: bool = False  # RMSNorm over each head's queries and keys
-    sliding_window: int = 0  # keys within this many positions (Mistral); the local width for longformer
-    global_tokens: int = 0  # longformer/bigbird: the first positions attend and are attended everywhere
-    block_size: int = 16  # bigbird block
-    random_blocks: int = 1  # bigbird random key blocks per query block
-    performer_features: int = 64  # performer random features
-    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
-    rope_scaling_factor: float = 1.0
-    rope_original_max_len: int = 0  # yarn: the pre-extension context (0 = max_seq_len / factor)
-    rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
-    rel_buckets: int = 32  # T5 relative-position buckets
-    rel_max_distance: int = 128
-    moe_experts: int = 0  # 0 = dense FFN everywhere
-    moe_top_k: int = 2  # 1 = switch routing
-    moe_every: int = 1  # MoE on every n-th layer (layer i is MoE when (i + 1) % moe_every == 0)
-    moe_router: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"  # softmax after (renormalized) or before top-k
-    moe_capacity_factor: float = 0.0  # 0 = dropless; else tokens over capacity are dropped
-    moe_aux_loss_coef: float = 0.01
-    moe_z_loss_coef: float = 0.0
-    moe_shared_experts: int = 0
-    moe_ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
+    tie_embeddings: bool = False
+    max_seq_len: int = 2048
+    dropout: float = 0.0  # residual and FFN dropout
+    init_std: float = 0.02
     objective: Literal["auto", "causal_lm", "masked_lm", "span_corruption"] = "auto"  # auto follows arch
     mask_prob: float = 0.15  # masked_lm: fraction masked; span_corruption: noise density
     mean_span_length: float = 3.0
-    sentinel_tokens: int = 0  # ids reserved at the top of the vocab for [MASK] / T5 sentinels; the default tokenizer gets the rest
+    sentinel_tokens: int = 0  # ids reserved at the top of the vocab for [MASK] / T5 sentinels
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    position: PositionConfig = field(default_factory=PositionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -155,7 +176,9 @@ class DataConfig:
     tokenizer_chars: int = 10_000_000  # characters of the corpus the default tokenizer trains on
     val_fraction: float = 0.05  # held-out share of documents when data.split is empty
     cache_dir: str = ""  # "" = $TESSERA_CACHE or ~/.cache/tessera
-    blend: str = ""  # prepared datasets instead of source: "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (Megatron --data-path)
+    blend: str = (
+        ""  # prepared datasets instead of source: "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (Megatron --data-path)
+    )
     split: str = ""  # "train,valid,test" document weights, e.g. "98,1,1"; "" = from val_fraction
     text_field: str = "text"  # the field holding the text in JSON/Parquet/Arrow rows
     num_proc: int = 1  # tokenization worker processes when preparing data.source
@@ -204,17 +227,25 @@ class JobConfig:
         """The resolved config as a TOML recipe that :func:`load_config` reads back."""
         lines: list[str] = []
         for section, values in self.to_dict().items():
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-            lines.append("")
+            lines += _toml_table(section, values)
         return "\n".join(lines)
+
+
+def _toml_table(name: str, values: dict[str, Any]) -> list[str]:
+    """``[name]`` with its scalar keys, then each sub-table as ``[name.sub]``."""
+    lines = [f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items() if not isinstance(v, dict)]
+    lines.append("")
+    for key, sub in values.items():
+        if isinstance(sub, dict):
+            lines += _toml_table(f"{name}.{key}", sub)
+    return lines
 
 
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value)
+        return json.dumps(value, ensure_ascii=False)  # TOML basic strings take any Unicode (emoji included)
     if isinstance(value, float):
         return repr(value)
     return str(value)
@@ -222,14 +253,65 @@ def _toml_value(value: Any) -> str:
 
 SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)
 
+# Keys of earlier releases -> where they live now (recipes and checkpoints written before the
+# [model] sub-tables keep loading). A sub-table name given a plain value sets its first key.
+RENAMED: dict[str, str] = {
+    "model.attention": "model.attention.kernel",
+    "model.position": "model.position.kind",
+    "model.attn_dropout": "model.attention.dropout",
+    "model.attn_scale": "model.attention.scale",
+    **{
+        f"model.{k}": f"model.attention.{k}"
+        for k in (
+            "qkv_bias",
+            "qk_norm",
+            "sliding_window",
+            "global_tokens",
+            "block_size",
+            "random_blocks",
+            "performer_features",
+        )
+    },
+    **{
+        f"model.{k}": f"model.position.{k}"
+        for k in (
+            "rope_theta",
+            "rope_scaling",
+            "rope_scaling_factor",
+            "rope_original_max_len",
+            "rotary_fraction",
+            "rel_buckets",
+            "rel_max_distance",
+        )
+    },
+    **{
+        f"model.moe_{k}": f"model.moe.{k}"
+        for k in (
+            "experts",
+            "top_k",
+            "every",
+            "router",
+            "capacity_factor",
+            "aux_loss_coef",
+            "z_loss_coef",
+            "shared_experts",
+            "ffn_hidden",
+        )
+    },
+}
+
 
 def _suggest(word: str, options: list[str]) -> str:
     close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _section_fields(section: str) -> dict[str, Any]:
-    return typing.get_type_hints(SECTIONS[section])
+def _fields(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_table(hint: Any) -> bool:
+    return dataclasses.is_dataclass(hint)
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
@@ -239,7 +321,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         choices = typing.get_args(hint)
         if value not in choices:
             opts = ", ".join(repr(c) for c in choices)
-            raise ConfigError(f"{key} = {value!r} is not one of {opts}{_suggest(str(value), [str(c) for c in choices])}")
+            raise ConfigError(
+                f"{key} = {value!r} is not one of {opts}{_suggest(str(value), [str(c) for c in choices])}"
+            )
         return value
     if isinstance(hint, types.UnionType) or origin is typing.Union:
         raise TypeError(f"unsupported field type {hint} for {key}")
@@ -279,27 +363,63 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 
 
 def _set(config: JobConfig, dotted: str, value: Any) -> None:
-    section, _, name = dotted.partition(".")
+    """Set ``section.key`` (or ``section.table.key``) to ``value``, coerced to the field's type."""
+    if dotted in RENAMED and not isinstance(value, dict):
+        dotted = RENAMED[dotted]
+    section, _, rest = dotted.partition(".")
     if section not in SECTIONS:
-        raise ConfigError(f"unknown config section '{section}' in '{dotted}'{_suggest(section, list(SECTIONS))}; sections: {', '.join(SECTIONS)}")
-    if not name or "." in name:
+        raise ConfigError(
+            f"unknown config section '{section}' in '{dotted}'{_suggest(section, list(SECTIONS))}; "
+            f"sections: {', '.join(SECTIONS)}"
+        )
+    if not rest:
         raise ConfigError(f"config key '{dotted}' must look like section.key, e.g. model.n_layers")
-    fields = _section_fields(section)
+    target, path = getattr(config, section), section
+    *tables, name = rest.split(".")
+    for table in tables:
+        hint = _fields(type(target)).get(table)
+        if not _is_table(hint):
+            raise ConfigError(f"unknown config table '{path}.{table}' in '{dotted}'{_suggest(table, _tables(target))}")
+        target, path = getattr(target, table), f"{path}.{table}"
+    fields = _fields(type(target))
     if name not in fields:
         raise ConfigError(f"unknown config key '{dotted}'{_suggest(name, list(fields))}")
-    setattr(getattr(config, section), name, _coerce(dotted, value, fields[name]))
+    if _is_table(fields[name]):
+        keys = ", ".join(_fields(fields[name]))
+        raise ConfigError(
+            f"{dotted} is a table; set one of its keys, e.g. {dotted}.{next(iter(_fields(fields[name])))} ({keys})"
+        )
+    setattr(target, name, _coerce(dotted, value, fields[name]))
+
+
+def _tables(target: Any) -> list[str]:
+    return [k for k, hint in _fields(type(target)).items() if _is_table(hint)]
 
 
 def _apply_mapping(config: JobConfig, data: dict[str, Any], where: str) -> None:
     for section, values in data.items():
         if not isinstance(values, dict):
-            raise ConfigError(f"{where}: top-level key '{section}' must be a [section] table{_suggest(section, list(SECTIONS))}")
+            raise ConfigError(
+                f"{where}: top-level key '{section}' must be a [section] table{_suggest(section, list(SECTIONS))}"
+            )
         if section not in SECTIONS:
-            raise ConfigError(f"{where}: unknown section [{section}]{_suggest(section, list(SECTIONS))}; sections: {', '.join(SECTIONS)}")
-        for name, value in values.items():
-            if isinstance(value, dict):
-                raise ConfigError(f"{where}: {section}.{name} is a table; tessera configs are one level deep")
-            _set(config, f"{section}.{name}", value)
+            raise ConfigError(
+                f"{where}: unknown section [{section}]{_suggest(section, list(SECTIONS))}; sections: "
+                f"{', '.join(SECTIONS)}"
+            )
+        for dotted, value in _flatten(section, values):
+            _set(config, dotted, value)
+
+
+def _flatten(prefix: str, values: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Nested TOML tables as (dotted key, value) pairs."""
+    pairs: list[tuple[str, Any]] = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            pairs += _flatten(f"{prefix}.{key}", value)
+        else:
+            pairs.append((f"{prefix}.{key}", value))
+    return pairs
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -352,52 +472,134 @@ def config_from_dict(data: dict[str, Any], where: str = "config") -> JobConfig:
     return config
 
 
+def model_config(**keys: Any) -> ModelConfig:
+    """A ModelConfig from keyword arguments: top-level keys, sub-table keys as dicts
+    (``moe={"experts": 4}``) or the flat names of earlier releases (``moe_experts=4``)."""
+    config = JobConfig()
+    _apply_mapping(config, {"model": keys}, "model config")
+    return config.model
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
 
+def _require_all(section: str, obj: Any, keys: tuple[str, ...], positive: bool) -> None:
+    """Each ``section.key`` is > 0 (``positive``) or >= 0."""
+    for key in keys:
+        value = getattr(obj, key)
+        ok = value > 0 if positive else value >= 0
+        _require(ok, f"{section}.{key} must be {'positive' if positive else '>= 0'}, got {value}")
+
+
 def validate_model(m: ModelConfig) -> None:
     """The [model] checks alone (also for configs that come from elsewhere, e.g. an HF checkpoint)."""
-    for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-        _require(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
-    _require(m.n_kv_heads >= 0, f"model.n_kv_heads must be >= 0 (0 means n_heads), got {m.n_kv_heads}")
-    _require(m.head_dim > 0 or m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of n_heads or set model.head_dim")
+    _require_all("model", m, ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"), positive=True)
+    _require_all(
+        "model",
+        m,
+        (
+            "n_kv_heads",
+            "n_decoder_layers",
+            "head_dim",
+            "type_vocab_size",
+            "sentinel_tokens",
+            "ffn_hidden",
+            "ffn_multiplier",
+        ),
+        positive=False,
+    )
+    _require(
+        m.head_dim > 0 or m.dim % m.n_heads == 0,
+        f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of n_heads "
+        "or set model.head_dim",
+    )
     kv = m.n_kv_heads or m.n_heads
-    _require(m.n_heads % kv == 0, f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}; use a divisor of n_heads")
-    _require(m.ffn_hidden >= 0 and m.ffn_multiplier >= 0, "model.ffn_hidden and model.ffn_multiplier must be >= 0")
-    _require(m.multiple_of > 0, f"model.multiple_of must be positive, got {m.multiple_of}")
-    for key in ("dropout", "attn_dropout"):
-        _require(0.0 <= getattr(m, key) < 1.0, f"model.{key} must be in [0, 1), got {getattr(m, key)}")
+    _require(
+        m.n_heads % kv == 0,
+        f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}; use a divisor of n_heads",
+    )
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
     _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
-    _require(m.vocab_size >= 260, f"model.vocab_size={m.vocab_size} is too small for a byte-fallback tokenizer; use at least 260")
-    _validate_zoo(m)
-
-
-def _validate_zoo(m: ModelConfig) -> None:
-    """Checks of the component-zoo keys of [model]."""
-    for key in ("n_decoder_layers", "head_dim", "type_vocab_size", "sliding_window", "global_tokens", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "sentinel_tokens", "rope_original_max_len"):
-        _require(getattr(m, key) >= 0, f"model.{key} must be >= 0, got {getattr(m, key)}")
-    for key in ("block_size", "random_blocks", "performer_features", "rel_buckets", "rel_max_distance", "moe_every"):
-        _require(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
-    _require(m.attn_scale >= 0, f"model.attn_scale must be >= 0 (0 means 1/sqrt(head_dim)), got {m.attn_scale}")
-    head_dim = m.head_dim or m.dim // m.n_heads
-    rot = int(head_dim * m.rotary_fraction)
-    _require(0.0 < m.rotary_fraction <= 1.0, f"model.rotary_fraction must be in (0, 1], got {m.rotary_fraction}")
-    _require(m.position != "rope" or (rot > 0 and rot % 2 == 0), f"model.position='rope' needs an even rotary width, got head_dim*rotary_fraction={head_dim * m.rotary_fraction:g}; change model.rotary_fraction or model.head_dim")
-    _require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor must be >= 1, got {m.rope_scaling_factor}")
-    _require(m.rel_buckets % 2 == 0 and m.rel_buckets >= 4, f"model.rel_buckets must be an even number >= 4, got {m.rel_buckets}")
-    linear = m.attention in ("linear", "performer")
-    _require(not linear or m.position in ("rope", "learned", "sinusoidal", "none"), f"model.attention='{m.attention}' cannot add a score bias; model.position='{m.position}' needs a softmax kernel (sdpa or eager)")
-    _require(not linear or m.sliding_window == 0, f"model.sliding_window needs a softmax kernel, not model.attention='{m.attention}'")
-    _require(m.attention != "longformer" or m.sliding_window > 0, "model.attention='longformer' needs model.sliding_window > 0 (the local width)")
-    _require(m.arch != "encoder_decoder" or m.position in ("t5_bias", "learned", "sinusoidal", "none", "rope"), f"model.position='{m.position}' is not supported for arch='encoder_decoder'")
-    if m.moe_experts:
-        _require(1 <= m.moe_top_k <= m.moe_experts, f"model.moe_top_k={m.moe_top_k} must be in [1, model.moe_experts={m.moe_experts}]")
-        _require(m.moe_capacity_factor >= 0, f"model.moe_capacity_factor must be >= 0 (0 = dropless), got {m.moe_capacity_factor}")
-        _require(m.moe_aux_loss_coef >= 0 and m.moe_z_loss_coef >= 0, "model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0")
+    _require(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
+    _require(
+        m.vocab_size >= 260,
+        f"model.vocab_size={m.vocab_size} is too small for a byte-fallback tokenizer; use at least 260",
+    )
     _require(0.0 < m.mask_prob < 1.0, f"model.mask_prob must be in (0, 1), got {m.mask_prob}")
     _require(m.mean_span_length >= 1.0, f"model.mean_span_length must be >= 1, got {m.mean_span_length}")
+    _validate_attention(m)
+    _validate_position(m)
+    _validate_moe(m.moe)
+
+
+def _validate_attention(m: ModelConfig) -> None:
+    a = m.attention
+    _require_all("model.attention", a, ("sliding_window", "global_tokens", "scale"), positive=False)
+    _require_all("model.attention", a, ("block_size", "random_blocks", "performer_features"), positive=True)
+    _require(0.0 <= a.dropout < 1.0, f"model.attention.dropout must be in [0, 1), got {a.dropout}")
+    linear = a.kernel in ("linear", "performer")
+    _require(
+        not linear or m.position.kind in ("rope", "learned", "sinusoidal", "none"),
+        f"model.attention.kernel='{a.kernel}' cannot add a score bias; model.position.kind='{m.position.kind}' needs "
+        "a softmax kernel (sdpa or eager)",
+    )
+    _require(
+        not linear or a.sliding_window == 0,
+        f"model.attention.sliding_window needs a softmax kernel, not model.attention.kernel='{a.kernel}'",
+    )
+    _require(
+        a.kernel != "longformer" or a.sliding_window > 0,
+        "model.attention.kernel='longformer' needs model.attention.sliding_window > 0 (the local width)",
+    )
+
+
+def _validate_position(m: ModelConfig) -> None:
+    pos = m.position
+    _require_all("model.position", pos, ("rel_buckets", "rel_max_distance"), positive=True)
+    _require_all("model.position", pos, ("rope_original_max_len",), positive=False)
+    _require(pos.rope_theta > 0, f"model.position.rope_theta must be positive, got {pos.rope_theta}")
+    head_dim = m.head_dim or m.dim // m.n_heads
+    rot = int(head_dim * pos.rotary_fraction)
+    _require(
+        0.0 < pos.rotary_fraction <= 1.0, f"model.position.rotary_fraction must be in (0, 1], got {pos.rotary_fraction}"
+    )
+    _require(
+        pos.kind != "rope" or (rot > 0 and rot % 2 == 0),
+        "model.position.kind='rope' needs an even rotary width, got "
+        f"head_dim*rotary_fraction={head_dim * pos.rotary_fraction:g}; change model.position.rotary_fraction or "
+        "model.head_dim",
+    )
+    _require(
+        pos.rope_scaling_factor >= 1.0,
+        f"model.position.rope_scaling_factor must be >= 1, got {pos.rope_scaling_factor}",
+    )
+    _require(
+        pos.rel_buckets % 2 == 0 and pos.rel_buckets >= 4,
+        f"model.position.rel_buckets must be an even number >= 4, got {pos.rel_buckets}",
+    )
+    _require(
+        m.arch != "encoder_decoder" or pos.kind != "alibi",
+        "model.position.kind='alibi' is not supported for arch='encoder_decoder'",
+    )
+
+
+def _validate_moe(moe: MoEConfig) -> None:
+    _require_all("model.moe", moe, ("experts", "shared_experts", "ffn_hidden"), positive=False)
+    _require_all("model.moe", moe, ("every",), positive=True)
+    if not moe.experts:
+        return
+    _require(
+        1 <= moe.top_k <= moe.experts, f"model.moe.top_k={moe.top_k} must be in [1, model.moe.experts={moe.experts}]"
+    )
+    _require(
+        moe.capacity_factor >= 0, f"model.moe.capacity_factor must be >= 0 (0 = dropless), got {moe.capacity_factor}"
+    )
+    _require(
+        moe.aux_loss_coef >= 0 and moe.z_loss_coef >= 0,
+        "model.moe.aux_loss_coef and model.moe.z_loss_coef must be >= 0",
+    )
 
 
 def _validate_objective(m: ModelConfig, t: TrainConfig) -> None:
@@ -405,9 +607,21 @@ def _validate_objective(m: ModelConfig, t: TrainConfig) -> None:
     objective = resolved_objective(m)
     wanted = {"causal_lm": "decoder", "masked_lm": "encoder", "span_corruption": "encoder_decoder"}[objective]
     _require(m.arch == wanted, f"model.objective='{objective}' trains arch='{wanted}', not model.arch='{m.arch}'")
-    needed = {"causal_lm": 0, "masked_lm": 1, "span_corruption": span_count(t.seq_len + 1, m.mask_prob, m.mean_span_length)}[objective]
-    _require(m.sentinel_tokens >= needed, f"model.objective='{objective}' with train.seq_len={t.seq_len} needs model.sentinel_tokens >= {needed} (ids reserved at the top of the vocab), got {m.sentinel_tokens}")
-    _require(m.vocab_size - m.sentinel_tokens >= 260, f"model.vocab_size - model.sentinel_tokens = {m.vocab_size - m.sentinel_tokens} leaves too few ids for the tokenizer; use at least 260")
+    needed = {
+        "causal_lm": 0,
+        "masked_lm": 1,
+        "span_corruption": span_count(t.seq_len + 1, m.mask_prob, m.mean_span_length),
+    }[objective]
+    _require(
+        m.sentinel_tokens >= needed,
+        f"model.objective='{objective}' with train.seq_len={t.seq_len} needs model.sentinel_tokens >= {needed} (ids "
+        f"reserved at the top of the vocab), got {m.sentinel_tokens}",
+    )
+    _require(
+        m.vocab_size - m.sentinel_tokens >= 260,
+        f"model.vocab_size - model.sentinel_tokens = {m.vocab_size - m.sentinel_tokens} leaves too few ids for the "
+        "tokenizer; use at least 260",
+    )
 
 
 def resolved_objective(m: ModelConfig) -> str:
@@ -425,60 +639,72 @@ def span_count(length: int, density: float, mean_span: float) -> int:
 
 def validate(config: JobConfig) -> None:
     """Cross-field checks: everything that can be known wrong before a process starts."""
-    m, t, o, p, c, d = config.model, config.train, config.optim, config.parallel, config.checkpoint, config.data
-    validate_model(m)
-    kv = m.n_kv_heads or m.n_heads
-    _validate_objective(m, t)
+    validate_model(config.model)
+    _validate_objective(config.model, config.train)
+    _validate_train(config.train, config.model)
+    _validate_optim(config.optim, config.train)
+    check_layout(config)
+    _validate_data(config.data)
+    _validate_output(config)
 
-    for key in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"):
-        _require(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
-    _require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len or shorten train.seq_len")
-    _require(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
+
+def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
+    _require_all("train", t, ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"), positive=True)
+    _require_all("train", t, ("eval_every", "sample_tokens"), positive=False)
+    _require(
+        t.seq_len <= m.max_seq_len,
+        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len or shorten "
+        "train.seq_len",
+    )
     _require(0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
-    _require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), f"train.device={t.device!r} must be auto, cpu or cuda")
-    _require(t.sample_tokens >= 0, f"train.sample_tokens must be >= 0, got {t.sample_tokens}")
+    _require(
+        t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
+        f"train.device={t.device!r} must be auto, cpu or cuda",
+    )
     _require(bool(t.run_dir), "train.run_dir must not be empty")
 
+
+def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:
     _require(o.lr > 0, f"optim.lr must be positive, got {o.lr}")
     _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
-    _require(0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0, f"optim.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+    _require(
+        0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0, f"optim.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}"
+    )
     _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
-    _require(o.warmup_steps <= t.steps, f"optim.warmup_steps={o.warmup_steps} is longer than train.steps={t.steps}; shorten the warmup or train longer")
+    _require(
+        o.warmup_steps <= t.steps,
+        f"optim.warmup_steps={o.warmup_steps} is longer than train.steps={t.steps}; shorten the warmup or train longer",
+    )
     _require(0.0 < o.decay_fraction <= 1.0, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
     _require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
 
-    for key in ("dp_replicate", "tp", "pp", "cp", "ep"):
-        _require(getattr(p, key) >= 1, f"parallel.{key} must be >= 1, got {getattr(p, key)}")
-    _require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallel.dp_shard must be >= 1 or -1 (the rest), got {p.dp_shard}")
-    _require(p.ac_every >= 1, f"parallel.ac_every must be >= 1, got {p.ac_every}")
-    _require(p.microbatches >= 0 and p.pp_virtual_stages >= 0, f"parallel.microbatches and parallel.pp_virtual_stages must be >= 0 (0 = default), got {p.microbatches}, {p.pp_virtual_stages}")
-    if p.tp > 1:
-        _require(m.n_heads % p.tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; pick a tp that divides the head count")
-        _require(kv % p.tp == 0, f"model.n_kv_heads={kv} is not divisible by parallel.tp={p.tp}; use tp <= n_kv_heads that divides it")
-        _require(m.vocab_size % p.tp == 0, f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; round the vocabulary up to a multiple of tp")
-        _require(not p.sequence_parallel or t.seq_len % p.tp == 0, f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallelism splits it); change seq_len or set parallel.sequence_parallel=false")
-    if p.dp_shard != -1:
-        dp = p.dp_replicate * p.dp_shard
-        _require(t.batch_size % dp == 0, f"train.batch_size={t.batch_size} (global) is not divisible by the data-parallel degree {dp}; make it a multiple")
-    from tessera.parallel.compat import incompatibilities  # late: tessera.parallel imports this module
-    from tessera.parallel.pipeline import check_pipeline_plan
 
-    check_pipeline_plan(config, p.dp_replicate * p.dp_shard if p.dp_shard != -1 else None)
-
-    problems = incompatibilities(config)
-    _require(not problems, f"unsupported parallel combination: {problems[0] if problems else ''} (see the compatibility table in README.md)")
-
+def _validate_data(d: DataConfig) -> None:
     _require(0.0 <= d.val_fraction < 0.5, f"data.val_fraction must be in [0, 0.5), got {d.val_fraction}")
     _require(d.max_chars >= 0, f"data.max_chars must be >= 0 (0 = all), got {d.max_chars}")
     _require(d.tokenizer_chars > 0, f"data.tokenizer_chars must be positive, got {d.tokenizer_chars}")
     _require(d.num_proc >= 1, f"data.num_proc must be >= 1, got {d.num_proc}")
     _require(d.prefetch >= 0, f"data.prefetch must be >= 0 (0 = no background thread), got {d.prefetch}")
     _require(bool(d.text_field), "data.text_field must name the field that holds the text, e.g. 'text'")
-    _require(not d.split or re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?){0,2}", d.split.replace(" ", "")) is not None, f"data.split={d.split!r} must be up to three comma-separated numbers train,valid,test, e.g. '98,1,1'")
-    _require(not (d.blend and d.source != "default"), "data.blend and data.source are both set; use data.source for raw text or data.blend for prepared datasets, not both")
-    _require(not d.blend or d.tokenizer != "default", "data.blend needs data.tokenizer = the SentencePiece .model the datasets were prepared with")
+    _require(
+        not d.split or re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?){0,2}", d.split.replace(" ", "")) is not None,
+        f"data.split={d.split!r} must be up to three comma-separated numbers train,valid,test, e.g. '98,1,1'",
+    )
+    _require(
+        not (d.blend and d.source != "default"),
+        "data.blend and data.source are both set; use data.source for raw text or data.blend for prepared datasets, "
+        "not both",
+    )
+    _require(
+        not d.blend or d.tokenizer != "default",
+        "data.blend needs data.tokenizer = the SentencePiece .model the datasets were prepared with",
+    )
+
+
+def _validate_output(config: JobConfig) -> None:
+    c, log = config.checkpoint, config.log
     _require(c.every > 0, f"checkpoint.every must be positive, got {c.every}")
     _require(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
-    _require(config.log.every > 0, f"log.every must be positive, got {config.log.every}")
-    _require(config.log.peak_flops >= 0, f"log.peak_flops must be >= 0, got {config.log.peak_flops}")
+    _require(log.every > 0, f"log.every must be positive, got {log.every}")
+    _require(log.peak_flops >= 0, f"log.peak_flops must be >= 0, got {log.peak_flops}")

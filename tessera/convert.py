@@ -22,7 +22,9 @@ def _job_for(cfg, run_dir: Path) -> JobConfig:
     if objective == "masked_lm":
         cfg.sentinel_tokens = max(cfg.sentinel_tokens, 1)
     elif objective == "span_corruption":
-        cfg.sentinel_tokens = max(cfg.sentinel_tokens, span_count(job.train.seq_len + 1, cfg.mask_prob, cfg.mean_span_length))
+        cfg.sentinel_tokens = max(
+            cfg.sentinel_tokens, span_count(job.train.seq_len + 1, cfg.mask_prob, cfg.mean_span_length)
+        )
     validate(job)
     return job
 
@@ -38,7 +40,11 @@ def hf_import(hf_dir: str | Path, out_dir: str | Path) -> Path:
     (out_dir / "config.toml").write_text(job.to_toml())
     if (hf_dir / "tokenizer.model").is_file():
         shutil.copyfile(hf_dir / "tokenizer.model", out_dir / "tokenizer.model")
-    extra = {"config": job.to_dict(), "model": job.to_dict()["model"], "imported_from": {"path": str(hf_dir), "family": family}}
+    extra = {
+        "config": job.to_dict(),
+        "model": job.to_dict()["model"],
+        "imported_from": {"path": str(hf_dir), "family": family},
+    }
     return Checkpointer(out_dir, keep_last=1).save(0, model, torch.optim.AdamW(model.parameters()), extra)
 
 

@@ -19,8 +19,14 @@ from pathlib import Path
 from tessera.config import SECTIONS, ConfigError, load_config
 
 _QUIET = [
-    "log.every=1", "train.eval_every=0", "checkpoint.enabled=false", "train.sample_tokens=0",
-    "log.plot=false", "log.tensorboard=false", "log.progress=none", "train.resume=none",
+    "log.every=1",
+    "train.eval_every=0",
+    "checkpoint.enabled=false",
+    "train.sample_tokens=0",
+    "log.plot=false",
+    "log.tensorboard=false",
+    "log.progress=none",
+    "train.resume=none",
 ]
 
 
@@ -43,7 +49,9 @@ def parse_layout(spec: str) -> Layout:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, value = item.partition("=")
         if not sep or key not in fields:
-            raise ConfigError(f"layout '{spec}': '{item}' must be KEY=VALUE with a [parallel] key such as dp_shard=2 or tp=2")
+            raise ConfigError(
+                f"layout '{spec}': '{item}' must be KEY=VALUE with a [parallel] key such as dp_shard=2 or tp=2"
+            )
         if key in degrees:
             try:
                 degrees[key] = int(value)
@@ -59,7 +67,14 @@ def _command(layout: Layout, config: str, overrides: list[str]) -> list[str]:
     train = ["-m", "tessera", "train", config, *overrides]
     if layout.world_size == 1:
         return [sys.executable, *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={layout.world_size}", *train]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={layout.world_size}",
+        *train,
+    ]
 
 
 def run_layout(layout: Layout, config: str, overrides: list[str], steps: int, run_dir: Path) -> list[float]:
@@ -98,7 +113,14 @@ def format_table(losses: dict[str, list[float]], rtol: float) -> str:
     return "\n".join(lines)
 
 
-def parity(config: str, layouts: list[str], overrides: list[str], steps: int = 5, rtol: float = 1e-5, work_dir: str | None = None) -> tuple[str, bool]:
+def parity(
+    config: str,
+    layouts: list[str],
+    overrides: list[str],
+    steps: int = 5,
+    rtol: float = 1e-5,
+    work_dir: str | None = None,
+) -> tuple[str, bool]:
     """Run every layout and return the table and whether all agree within ``rtol``."""
     if len(layouts) < 2:
         raise ConfigError("tessera parity needs at least two --layouts to compare (e.g. single dp_shard=2)")

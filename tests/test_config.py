@@ -61,7 +61,7 @@ BAD_FILES = [
     ("model = 3\n", "top-level key 'model' must be a [section] table"),
     ("[model]\ndim = 64.5\n", "model.dim must be an integer"),
     ("[train]\nrun_dir = 3\n", "train.run_dir must be a string"),
-    ("[model.sub]\nx = 1\n", "model.sub is a table"),
+    ("[model.sub]\nx = 1\n", "unknown config table 'model.sub'"),
 ]
 
 
@@ -106,3 +106,35 @@ def test_print_config_shows_resolved_values(capsys, monkeypatch):
     assert main(["train", "configs/smoke.toml", "--print-config", "model.n_layers=3"]) == 0
     out = capsys.readouterr().out
     assert "[model]" in out and "n_layers = 3" in out and isinstance(JobConfig(), JobConfig)
+
+
+def test_model_sub_tables_and_the_keys_of_earlier_releases():
+    nested = load_config(None, ["model.moe.experts=4", "--model.attention.kernel", "eager", "model.position.rope_theta=5e5"])
+    flat = load_config(None, ["model.moe_experts=4", "model.attention=eager", "model.rope_theta=500000"])
+    assert nested == flat
+    assert (nested.model.moe.experts, nested.model.attention.kernel, nested.model.position.rope_theta) == (4, "eager", 5e5)
+    toml = nested.to_toml()
+    assert "[model.moe]\nexperts = 4" in toml and "[model.attention]\nkernel = \"eager\"" in toml
+    with pytest.raises(ConfigError, match=r"^model.moe is a table; set one of its keys, e.g. model.moe.experts"):
+        load_config(None, ["model.moe=4"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.moe.expert' \(did you mean 'experts'\?\)"):
+        load_config(None, ["model.moe.expert=4"])
+
+
+def test_loading_a_config_imports_no_model_or_parallel_code():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from tessera.config import load_config; load_config('configs/smoke.toml', []); "
+        "bad = [m for m in sys.modules if m.startswith(('tessera.parallel', 'tessera.model', "
+        "'torch.distributed.pipelining'))]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_non_bmp_strings_round_trip_through_the_resolved_toml(tmp_path):
+    config = load_config(None, ["train.sample_prompt=def 🦄(x):"])
+    path = tmp_path / "config.toml"
+    path.write_text(config.to_toml(), encoding="utf-8")
+    assert load_config(path).train.sample_prompt == "def 🦄(x):"

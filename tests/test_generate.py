@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from tessera.config import ModelConfig
+from tessera.config import model_config
 from tessera.model import build_model, generate, sample_next
 
-CFG = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+CFG = model_config(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 
 
 def _model() -> torch.nn.Module:

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import tessera
-from tessera.config import ModelConfig
+from tessera.config import model_config
 from tessera.model import build_model, generate, generate_seq2seq
 from tessera.model.hf import HFConversionError, save_hf
 
@@ -134,12 +134,12 @@ def test_unsupported_rope_type_and_family(tmp_path):
     [
         (dict(attention="performer"), "model.attention"),
         (dict(position="alibi"), "model.position"),
-        (dict(qk_norm=True), "model.qk_norm"),
-        (dict(rotary_fraction=0.5), "model.rotary_fraction"),
+        (dict(qk_norm=True), "model.attention.qk_norm"),
+        (dict(rotary_fraction=0.5), "model.position.rotary_fraction"),
         (dict(norm_position="post"), "model.norm_position"),
     ],
 )
 def test_export_refuses_what_hf_cannot_express(overrides, key, tmp_path):
-    model = build_model(ModelConfig(vocab_size=V, dim=32, n_layers=1, n_heads=4, max_seq_len=64, **overrides))
+    model = build_model(model_config(vocab_size=V, dim=32, n_layers=1, n_heads=4, max_seq_len=64, **overrides))
     with pytest.raises(HFConversionError, match=key):
         save_hf(model, tmp_path / "out")

@@ -94,7 +94,7 @@ def test_world_size_must_fit_the_parallel_degrees(tiny_config):
         check_world_size(tiny_config("parallel.dp_shard=2"), 2, 2)
     with pytest.raises(LaunchError, match="not divisible"):
         check_world_size(tiny_config("parallel.dp_replicate=2", "parallel.dp_shard=-1"), 1, 3)
-    with pytest.raises(LaunchError, match="data-parallel degree of 8, which does not divide train.batch_size=4"):
+    with pytest.raises(LaunchError, match=r"train.batch_size=4 \(global\) is not divisible by the data-parallel degree 8"):
         check_world_size(tiny_config(), 2, 4)
 
 
@@ -102,7 +102,7 @@ def test_cli_errors_are_one_line_and_exit_2(tiny_config, tmp_path, capsys):
     config = write_config(tiny_config, tmp_path / "job.toml", "parallel.dp_shard=2")
     cases = [
         (["--nproc-per-node", "3"], "do not fit the config"),
-        (["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-endpoint", "127.0.0.1:29400", "parallel.dp_shard=-1"], "does not divide train.batch_size"),
+        (["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-endpoint", "127.0.0.1:29400", "parallel.dp_shard=-1"], "train.batch_size=4 (global) is not divisible"),
         (["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "nohost"], "does not parse"),
     ]
     for flags, fragment in cases:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.config import ConfigError, ModelConfig, validate_model
+from tessera.config import ConfigError, ModelConfig, model_config, validate_model
 from tessera.model import build_model, generate
 from tessera.model.attention import linear_attention
 from tessera.model.ffn import FeedForward, ffn_hidden_size
@@ -21,7 +21,7 @@ V = 300
 
 def _cfg(**kw) -> ModelConfig:
     base = dict(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
-    return ModelConfig(**{**base, **kw})
+    return model_config(**{**base, **kw})
 
 
 def _model(**kw) -> torch.nn.Module:
@@ -134,11 +134,14 @@ def test_sliding_window_mask_is_causal_and_bounded():
     assert attention_mask(MaskSpec("sdpa", causal=True), 6, 6, torch.device("cpu")) is None  # sdpa's is_causal path
 
 
-def test_eager_keeps_weights_with_fp32_softmax_rows():
+def test_eager_hands_fp32_softmax_rows_to_an_observer_and_keeps_nothing():
     model = _model(attention="eager")
+    seen = []
+    model.layers["0"].attention.weights_observer = seen.append
     with torch.no_grad():
         model(_tokens())
-    w = model.layers["0"].attention.last_weights
+    (w,) = seen
+    assert not any(isinstance(v, torch.Tensor) for m in model.modules() for v in vars(m).values())
     assert w.dtype == torch.float32 and w.shape == (2, 4, 16, 16)
     assert torch.allclose(w.sum(-1), torch.ones(2, 4, 16))
     assert torch.equal(w.triu(1), torch.zeros_like(w))
@@ -245,10 +248,10 @@ def test_generate_works_for_zoo_decoders():
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["model.attention=linear", "model.position=alibi"], "model.position"),
-        (["model.attention=longformer"], "model.sliding_window"),
-        (["model.moe_experts=4", "model.moe_top_k=5"], "model.moe_top_k"),
-        (["model.rotary_fraction=0.3"], "model.position='rope'"),
+        (["model.attention.kernel=linear", "model.position.kind=alibi"], "model.position"),
+        (["model.attention.kernel=longformer"], "model.attention.sliding_window"),
+        (["model.moe.experts=4", "model.moe.top_k=5"], "model.moe.top_k"),
+        (["model.position.rotary_fraction=0.3"], "model.position.kind='rope'"),
         (["model.arch=encoder"], "model.sentinel_tokens"),
         (["model.objective=masked_lm"], "model.objective"),
     ],

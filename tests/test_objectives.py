@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tessera.config import ModelConfig, span_count
+from tessera.config import model_config, span_count
 from tessera.data.objectives import IGNORE, Objective, causal_lm, masked_lm, span_corruption
 
 
@@ -65,14 +65,14 @@ def test_span_corruption_round_trips():
 
 def test_objective_collator_is_deterministic_and_follows_arch():
     tokens = torch.randint(0, 500, (2, 33))
-    mlm = Objective(ModelConfig(arch="encoder", vocab_size=520, sentinel_tokens=8), seed=3)
+    mlm = Objective(model_config(arch="encoder", vocab_size=520, sentinel_tokens=8), seed=3)
     (a,), _, la, mask = mlm(_Batch(tokens))
     (b,), _, lb, _ = mlm(_Batch(tokens))
     assert torch.equal(a, b) and torch.equal(la, lb) and a.shape == (2, 32)
     assert torch.equal(mask, la != IGNORE)
-    t5 = Objective(ModelConfig(arch="encoder_decoder", vocab_size=520, sentinel_tokens=8), seed=3)
+    t5 = Objective(model_config(arch="encoder_decoder", vocab_size=520, sentinel_tokens=8), seed=3)
     args, kwargs, labels, mask = t5(_Batch(tokens))
     assert len(args) == 2 and kwargs == {} and mask is None
-    clm = Objective(ModelConfig(), seed=3)
+    clm = Objective(model_config(), seed=3)
     (inputs,), _, labels, _ = clm(_Batch(tokens))
     assert torch.equal(labels, tokens[:, 1:])

@@ -6,13 +6,13 @@ import math
 
 import pytest
 
-from tessera.config import ModelConfig, OptimConfig
+from tessera.config import model_config, OptimConfig
 from tessera.model import build_model
 from tessera.train.optim import build_optimizer, build_scheduler, lr_multiplier, parameter_groups
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():
-    model = build_model(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, qkv_bias=True, tie_embeddings=False))
+    model = build_model(model_config(vocab_size=300, dim=32, n_layers=1, n_heads=2, qkv_bias=True, tie_embeddings=False))
     decay, no_decay = parameter_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decay_names = {names[id(p)] for p in decay["params"]}
@@ -25,7 +25,7 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
 
 
 def test_tied_embedding_counted_once_without_decay():
-    model = build_model(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, tie_embeddings=True))
+    model = build_model(model_config(vocab_size=300, dim=32, n_layers=1, n_heads=2, tie_embeddings=True))
     decay, no_decay = parameter_groups(model, 0.1)
     assert all(p is not model.tok_embeddings.weight for p in decay["params"])
     assert sum(p is model.tok_embeddings.weight for p in no_decay["params"]) == 1
@@ -46,7 +46,7 @@ def test_schedules_warm_up_then_reach_their_floor(schedule):
 
 
 def test_scheduler_drives_the_optimizer_lr():
-    model = build_model(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2))
+    model = build_model(model_config(vocab_size=300, dim=32, n_layers=1, n_heads=2))
     cfg = OptimConfig(lr=1e-3, warmup_steps=4, schedule="linear")
     opt = build_optimizer(model, cfg)
     sched = build_scheduler(opt, cfg, 20)

@@ -9,7 +9,7 @@ import pytest
 
 from tessera.api import load
 from tessera.config import ConfigError, load_config
-from tessera.parallel.compat import render_markdown
+from tessera.compat import render_markdown
 from tessera.train.distributed import setup_parallel
 from tessera.train.trainer import train
 

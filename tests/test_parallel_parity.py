@@ -19,7 +19,7 @@ from conftest import assert_losses_close, step_losses, torchrun, write_tiny_reci
 
 STEPS = 5
 BASE = [f"train.steps={STEPS}", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0", "checkpoint.enabled=false"]
-MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_aux_loss_coef=0.01", "model.moe_z_loss_coef=0.001"]
+MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001"]
 
 # name -> (processes, parallel overrides, data-parallel degree, activation checkpointing mode when on)
 LAYOUTS = {

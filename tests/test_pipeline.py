@@ -9,7 +9,8 @@ import torch
 
 from tessera.config import ConfigError, load_config
 from tessera.model import build_model
-from tessera.parallel.pipeline import local_stage_ids, split_model, stage_layer_counts
+from tessera.layout import local_stage_ids, stage_layer_counts
+from tessera.parallel.pipeline import split_model
 
 from conftest import TINY_OVERRIDES
 
@@ -32,7 +33,7 @@ def test_layer_counts_balance_or_follow_the_explicit_list():
         ["parallel.pp_schedule=interleaved_1f1b", "parallel.microbatches=2"],
         ["parallel.pp_schedule=interleaved_zb", "parallel.microbatches=4"],
         ["model.arch=encoder", "model.sentinel_tokens=1", "parallel.pp_schedule=gpipe"],
-        ["model.moe_experts=4", "parallel.pp_schedule=1f1b", "parallel.microbatches=2"],
+        ["model.moe.experts=4", "parallel.pp_schedule=1f1b", "parallel.microbatches=2"],
     ],
 )
 def test_stages_chain_to_the_full_model(overrides):
@@ -69,7 +70,7 @@ def test_stages_chain_to_the_full_model(overrides):
         (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=4"], "every stage needs a block"),
         (["parallel.pp=2", "parallel.layers_per_stage=2,1"], "summing to model.n_layers=4"),
         (["parallel.pp=2", "parallel.layers_per_stage=4,0"], "positive block counts"),
-        (["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=4", "train.batch_size=4"], "not divisible by dp=2 x parallel.microbatches=4"),
+        (["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=4", "train.batch_size=4"], "not divisible by the data-parallel degree 2 x parallel.microbatches=4"),
         (["parallel.pp=2", "model.arch=encoder_decoder", "model.sentinel_tokens=8"], "encoder_decoder"),
         (["parallel.pp=2", "data.document_mask=true"], "data.document_mask"),
         (["parallel.pp=2", "model.tie_embeddings=true"], "tied embeddings with pp"),

@@ -23,7 +23,7 @@ from conftest import assert_losses_close, run_cli, step_losses, torchrun, write_
 
 STEPS = 6
 BASE = [f"train.steps={STEPS}", "train.batch_size=8", "model.n_layers=4", "log.every=1", "optim.schedule=constant", "train.eval_every=0", "checkpoint.every=3"]
-MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_aux_loss_coef=0.01", "model.moe_z_loss_coef=0.001"]
+MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001"]
 PP2 = ["parallel.pp=2", "parallel.dp_shard=1"]
 
 

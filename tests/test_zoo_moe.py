@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from tessera.config import ModelConfig
-from tessera.model import build_model, expert_load, moe_losses, moe_metrics
+from tessera.config import model_config
+from tessera.model import MoELog, build_model, expert_load, moe_loss, moe_metrics
 from tessera.model.moe import MoE
 
 
 def _moe(**kw) -> MoE:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=300, dim=16, n_heads=2, moe_experts=4, moe_ffn_hidden=24, **kw)
+    cfg = model_config(vocab_size=300, dim=16, n_heads=2, moe_experts=4, moe_ffn_hidden=24, **kw)
     moe = MoE(cfg)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -50,10 +50,11 @@ def test_capacity_drops_overflow_tokens():
         moe.router.weight.zero_()
         moe.router.weight[2] = 1.0  # every token prefers expert 2
     x = torch.rand(1, 8, 16) + 0.1
-    out = moe(x)
+    log = MoELog()
+    out = moe(x, log)
     capacity = math.ceil(0.5 * 8 / 4)
     kept = (out.abs().sum(-1) > 0).sum().item()
-    assert kept == capacity and moe.dropped == pytest.approx(1 - capacity / 8)
+    assert kept == capacity and log.layers[moe].dropped.item() == pytest.approx(1 - capacity / 8)
     assert torch.allclose(out[0, :capacity], _reference(moe, x)[0, :capacity], atol=1e-5)  # earlier tokens win
 
 
@@ -61,25 +62,33 @@ def test_aux_and_z_losses_and_stats():
     moe = _moe(moe_top_k=2)
     with torch.no_grad():
         moe.router.weight.zero_()
-    moe(torch.randn(3, 4, 16))
-    assert moe.aux_loss.item() == pytest.approx(2.0)  # uniform router: E * sum(k/E * 1/E) = k
-    assert moe.z_loss.item() == pytest.approx(math.log(4) ** 2)
-    assert moe.load.sum().item() == pytest.approx(1.0)
+    log = MoELog()
+    moe(torch.randn(3, 4, 16), log)
+    stats = log.layers[moe]
+    assert stats.aux_loss.item() == pytest.approx(2.0)  # uniform router: E * sum(k/E * 1/E) = k
+    assert stats.z_loss.item() == pytest.approx(math.log(4) ** 2)
+    assert stats.load.sum().item() == pytest.approx(1.0)
+    assert stats.loss.item() == pytest.approx(0.01 * 2.0)  # aux_loss_coef 0.01, z_loss_coef 0
 
 
 def test_model_level_losses_metrics_and_layout():
-    cfg = ModelConfig(vocab_size=300, dim=32, n_layers=4, n_heads=4, moe_experts=4, moe_every=2, moe_shared_experts=1, moe_z_loss_coef=0.01)
+    cfg = model_config(vocab_size=300, dim=32, n_layers=4, n_heads=4, moe_experts=4, moe_every=2, moe_shared_experts=1, moe_z_loss_coef=0.01)
     model = build_model(cfg)
-    assert [hasattr(layer, "moe") for layer in model.layers.values()] == [False, True, False, True]
+    assert [layer.moe is not None for layer in model.layers.values()] == [False, True, False, True]
+    assert [layer.feed_forward is None for layer in model.layers.values()] == [False, True, False, True]
     bank = model.layers["1"].moe.experts
     assert bank.gate_proj.shape == (4, 32, 96) and bank.down_proj.shape == (4, 96, 32)
     assert model.layers["1"].moe.shared is not None
-    model(torch.randint(0, 300, (2, 8)))
-    loss = moe_losses(model)
+    log = MoELog()
+    model(torch.randint(0, 300, (2, 8)), moe_log=log)
+    loss = moe_loss(log)
     assert loss.requires_grad
     loss.backward()
     assert model.layers["1"].moe.router.weight.grad.abs().sum() > 0
-    metrics = moe_metrics(model)
+    metrics = moe_metrics([log])
     assert set(metrics) == {"moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_load_max"}
-    assert len(expert_load(model)) == 2
-    assert moe_losses(build_model(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4))) is None
+    assert len(expert_load(log)) == 2
+    assert not any(isinstance(v, torch.Tensor) for m in model.modules() for v in vars(m).values())  # no state kept
+    dense_log = MoELog()
+    build_model(model_config(vocab_size=300, dim=32, n_layers=1, n_heads=4))(torch.randint(0, 300, (2, 8)), moe_log=dense_log)
+    assert moe_loss(dense_log) is None

@@ -34,13 +34,18 @@ def parse_blend(text: str) -> tuple[list[str], list[float] | None]:
     if len(parts) == 1:
         return parts, None
     if len(parts) % 2:
-        raise DataError(f"data.blend '{text}' has {len(parts)} items; write weight/prefix pairs like '0.7 data/web 0.3 data/code'")
+        raise DataError(
+            f"data.blend '{text}' has {len(parts)} items; write weight/prefix pairs like '0.7 data/web 0.3 data/code'"
+        )
     prefixes, weights = parts[1::2], []
     for raw, prefix in zip(parts[::2], prefixes):
         try:
             weight = float(raw)
         except ValueError:
-            raise DataError(f"data.blend: weight '{raw}' for '{prefix}' is not a number; write weight/prefix pairs like '0.7 data/web 0.3 data/code'") from None
+            raise DataError(
+                f"data.blend: weight '{raw}' for '{prefix}' is not a number; write weight/prefix pairs like '0.7 "
+                "data/web 0.3 data/code'"
+            ) from None
         if not math.isfinite(weight) or weight <= 0:
             raise DataError(f"data.blend: weight {raw} for '{prefix}' must be a positive number")
         weights.append(weight)
@@ -53,9 +58,14 @@ def parse_split(text: str) -> list[float]:
     try:
         parts = [float(x) for x in text.replace("/", ",").split(",")]
     except ValueError:
-        raise DataError(f"data.split '{text}' must be up to three comma-separated numbers (train,valid,test), e.g. '98,1,1'") from None
+        raise DataError(
+            f"data.split '{text}' must be up to three comma-separated numbers (train,valid,test), e.g. '98,1,1'"
+        ) from None
     if not 1 <= len(parts) <= 3 or any(not math.isfinite(p) or p < 0 for p in parts) or parts[0] <= 0:
-        raise DataError(f"data.split '{text}' must be up to three non-negative numbers (train,valid,test) with a positive train part, e.g. '98,1,1'")
+        raise DataError(
+            f"data.split '{text}' must be up to three non-negative numbers (train,valid,test) with a positive train "
+            "part, e.g. '98,1,1'"
+        )
     parts += [0.0] * (3 - len(parts))
     return [p / sum(parts) for p in parts]
 
@@ -81,7 +91,9 @@ class BlendedSamples:
 
     def __init__(self, datasets: Sequence[PackedSplit], weights: Sequence[float], size: int, cache: Path) -> None:
         self.datasets, self.weights, self.seq_len = list(datasets), list(weights), datasets[0].seq_len
-        description = json.dumps({"datasets": [d.unique_description for d in datasets], "weights": self.weights, "size": size})
+        description = json.dumps(
+            {"datasets": [d.unique_description for d in datasets], "weights": self.weights, "size": size}
+        )
         key = hashlib.sha256(description.encode()).hexdigest()[:16]
         which_path, sample_path = cache / f"blend-{key}-dataset_index.npy", cache / f"blend-{key}-sample_index.npy"
         if which_path.is_file() and sample_path.is_file():
@@ -92,7 +104,14 @@ class BlendedSamples:
 
         self.dataset_index = np.zeros(size, dtype=np.int16)
         self.sample_index = np.zeros(size, dtype=np.int64)
-        helpers.build_blending_indices(self.dataset_index, self.sample_index, np.asarray(self.weights, dtype=np.float64), len(datasets), size, False)
+        helpers.build_blending_indices(
+            self.dataset_index,
+            self.sample_index,
+            np.asarray(self.weights, dtype=np.float64),
+            len(datasets),
+            size,
+            False,
+        )
         cache.mkdir(parents=True, exist_ok=True)
         _save_atomic(sample_path, self.sample_index)
         _save_atomic(which_path, self.dataset_index)
@@ -134,11 +153,16 @@ def build_splits(
         if ranges[0] is None:
             out[name] = None
             continue
-        configs = [gpt_config(seq_len, seed, split_string, eod, vocab_size, index_cache_dir(cache_dir, p)) for p in prefixes]
+        configs = [
+            gpt_config(seq_len, seed, split_string, eod, vocab_size, index_cache_dir(cache_dir, p)) for p in prefixes
+        ]
         if weights is None:
             out[name] = PackedSplit(prefixes[0], indexed[0], ranges[0], None, name, configs[0])
             continue
         size = sum(_natural_samples(ix, r, seq_len) for ix, r in zip(indexed, ranges))
-        parts = [PackedSplit(p, ix, r, math.ceil(w * size) + 1, name, c) for p, ix, r, w, c in zip(prefixes, indexed, ranges, weights, configs)]
+        parts = [
+            PackedSplit(p, ix, r, math.ceil(w * size) + 1, name, c)
+            for p, ix, r, w, c in zip(prefixes, indexed, ranges, weights, configs)
+        ]
         out[name] = BlendedSamples(parts, weights, size, cache_dir / "indices")
     return out

@@ -31,7 +31,11 @@ def _megatron_gpt():
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
         from megatron.core.datasets import gpt_dataset
 
-    for name in ("megatron.core.datasets", "megatron.core.datasets.gpt_dataset", "megatron.core.datasets.indexed_dataset"):
+    for name in (
+        "megatron.core.datasets",
+        "megatron.core.datasets.gpt_dataset",
+        "megatron.core.datasets.indexed_dataset",
+    ):
         logging.getLogger(name).setLevel(logging.WARNING)
     return gpt_dataset
 
@@ -42,13 +46,21 @@ def _check_idx(prefix: str) -> None:
     with open(path, "rb") as f:
         header = f.read(_IDX_HEADER_BYTES)
     if len(header) < _IDX_HEADER_BYTES or header[:9] != _IDX_MAGIC:
-        raise DataError(f"indexed dataset '{path}' is unreadable (bad header: not a megatron .idx file); re-run 'tessera prepare'")
+        raise DataError(
+            f"indexed dataset '{path}' is unreadable (bad header: not a megatron .idx file); re-run 'tessera prepare'"
+        )
     version, code, sequences, documents = struct.unpack("<QBQQ", header[9:])
     if version != 1 or code not in _DTYPE_CODES:
-        raise DataError(f"indexed dataset '{path}' is unreadable (bad header: version {version}, dtype code {code}); re-run 'tessera prepare'")
+        raise DataError(
+            f"indexed dataset '{path}' is unreadable (bad header: version {version}, dtype code {code}); re-run "
+            "'tessera prepare'"
+        )
     expected = _IDX_HEADER_BYTES + sequences * 12 + documents * 8
     if path.stat().st_size != expected:
-        raise DataError(f"indexed dataset '{path}' is truncated or corrupted ({path.stat().st_size} bytes, its header implies {expected}); re-run 'tessera prepare'")
+        raise DataError(
+            f"indexed dataset '{path}' is truncated or corrupted ({path.stat().st_size} bytes, its header implies "
+            f"{expected}); re-run 'tessera prepare'"
+        )
     if sequences == 0:
         raise DataError(f"indexed dataset '{path}' holds no documents; prepare it from a non-empty corpus")
 
@@ -58,11 +70,19 @@ def _check_bin(prefix: str, indexed) -> None:
     lengths = indexed.sequence_lengths.astype(np.int64)
     itemsize = np.dtype(indexed.index.dtype).itemsize
     idx_path, bin_path = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
-    if (lengths < 0).any() or not np.array_equal(indexed.index.sequence_pointers, np.concatenate([[0], np.cumsum(lengths)[:-1]]) * itemsize):
-        raise DataError(f"indexed dataset '{idx_path}' is corrupted (sequence pointers do not match lengths); re-run 'tessera prepare'")
+    if (lengths < 0).any() or not np.array_equal(
+        indexed.index.sequence_pointers, np.concatenate([[0], np.cumsum(lengths)[:-1]]) * itemsize
+    ):
+        raise DataError(
+            f"indexed dataset '{idx_path}' is corrupted (sequence pointers do not match lengths); re-run 'tessera "
+            "prepare'"
+        )
     expected = int(lengths.sum()) * itemsize
     if bin_path.stat().st_size != expected:
-        raise DataError(f"indexed dataset file '{bin_path}' is truncated or corrupted ({bin_path.stat().st_size} bytes, '{idx_path.name}' describes {expected}); re-run 'tessera prepare'")
+        raise DataError(
+            f"indexed dataset file '{bin_path}' is truncated or corrupted ({bin_path.stat().st_size} bytes, "
+            f"'{idx_path.name}' describes {expected}); re-run 'tessera prepare'"
+        )
 
 
 def open_indexed(prefix: str | Path, vocab_size: int = 0):
@@ -73,7 +93,9 @@ def open_indexed(prefix: str | Path, vocab_size: int = 0):
     prefix = str(prefix)
     for ext in (".bin", ".idx"):
         if not Path(prefix + ext).is_file():
-            raise DataError(f"indexed dataset file '{prefix}{ext}' does not exist; run 'tessera prepare' or check data.blend")
+            raise DataError(
+                f"indexed dataset file '{prefix}{ext}' does not exist; run 'tessera prepare' or check data.blend"
+            )
     _check_idx(prefix)
     try:
         indexed = indexed_dataset_classes()[0](prefix)
@@ -82,7 +104,10 @@ def open_indexed(prefix: str | Path, vocab_size: int = 0):
     _check_bin(prefix, indexed)
     dtype = np.dtype(indexed.index.dtype)
     if vocab_size and np.iinfo(dtype).max + 1 < vocab_size:
-        raise DataError(f"indexed dataset '{prefix}.bin' stores tokens as {dtype.name} (ids < {np.iinfo(dtype).max + 1}) but the tokenizer has {vocab_size} tokens; re-run 'tessera prepare' with this tokenizer")
+        raise DataError(
+            f"indexed dataset '{prefix}.bin' stores tokens as {dtype.name} (ids < {np.iinfo(dtype).max + 1}) but the "
+            f"tokenizer has {vocab_size} tokens; re-run 'tessera prepare' with this tokenizer"
+        )
     return indexed
 
 
@@ -121,7 +146,9 @@ def index_cache_dir(cache_dir: Path, prefix: str) -> Path:
 class PackedSplit:
     """One split of one indexed dataset as packed windows of ``seq_len + 1`` tokens (megatron GPTDataset)."""
 
-    def __init__(self, prefix: str, indexed, doc_range: tuple[int, int], num_samples: int | None, split_name: str, config) -> None:
+    def __init__(
+        self, prefix: str, indexed, doc_range: tuple[int, int], num_samples: int | None, split_name: str, config
+    ) -> None:
         gpt_dataset = _megatron_gpt()
         from megatron.core.datasets.utils import Split
 
@@ -129,8 +156,10 @@ class PackedSplit:
         tokens = int(indexed.sequence_lengths[begin:end].astype(np.int64).sum())
         if tokens < config.sequence_length + 1:
             raise DataError(
-                f"the {split_name} split of '{prefix}' (documents {begin}..{end}) holds {tokens} tokens, fewer than one sequence of "
-                f"{config.sequence_length + 1}; change data.split / data.val_fraction, shorten train.seq_len or use more data"
+                f"the {split_name} split of '{prefix}' (documents {begin}..{end}) holds {tokens} tokens, fewer than "
+                "one sequence of "
+                f"{config.sequence_length + 1}; change data.split / data.val_fraction, shorten train.seq_len or use "
+                "more data"
             )
         self.prefix, self.seq_len, self.tokens = prefix, config.sequence_length, tokens
         indices = np.arange(begin, end, dtype=np.int32)

@@ -41,10 +41,20 @@ class SequenceLoader:
     """Yields this rank's :class:`Batch` of ``batch_size`` windows per step; see the module doc."""
 
     def __init__(
-        self, dataset: Samples, batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1, collate: Collate | None = None, prefetch: int = 2
+        self,
+        dataset: Samples,
+        batch_size: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        collate: Collate | None = None,
+        prefetch: int = 2,
     ) -> None:
         if len(dataset) == 0:
-            raise DataError(f"the training split has no sequences of {dataset.seq_len + 1} tokens; use more data or a shorter train.seq_len")
+            raise DataError(
+                f"the training split has no sequences of {dataset.seq_len + 1} tokens; use more data or a shorter "
+                "train.seq_len"
+            )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
         self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
@@ -117,7 +127,10 @@ class SequenceLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position (any data-parallel size); a different dataset is an error."""
         if int(state["samples"]) != len(self.dataset):
-            raise DataError(f"the loader state was saved over {state['samples']} samples but this dataset has {len(self.dataset)}; resume with the same data config")
+            raise DataError(
+                f"the loader state was saved over {state['samples']} samples but this dataset has "
+                f"{len(self.dataset)}; resume with the same data config"
+            )
         self._drop_pending()
         self.consumed, self.seed = int(state["consumed"]), int(state["seed"])
         with self._lock:

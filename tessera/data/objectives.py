@@ -30,7 +30,9 @@ def causal_lm(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
-def masked_lm(tokens: torch.Tensor, mask_id: int, n_real: int, prob: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_lm(
+    tokens: torch.Tensor, mask_id: int, n_real: int, prob: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """BERT masking: ``prob`` of positions get a label; of those 80% become [MASK], 10% a random
     real token (id < ``n_real``), 10% stay. Returns (inputs, labels)."""
     shape = tokens.shape
@@ -51,7 +53,14 @@ def _segments(total: int, parts: int, generator: torch.Generator) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def span_corruption(tokens: torch.Tensor, vocab_size: int, density: float, mean_span: float, generator: torch.Generator, start_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def span_corruption(
+    tokens: torch.Tensor,
+    vocab_size: int,
+    density: float,
+    mean_span: float,
+    generator: torch.Generator,
+    start_id: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """T5 span corruption of each row of ``tokens`` (B, L): noise spans are cut out of the encoder
     input, each replaced by one sentinel; the target lists every sentinel followed by its span.
     Returns (encoder inputs, decoder inputs = target shifted right after ``start_id``, labels)."""
@@ -87,7 +96,9 @@ class Objective:
     def __init__(self, cfg: ModelConfig, seed: int) -> None:
         self.name, self.cfg, self.seed = resolved_objective(cfg), cfg, seed
 
-    def __call__(self, batch: _Batch) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, batch: _Batch
+    ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor, torch.Tensor | None]:
         """Model positional args, model keyword args, labels (B, T), and the loss mask (or None)."""
         cfg, tokens = self.cfg, batch.tokens
         if self.name == "causal_lm":
@@ -95,7 +106,9 @@ class Objective:
             return (inputs,), batch.model_kwargs(), labels, batch.loss_mask
         gen = torch.Generator().manual_seed(_batch_seed(self.seed, tokens))
         if self.name == "masked_lm":
-            inputs, labels = masked_lm(tokens[:, :-1], cfg.vocab_size - 1, cfg.vocab_size - cfg.sentinel_tokens, cfg.mask_prob, gen)
+            inputs, labels = masked_lm(
+                tokens[:, :-1], cfg.vocab_size - 1, cfg.vocab_size - cfg.sentinel_tokens, cfg.mask_prob, gen
+            )
             return (inputs,), batch.model_kwargs(), labels, labels != IGNORE
         enc, dec, labels = span_corruption(tokens, cfg.vocab_size, cfg.mask_prob, cfg.mean_span_length, gen)
         return (enc, dec), {}, labels, None

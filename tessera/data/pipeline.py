@@ -29,7 +29,9 @@ def cache_dir(configured: str = "") -> Path:
 def build_tokenizer(config: JobConfig, docs: list[Document], corpus_hash: str) -> tuple[Tokenizer, bool]:
     """The tokenizer of ``data.tokenizer`` (trained on the corpus for "default"); and whether it was cached."""
     d, vocab = config.data, config.model.vocab_size - config.model.sentinel_tokens  # top ids: [MASK] / T5 sentinels
-    tokenizer, cached = train_or_load_tokenizer(d.tokenizer, vocab, docs, corpus_hash, d.tokenizer_chars, cache_dir(d.cache_dir))
+    tokenizer, cached = train_or_load_tokenizer(
+        d.tokenizer, vocab, docs, corpus_hash, d.tokenizer_chars, cache_dir(d.cache_dir)
+    )
     check_vocab(tokenizer, vocab)
     return tokenizer, cached
 
@@ -37,7 +39,10 @@ def build_tokenizer(config: JobConfig, docs: list[Document], corpus_hash: str) -
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
     """The model's embedding table must cover the tokenizer."""
     if tokenizer.vocab_size > vocab_size:
-        raise DataError(f"tokenizer '{tokenizer.path}' has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
+        raise DataError(
+            f"tokenizer '{tokenizer.path}' has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}; "
+            f"set model.vocab_size >= {tokenizer.vocab_size}"
+        )
 
 
 def split_string(config: JobConfig) -> str:
@@ -80,11 +85,11 @@ def build_data(config: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataBun
     ``train.batch_size`` is the global batch: each of the ``dp_size`` ranks loads its share.
     """
     d, t = config.data, config.train
-    per_rank, rest = divmod(t.batch_size, dp_size)
-    if rest or not per_rank:
-        raise ConfigError(f"train.batch_size={t.batch_size} (global) is not divisible by the data-parallel size {dp_size}; make it a multiple of {dp_size}")
+    per_rank = t.batch_size // dp_size  # divisibility is checked by tessera.layout.check_layout
     blend, tokenizer, cached = resolve_blend(config)
-    splits = build_splits(blend, split_string(config), t.seq_len, t.seed, tokenizer.eos_id, tokenizer.vocab_size, cache_dir(d.cache_dir))
+    splits = build_splits(
+        blend, split_string(config), t.seq_len, t.seed, tokenizer.eos_id, tokenizer.vocab_size, cache_dir(d.cache_dir)
+    )
     collate = Collate(tokenizer.eos_id, d.document_mask, d.mask_eod_loss)
     # train.batch_size is global: each data-parallel rank loads its 1/dp_size slice.
     loader = SequenceLoader(splits["train"], per_rank, t.seed, dp_rank, dp_size, collate, d.prefetch)

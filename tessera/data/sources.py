@@ -62,10 +62,15 @@ def _default_files() -> list[tuple[str, Path]]:
 
 def _local_files(path: Path) -> list[tuple[str, Path]]:
     if not path.exists():
-        raise DataError(f"data source '{path}' does not exist; give a text/JSON/JSONL/Parquet/Arrow file, a folder of them, 'hf:NAME' or 'default'")
+        raise DataError(
+            f"data source '{path}' does not exist; give a text/JSON/JSONL/Parquet/Arrow file, a folder of them, "
+            "'hf:NAME' or 'default'"
+        )
     if path.is_file():
         return [(path.name, path)]
-    files = sorted(f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts))
+    files = sorted(
+        f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
+    )
     return [(f.relative_to(path).as_posix(), f) for f in files]
 
 
@@ -76,7 +81,10 @@ def is_hub_name(source: str) -> bool:
 
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub answers within ``timeout`` seconds (DNS included); False offline."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("", "0"):
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get("HF_DATASETS_OFFLINE", "0") not in (
+        "",
+        "0",
+    ):
         return False
     result: list[bool] = []
 
@@ -96,10 +104,16 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 def _rows_text(rows, text_field: str, where: str) -> Iterator[str]:
     for i, row in enumerate(rows):
         if text_field not in row:
-            raise DataError(f"'{where}' row {i} has no field '{text_field}' (fields: {', '.join(sorted(row))}); set data.text_field / --text-field")
+            raise DataError(
+                f"'{where}' row {i} has no field '{text_field}' (fields: {', '.join(sorted(row))}); set "
+                "data.text_field / --text-field"
+            )
         value = row[text_field]
         if not isinstance(value, str):
-            raise DataError(f"'{where}' row {i}: field '{text_field}' is {type(value).__name__}, not text; set data.text_field / --text-field")
+            raise DataError(
+                f"'{where}' row {i}: field '{text_field}' is {type(value).__name__}, not text; set data.text_field / "
+                "--text-field"
+            )
         yield value
 
 
@@ -113,14 +127,18 @@ def _structured_texts(path: Path, text_field: str) -> Iterator[str]:
     except DataError:
         raise
     except Exception as err:  # pyarrow/json decoders raise many types; each means an unreadable file
-        raise DataError(f"'{path}' could not be read as {STRUCTURED[path.suffix]} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+        raise DataError(
+            f"'{path}' could not be read as {STRUCTURED[path.suffix]} ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
 
 
 def _hub_texts(source: str, text_field: str) -> Iterator[str]:
     name = source.removeprefix(HUB_PREFIX)
     if not hub_reachable():
         raise DataError(
-            f"data source '{source}' is a Hugging Face hub dataset but this machine is offline (huggingface.co unreachable); "
+            f"data source '{source}' is a Hugging Face hub dataset but this machine is offline (huggingface.co "
+            "unreachable); "
             "download it where there is a network (e.g. to Parquet) and give the local path instead"
         )
     import datasets
@@ -129,7 +147,9 @@ def _hub_texts(source: str, text_field: str) -> Iterator[str]:
     try:
         rows = datasets.load_dataset(repo, subset or None, split="train", streaming=True)
     except Exception as err:  # hub errors come in many types; each means the name cannot be loaded
-        raise DataError(f"hub dataset '{repo}' could not be loaded ({type(err).__name__}: {err}); check the name") from None
+        raise DataError(
+            f"hub dataset '{repo}' could not be loaded ({type(err).__name__}: {err}); check the name"
+        ) from None
     yield from _rows_text(rows, text_field, source)
 
 
@@ -180,5 +200,8 @@ def load_corpus(source: str, max_chars: int = 0, text_field: str = "text") -> tu
     """All documents of ``source`` and a content hash of them; an empty corpus is a DataError."""
     docs = list(iter_documents(source, max_chars, text_field))
     if not docs:
-        raise DataError(f"data source '{source}' has no non-empty text documents; point it at text or at rows with a '{text_field}' field")
+        raise DataError(
+            f"data source '{source}' has no non-empty text documents; point it at text or at rows with a "
+            f"'{text_field}' field"
+        )
     return docs, corpus_hash(docs)

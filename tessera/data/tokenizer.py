@@ -42,7 +42,9 @@ class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         if not path.is_file():
-            raise DataError(f"tokenizer '{path}' does not exist; train one with 'tessera tokenizer train' or set data.tokenizer")
+            raise DataError(
+                f"tokenizer '{path}' does not exist; train one with 'tessera tokenizer train' or set data.tokenizer"
+            )
         self.path = path
         self.sp = spm.SentencePieceProcessor()
         try:
@@ -87,7 +89,9 @@ def tokenizer_cache_key(corpus_hash: str, vocab_size: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def train_tokenizer(docs: Sequence[Document], corpus_hash: str, vocab_size: int, cache_dir: str | Path) -> tuple[Path, bool]:
+def train_tokenizer(
+    docs: Sequence[Document], corpus_hash: str, vocab_size: int, cache_dir: str | Path
+) -> tuple[Path, bool]:
     """Train a BPE model on ``docs`` unless the cache has one for the same content and options.
 
     Returns the model path and whether it came from the cache.
@@ -107,7 +111,10 @@ def train_tokenizer(docs: Sequence[Document], corpus_hash: str, vocab_size: int,
             **_TRAIN_OPTIONS,
         )
     except RuntimeError as err:
-        raise DataError(f"SentencePiece could not train a {vocab_size}-token vocabulary on this corpus ({err}); lower model.vocab_size or add text") from None
+        raise DataError(
+            f"SentencePiece could not train a {vocab_size}-token vocabulary on this corpus ({err}); lower "
+            "model.vocab_size or add text"
+        ) from None
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
         f.write(model.getvalue())
@@ -125,12 +132,17 @@ def _tokenizer_sample(docs: Sequence[Document], max_chars: int) -> list[Document
     return sample
 
 
-def train_or_load_tokenizer(spec: str, vocab_size: int, docs: Sequence[Document], corpus_hash: str, tokenizer_chars: int, cache_dir: str | Path) -> tuple[Tokenizer, bool]:
-    """``spec`` "default" trains SentencePiece on the first ``tokenizer_chars`` of ``docs`` (cached); else it is a .model path.
+def train_or_load_tokenizer(
+    spec: str, vocab_size: int, docs: Sequence[Document], corpus_hash: str, tokenizer_chars: int, cache_dir: str | Path
+) -> tuple[Tokenizer, bool]:
+    """``spec`` "default" trains SentencePiece on the first ``tokenizer_chars`` of ``docs`` (cached);
+    else it is a .model path.
 
     Returns the tokenizer and whether it came from the cache (a given path counts as cached).
     """
     if spec == "default":
-        path, cached = train_tokenizer(_tokenizer_sample(docs, tokenizer_chars), f"{corpus_hash}:{tokenizer_chars}", vocab_size, cache_dir)
+        path, cached = train_tokenizer(
+            _tokenizer_sample(docs, tokenizer_chars), f"{corpus_hash}:{tokenizer_chars}", vocab_size, cache_dir
+        )
         return Tokenizer(path), cached
     return Tokenizer(spec), True

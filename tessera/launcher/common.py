@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from tessera.config import ConfigError, JobConfig
+from tessera.layout import check_layout
 from tessera.parallel.dims import ParallelDims
 
 
@@ -49,15 +50,10 @@ def check_world_size(config: JobConfig, nnodes: int, nproc_per_node: int) -> Par
         raise LaunchError(f"need at least one node and one process per node, got {nnodes} node(s) x {nproc_per_node}")
     world = nnodes * nproc_per_node
     try:
-        dims = ParallelDims.from_config(config.parallel, world)
+        check_layout(config, world)
+        return ParallelDims.from_config(config.parallel, world)
     except ConfigError as err:
         raise LaunchError(f"{nnodes} node(s) x {nproc_per_node} process(es) = {world} processes do not fit the config: {err}") from None
-    if config.train.batch_size % dims.dp:
-        raise LaunchError(
-            f"{world} processes give a data-parallel degree of {dims.dp}, which does not divide train.batch_size={config.train.batch_size} (global); "
-            "launch fewer processes or raise the batch size"
-        )
-    return dims
 
 
 def default_nproc_per_node() -> int:

@@ -6,7 +6,7 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.model.generate import generate, generate_seq2seq, sample_next
-from tessera.model.moe import expert_load, moe_losses, moe_metrics
+from tessera.model.moe import MoELog, RouterStats, expert_load, moe_loss, moe_metrics
 from tessera.model.transformer import Decoder, Encoder, EncoderDecoder, count_parameters
 
 __all__ = [
@@ -18,7 +18,9 @@ __all__ = [
     "expert_load",
     "generate",
     "generate_seq2seq",
-    "moe_losses",
+    "MoELog",
+    "RouterStats",
+    "moe_loss",
     "moe_metrics",
     "sample_next",
 ]

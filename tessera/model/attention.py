@@ -1,7 +1,8 @@
 """Multi-head attention: MHA/MQA/GQA, self or cross, KV cache, and the kernels of ``model.attention``.
 
 ``sdpa`` calls ``F.scaled_dot_product_attention`` (flash/memory-efficient on GPU); ``eager`` writes
-softmax(QK^T * scale + bias)V out in float32 and keeps the weights for inspection; ``longformer``
+softmax(QK^T * scale + bias)V out in float32 and hands the weights to ``weights_observer`` when an
+inspection tool has set one; ``longformer``
 and ``bigbird`` are those sparsity patterns (see masks.py) as sdpa masks; ``linear`` (elu + 1)
 and ``performer`` (FAVOR+ random features) replace the softmax by a kernel feature map.
 """
@@ -9,7 +10,9 @@ and ``performer`` (FAVOR+ random features) replace the softmax by a kernel featu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,13 +22,18 @@ from tessera.config import ModelConfig
 from tessera.model.norm import RMSNorm
 from tessera.model.position import apply_rope
 
+if TYPE_CHECKING:
+    from tessera.model.moe import MoELog
+
 LINEAR_KERNELS = ("linear", "performer")
 
 
 class KVCache:
     """Preallocated keys and values of one attention layer for incremental decoding."""
 
-    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, batch: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -48,6 +56,7 @@ class AttnContext:
     causal: bool = False  # the linear kernels' only mask
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    moe_log: "MoELog | None" = None  # where MoE layers record their routing (see tessera.model.moe.MoELog)
 
 
 def _allowed(ctx: AttnContext, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
@@ -110,26 +119,40 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
-        self.scale = cfg.attn_scale or 1.0 / math.sqrt(self.head_dim)
-        self.kernel, self.cross, self.attn_dropout = cfg.attention, cross, cfg.attn_dropout
-        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.scale = cfg.attention.scale or 1.0 / math.sqrt(self.head_dim)
+        self.kernel, self.cross, self.attn_dropout = cfg.attention.kernel, cross, cfg.attention.dropout
+        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.attention.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attention.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attention.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.features = PerformerFeatures(self.head_dim, cfg.performer_features) if cfg.attention == "performer" else None
-        self.last_weights: torch.Tensor | None = None
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
+        self.features = (
+            PerformerFeatures(self.head_dim, cfg.attention.performer_features)
+            if cfg.attention.kernel == "performer"
+            else None
+        )
+        # Set only while a tool inspects attention (eager kernel): called with each forward's weights.
+        self.weights_observer: Callable[[torch.Tensor], None] | None = None
 
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, heads * head_dim) -> (B, heads, T, head_dim); the head count follows the projection's
+        width, so a tensor-parallel shard holding 1/tp of the heads needs no bookkeeping."""
+        return x.view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, ctx: AttnContext, cache: KVCache | None = None, start: int = 0, memory: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: AttnContext,
+        cache: KVCache | None = None,
+        start: int = 0,
+        memory: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attend from ``x`` (B, T, dim) to itself (or to ``memory`` for cross-attention)."""
         b, t, _ = x.shape
         src = memory if self.cross else x
-        q = self._heads(self.q_proj(x), self.n_heads)
-        k, v = self._heads(self.k_proj(src), self.n_kv_heads), self._heads(self.v_proj(src), self.n_kv_heads)
+        q = self._heads(self.q_proj(x))
+        k, v = self._heads(self.k_proj(src)), self._heads(self.v_proj(src))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.cos is not None and not self.cross:
@@ -144,21 +167,35 @@ class Attention(nn.Module):
             return self._linear(q, k, v, ctx)
         dropout = self.attn_dropout if self.training else 0.0
         if self.kernel != "eager":
-            gqa = self.n_kv_heads != self.n_heads
+            gqa = k.shape[1] != q.shape[1]
             if ctx.bias is None:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=dropout, is_causal=ctx.is_causal, scale=self.scale, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=ctx.mask,
+                    dropout_p=dropout,
+                    is_causal=ctx.is_causal,
+                    scale=self.scale,
+                    enable_gqa=gqa,
+                )
             allowed = _allowed(ctx, q.shape[2], k.shape[2], q.device)
             bias = ctx.bias.to(q.dtype)
             mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale, enable_gqa=gqa
+            )
         return self._eager(q, k, v, ctx, dropout)
 
-    def _repeat_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rep = self.n_heads // self.n_kv_heads
+    @staticmethod
+    def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rep = q.shape[1] // k.shape[1]
         return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
-    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float) -> torch.Tensor:
-        k, v = self._repeat_kv(k, v)
+    def _eager(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
+    ) -> torch.Tensor:
+        k, v = self._repeat_kv(q, k, v)
         scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
         if ctx.bias is not None:
             scores = scores + ctx.bias
@@ -166,14 +203,18 @@ class Attention(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         weights = scores.softmax(dim=-1)
-        self.last_weights = weights.detach()
+        if self.weights_observer is not None:
+            self.weights_observer(weights.detach())
         weights = F.dropout(weights, p=dropout, training=dropout > 0)
         return (weights @ v.float()).to(q.dtype)
 
     def _linear(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         if ctx.mask is not None or ctx.bias is not None:
-            raise ValueError(f"model.attention='{self.kernel}' supports only causal or full attention (no document_ids, windows or score biases)")
-        k, v = self._repeat_kv(k, v)
+            raise ValueError(
+                f"model.attention='{self.kernel}' supports only causal or full attention (no document_ids, windows or "
+                "score biases)"
+            )
+        k, v = self._repeat_kv(q, k, v)
         if self.features is not None:
             phi_q, phi_k = self.features(q, is_query=True), self.features(k, is_query=False)
         else:

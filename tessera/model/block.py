@@ -28,9 +28,10 @@ class TransformerBlock(nn.Module):
         self.cross_attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cross else None
         self.cross_attention = Attention(cfg, cross=True) if cross else None
         self.ffn_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
-        if is_moe_layer(cfg, layer_id):
-            self.moe = MoE(cfg)
-        else:
+        # Exactly one of the two is set: a block says what it contains (parallel plans ask).
+        self.moe: MoE | None = MoE(cfg) if is_moe_layer(cfg, layer_id) else None
+        self.feed_forward: FeedForward | None = None
+        if self.moe is None:
             hidden = ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
             self.feed_forward = FeedForward(cfg.dim, hidden, cfg.activation, bias=cfg.bias, dropout=cfg.dropout)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -52,6 +53,11 @@ class TransformerBlock(nn.Module):
         """The block applied to ``x`` (B, T, dim); ``memory`` is the encoder output for cross-attention."""
         x = self._sublayer(x, self.attention_norm, lambda h: self.attention(h, ctx, cache, start))
         if self.cross_attention is not None:
-            x = self._sublayer(x, self.cross_attention_norm, lambda h: self.cross_attention(h, cross_ctx or AttnContext(), memory=memory))
-        mlp = self.moe if hasattr(self, "moe") else self.feed_forward
-        return self._sublayer(x, self.ffn_norm, mlp)
+            x = self._sublayer(
+                x,
+                self.cross_attention_norm,
+                lambda h: self.cross_attention(h, cross_ctx or AttnContext(), memory=memory),
+            )
+        if self.moe is not None:
+            return self._sublayer(x, self.ffn_norm, lambda h: self.moe(h, ctx.moe_log))
+        return self._sublayer(x, self.ffn_norm, self.feed_forward)

@@ -7,7 +7,13 @@ import torch
 from tessera.model.transformer import Decoder, EncoderDecoder
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Pick one token per row of ``logits`` (batch, vocab); temperature 0 means greedy."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
@@ -65,7 +71,9 @@ def generate(
 
 
 @torch.no_grad()
-def generate_seq2seq(model: EncoderDecoder, input_ids: torch.Tensor, max_new_tokens: int, start_id: int = 0, eos_id: int | None = None) -> torch.Tensor:
+def generate_seq2seq(
+    model: EncoderDecoder, input_ids: torch.Tensor, max_new_tokens: int, start_id: int = 0, eos_id: int | None = None
+) -> torch.Tensor:
     """Greedy decoding of an encoder-decoder model from ``start_id``; returns the new tokens (B, n)."""
     was_training = model.training
     model.eval()

@@ -17,14 +17,26 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tessera.config import ConfigError, ModelConfig, validate_model
+from tessera.config import ConfigError, ModelConfig, model_config, validate_model
 from tessera.model.ffn import ffn_hidden_size
 from tessera.model.hf_families import FAMILIES, HFConversionError, Rule
 
 __all__ = ["FAMILIES", "HFConversionError", "detect_family", "is_hf_dir", "load_hf", "read_hf", "save_hf"]
 
 # Keys that only shape training or the kernel's memory use, never the exported numbers.
-_TRAINING_ONLY = ("dropout", "attn_dropout", "init_std", "objective", "mask_prob", "mean_span_length", "sentinel_tokens", "moe_aux_loss_coef", "moe_z_loss_coef", "multiple_of", "ffn_multiplier")
+_TRAINING_ONLY = (
+    "dropout",
+    "attention.dropout",
+    "init_std",
+    "objective",
+    "mask_prob",
+    "mean_span_length",
+    "sentinel_tokens",
+    "moe.aux_loss_coef",
+    "moe.z_loss_coef",
+    "multiple_of",
+    "ffn_multiplier",
+)
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -42,7 +54,9 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         found = ", ".join(p.name for p in path.iterdir()) or "nothing"
-        raise HFConversionError(f"'{path}' has no *.safetensors weights (found: {found}); tessera reads safetensors only")
+        raise HFConversionError(
+            f"'{path}' has no *.safetensors weights (found: {found}); tessera reads safetensors only"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -56,7 +70,7 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise HFConversionError(f"HF model_type {family!r} is not supported; supported families: {', '.join(FAMILIES)}")
-    cfg = ModelConfig(**FAMILIES[family].from_hf(hf))
+    cfg = model_config(**FAMILIES[family].from_hf(hf))
     try:
         validate_model(cfg)
     except ConfigError as err:
@@ -122,7 +136,10 @@ def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str
     ignored = spec.ignored + (_OUTPUT_KEYS if cfg.tie_embeddings else ())
     unexpected = [k for k in tensors if k not in used and not any(s in k for s in ignored)]
     if unexpected:
-        raise HFConversionError(f"the {family} checkpoint has weight '{unexpected[0]}' that tessera has no place for (an unsupported option?)")
+        raise HFConversionError(
+            f"the {family} checkpoint has weight '{unexpected[0]}' that tessera has no place for (an unsupported "
+            "option?)"
+        )
     state = _from_hf_tensors(rules, {k: v.float() for k, v in tensors.items()})
     return cfg, state, family
 
@@ -146,25 +163,37 @@ def load_hf(path: str | Path) -> nn.Module:
     return model.eval()
 
 
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
 def _canonical(cfg: ModelConfig) -> dict[str, Any]:
-    """The config's fields that decide the numbers, with derived sizes resolved and irrelevant keys dropped."""
-    values = dataclasses.asdict(cfg)
+    """The config's fields that decide the numbers (dotted names), derived sizes resolved, irrelevant keys dropped."""
+    values = _flat(dataclasses.asdict(cfg))
     values["ffn_hidden"] = ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
     values["n_kv_heads"] = cfg.n_kv_heads or cfg.n_heads
     values["head_dim"] = cfg.head_dim or cfg.dim // cfg.n_heads
     values["n_decoder_layers"] = (cfg.n_decoder_layers or cfg.n_layers) if cfg.arch == "encoder_decoder" else 0
-    values["attention"] = "sdpa" if cfg.attention == "eager" else cfg.attention
-    drop = set(_TRAINING_ONLY) | {"block_size", "random_blocks", "performer_features", "global_tokens"}
-    if cfg.position != "rope":
-        drop |= {"rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_len", "rotary_fraction"}
-    if cfg.position != "t5_bias":
-        drop |= {"rel_buckets", "rel_max_distance"}
-    if not cfg.moe_experts:
-        drop |= {k for k in values if k.startswith("moe_")}
-    if cfg.rope_scaling != "yarn":
-        drop.add("rope_original_max_len")
-    elif not cfg.rope_original_max_len:
-        values["rope_original_max_len"] = int(cfg.max_seq_len / cfg.rope_scaling_factor)
+    values["attention.kernel"] = "sdpa" if cfg.attention.kernel == "eager" else cfg.attention.kernel
+    drop = set(_TRAINING_ONLY) | {
+        f"attention.{k}" for k in ("block_size", "random_blocks", "performer_features", "global_tokens")
+    }
+    if cfg.position.kind != "rope":
+        drop |= {
+            f"position.{k}"
+            for k in ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_len", "rotary_fraction")
+        }
+    if cfg.position.kind != "t5_bias":
+        drop |= {"position.rel_buckets", "position.rel_max_distance"}
+    if not cfg.moe.experts:
+        drop |= {k for k in values if k.startswith("moe.")}
+    if cfg.position.rope_scaling != "yarn":
+        drop.add("position.rope_original_max_len")
+    elif not cfg.position.rope_original_max_len:
+        values["position.rope_original_max_len"] = int(cfg.max_seq_len / cfg.position.rope_scaling_factor)
     return {k: v for k, v in values.items() if k not in drop}
 
 
@@ -174,13 +203,13 @@ def detect_family(cfg: ModelConfig) -> str:
         return "bert"
     if cfg.arch == "encoder_decoder":
         return "t5"
-    if cfg.moe_experts:
+    if cfg.moe.experts:
         return "mixtral"
-    if cfg.position == "learned":
+    if cfg.position.kind == "learned":
         return "gpt2"
-    if cfg.qkv_bias:
+    if cfg.attention.qkv_bias:
         return "qwen2"
-    return "mistral" if cfg.sliding_window else "llama"
+    return "mistral" if cfg.attention.sliding_window else "llama"
 
 
 def export_config(cfg: ModelConfig, family: str | None = None) -> tuple[dict[str, Any], str]:
@@ -194,7 +223,10 @@ def export_config(cfg: ModelConfig, family: str | None = None) -> tuple[dict[str
     ours, theirs = _canonical(cfg), _canonical(back)
     for key, value in ours.items():
         if theirs.get(key) != value:
-            raise HFConversionError(f"model.{key}={value!r} cannot be expressed in an HF {family} checkpoint (it would be {theirs.get(key)!r})")
+            raise HFConversionError(
+                f"model.{key}={value!r} cannot be expressed in an HF {family} checkpoint (it would be "
+                f"{theirs.get(key)!r})"
+            )
     return hf, family
 
 

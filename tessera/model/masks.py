@@ -55,7 +55,9 @@ def _pattern(spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor |
     return None
 
 
-def attention_mask(spec: MaskSpec, q_len: int, kv_len: int, device: torch.device, document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+def attention_mask(
+    spec: MaskSpec, q_len: int, kv_len: int, device: torch.device, document_ids: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Boolean mask (B or 1, 1, q_len, kv_len), or None when every query may see every key it
     would under plain causal attention over a square (q_len == kv_len) block, or all keys."""
     q = torch.arange(kv_len - q_len, kv_len, device=device)

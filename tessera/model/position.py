@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(rot_dim: int, theta: float, scaling: str = "none", factor: float = 1.0, original_max_len: int = 0) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    rot_dim: int, theta: float, scaling: str = "none", factor: float = 1.0, original_max_len: int = 0
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (rot_dim / 2,) and the cos/sin magnitude (YaRN's attention factor, else 1)."""
     exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
     if scaling == "ntk":
@@ -20,6 +22,7 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: str = "none", factor: flo
         return inv_freq / factor, 1.0
     if scaling != "yarn" or factor <= 1.0:
         return inv_freq, 1.0
+
     # YaRN (Peng et al. 2023): interpolate the slow dimensions, keep the fast ones, blend in between.
     def correction_dim(rotations: float) -> float:
         return rot_dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -37,7 +40,16 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: str = "none", factor: flo
 class RotaryEmbedding(nn.Module):
     """RoPE cos/sin tables (non-persistent buffers, rebuilt by ``reset_parameters``)."""
 
-    def __init__(self, head_dim: int, max_len: int, theta: float, scaling: str = "none", factor: float = 1.0, original_max_len: int = 0, fraction: float = 1.0) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_len: int,
+        theta: float,
+        scaling: str = "none",
+        factor: float = 1.0,
+        original_max_len: int = 0,
+        fraction: float = 1.0,
+    ) -> None:
         super().__init__()
         self.rot_dim = int(head_dim * fraction)
         self.max_len, self.theta, self.scaling, self.factor = max_len, theta, scaling, factor
@@ -59,7 +71,9 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
-    def forward(self, start: int, length: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, start: int, length: int, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape (1 or B, 1, T, rot_dim) for ``positions`` (B, T) or ``start .. start+length-1``."""
         if positions is None:
             if start + length > self.max_len:
@@ -72,7 +86,9 @@ class RotaryEmbedding(nn.Module):
 def check_positions(positions: torch.Tensor, max_len: int) -> None:
     """Raise a clear error when a position is past the table (``model.max_seq_len``)."""
     if positions.numel() and int(positions.max()) >= max_len:
-        raise ValueError(f"position {int(positions.max())} is beyond model.max_seq_len={max_len}; raise model.max_seq_len")
+        raise ValueError(
+            f"position {int(positions.max())} is beyond model.max_seq_len={max_len}; raise model.max_seq_len"
+        )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,10 @@
 
 All are built from :class:`Stack` (positions, blocks, final norm), which also builds the
 attention context (mask, score bias, RoPE tables) once per forward for all its layers.
+
+Every part outside the blocks may be absent (set to None): a model without its token embedding
+takes hidden states instead of token ids, one without its head returns hidden states. That is how
+a pipeline stage is the same model with the other stages' parts removed.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from tessera.model.attention import LINEAR_KERNELS, AttnContext, KVCache
 from tessera.model.block import TransformerBlock
 from tessera.model.ffn import ACTIVATIONS
 from tessera.model.masks import MaskSpec, attention_mask
-from tessera.model.moe import Experts
+from tessera.model.moe import Experts, MoELog
 from tessera.model.norm import build_norm
 from tessera.model.position import AbsolutePositions, RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
 
@@ -30,41 +34,93 @@ class Stack(nn.Module):
         super().__init__()
         self.cfg, self.causal = cfg, causal
         head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
-        self.pos_embeddings = AbsolutePositions(cfg.position, cfg.max_seq_len, cfg.dim) if cfg.position in ("learned", "sinusoidal") else None
+        self.pos_embeddings = (
+            AbsolutePositions(cfg.position.kind, cfg.max_seq_len, cfg.dim)
+            if cfg.position.kind in ("learned", "sinusoidal")
+            else None
+        )
         self.embed_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cfg.embed_norm else None
-        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.embed_dropout: nn.Module | None = nn.Dropout(cfg.dropout)
         self.rope = None
-        if cfg.position == "rope":
-            self.rope = RotaryEmbedding(head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_len, cfg.rotary_fraction)
-        self.rel_bias = RelativePositionBias(cfg.n_heads, cfg.rel_buckets, cfg.rel_max_distance, bidirectional=not causal) if cfg.position == "t5_bias" else None
-        if cfg.position == "alibi":
+        if cfg.position.kind == "rope":
+            self.rope = RotaryEmbedding(
+                head_dim,
+                cfg.max_seq_len,
+                cfg.position.rope_theta,
+                cfg.position.rope_scaling,
+                cfg.position.rope_scaling_factor,
+                cfg.position.rope_original_max_len,
+                cfg.position.rotary_fraction,
+            )
+        self.rel_bias = (
+            RelativePositionBias(
+                cfg.n_heads, cfg.position.rel_buckets, cfg.position.rel_max_distance, bidirectional=not causal
+            )
+            if cfg.position.kind == "t5_bias"
+            else None
+        )
+        if cfg.position.kind == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
         # A ModuleDict keyed by layer index keeps parameter names stable when stages drop layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, cross) for i in range(n_layers)})
         self.norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cfg.norm_position == "pre" else None
-        self.mask_spec = MaskSpec(cfg.attention, causal, cfg.sliding_window, cfg.global_tokens, cfg.block_size, cfg.random_blocks, cfg.max_seq_len)
+        self.mask_spec = MaskSpec(
+            cfg.attention.kernel,
+            causal,
+            cfg.attention.sliding_window,
+            cfg.attention.global_tokens,
+            cfg.attention.block_size,
+            cfg.attention.random_blocks,
+            cfg.max_seq_len,
+        )
 
-    def context(self, batch: int, length: int, start: int, positions: torch.Tensor | None, document_ids: torch.Tensor | None, device: torch.device) -> AttnContext:
+    def context(
+        self,
+        batch: int,
+        length: int,
+        start: int,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+        device: torch.device,
+    ) -> AttnContext:
         """Mask, bias and RoPE tables for ``length`` queries at ``start`` (shared by all layers)."""
         kv_len = start + length
         if positions is not None and positions.shape != (batch, length):
             raise ValueError(f"positions must have shape {(batch, length)}, got {tuple(positions.shape)}")
-        if self.cfg.attention in LINEAR_KERNELS:
+        if self.cfg.attention.kernel in LINEAR_KERNELS:
             if document_ids is not None:
-                raise ValueError(f"model.attention='{self.cfg.attention}' cannot block attention across documents; use sdpa or eager")
+                raise ValueError(
+                    f"model.attention='{self.cfg.attention.kernel}' cannot block attention across documents; use sdpa "
+                    "or eager"
+                )
             ctx = AttnContext(causal=self.causal)
         else:
             mask = attention_mask(self.mask_spec, length, kv_len, device, document_ids)
-            ctx = AttnContext(mask=mask, is_causal=self.causal and mask is None and length == kv_len, causal=self.causal)
+            ctx = AttnContext(
+                mask=mask, is_causal=self.causal and mask is None and length == kv_len, causal=self.causal
+            )
         if self.rope is not None:
             ctx.cos, ctx.sin = self.rope(start, length, positions)
-        if self.rel_bias is not None or self.cfg.position == "alibi":
+        if self.rel_bias is not None or self.cfg.position.kind == "alibi":
             q_pos = positions if positions is not None else torch.arange(start, kv_len, device=device)[None]
             k_pos = positions if positions is not None else torch.arange(kv_len, device=device)[None]
-            ctx.bias = self.rel_bias(q_pos, k_pos) if self.rel_bias is not None else alibi_bias(self.alibi_slopes, q_pos, k_pos)
+            ctx.bias = (
+                self.rel_bias(q_pos, k_pos)
+                if self.rel_bias is not None
+                else alibi_bias(self.alibi_slopes, q_pos, k_pos)
+            )
         return ctx
 
-    def run(
+    def embed_positions(self, h: torch.Tensor, start: int, positions: torch.Tensor | None) -> torch.Tensor:
+        """Absolute positions, embedding norm and dropout on freshly embedded tokens (first stage only)."""
+        if self.pos_embeddings is not None:
+            pos = positions if positions is not None else torch.arange(start, start + h.shape[1], device=h.device)
+            h = h + self.pos_embeddings(pos).to(h.dtype)
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
+        return self.embed_dropout(h) if self.embed_dropout is not None else h
+
+    def hidden_states(
         self,
         h: torch.Tensor,
         caches: list[KVCache] | None = None,
@@ -72,23 +128,19 @@ class Stack(nn.Module):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         memory: torch.Tensor | None = None,
+        moe_log: MoELog | None = None,
     ) -> torch.Tensor:
-        """Embedded tokens (B, T, dim) -> final hidden states (B, T, dim)."""
+        """Embedded tokens (B, T, dim) through positions, every block and the final norm.
+
+        ``moe_log`` (a :data:`tessera.model.moe.MoELog`) collects the MoE layers' routing stats.
+        """
         b, t, _ = h.shape
-        if self.pos_embeddings is not None:
-            pos = positions if positions is not None else torch.arange(start, start + t, device=h.device)
-            h = h + self.pos_embeddings(pos).to(h.dtype)
-        if self.embed_norm is not None:
-            h = self.embed_norm(h)
-        h = self.embed_dropout(h)
+        h = self.embed_positions(h, start, positions)
         ctx = self.context(b, t, start, positions, document_ids, h.device)
+        ctx.moe_log = moe_log
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, ctx, caches[i] if caches is not None else None, start, memory)
         return self.norm(h) if self.norm is not None else h
-
-    def forward(self, h: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states through the stack (no cache, default positions)."""
-        return self.run(h, memory=memory)
 
     def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
         """One empty self-attention KV cache per layer, sized for ``max_len`` positions."""
@@ -112,7 +164,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
                 nn.init.normal_(p, mean=0.0, std=out_std if pname == "down_proj" else std)
         elif isinstance(module, AbsolutePositions):
             module.reset_parameters(std)
-        elif isinstance(module, Stack) and module.cfg.position == "alibi":
+        elif isinstance(module, Stack) and module.cfg.position.kind == "alibi":
             module.alibi_slopes.copy_(alibi_slopes(cfg.n_heads))
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()
@@ -141,11 +193,15 @@ class Decoder(Stack):
         *,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        moe_log: MoELog | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab). With ``caches``, queries start at position ``start``; ``positions``
-        (B, T) overrides position ids; ``document_ids`` (B, T) blocks attention across documents."""
-        h = self.run(self.tok_embeddings(tokens), caches, start, positions, document_ids)
-        return self.output(h)
+        (B, T) overrides position ids; ``document_ids`` (B, T) blocks attention across documents;
+        ``moe_log`` collects MoE routing stats. Without an embedding ``tokens`` are hidden states,
+        without a head the result is (pipeline stages)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.hidden_states(h, caches, start, positions, document_ids, moe_log=moe_log)
+        return self.output(h) if self.output is not None else h
 
     def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
         """One empty KV cache per layer, sized for ``max_len`` positions."""
@@ -184,17 +240,38 @@ class Encoder(Stack):
         """See :func:`init_weights`."""
         init_weights(self, self.cfg)
 
-    def encode(self, tokens: torch.Tensor, token_type_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states (B, T, dim)."""
+    def embed(self, tokens: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (+ token-type) embeddings (B, T, dim)."""
         h = self.tok_embeddings(tokens)
         if self.type_embeddings is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(tokens)
             h = h + self.type_embeddings(types)
-        return self.run(h, positions=positions, document_ids=document_ids)
+        return h
 
-    def forward(self, tokens: torch.Tensor, token_type_ids: torch.Tensor | None = None, *, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Masked-LM logits (B, T, vocab)."""
-        return self.output(self.head(self.encode(tokens, token_type_ids, positions, document_ids)))
+    def encode(
+        self,
+        tokens: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        moe_log: MoELog | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (B, T, dim); ``tokens`` are hidden states when the embedding is absent."""
+        h = self.embed(tokens, token_type_ids) if self.tok_embeddings is not None else tokens
+        return self.hidden_states(h, positions=positions, document_ids=document_ids, moe_log=moe_log)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        moe_log: MoELog | None = None,
+    ) -> torch.Tensor:
+        """Masked-LM logits (B, T, vocab) (hidden states when the head is absent: pipeline stages)."""
+        h = self.encode(tokens, token_type_ids, positions, document_ids, moe_log)
+        return self.output(self.head(h)) if self.output is not None else h
 
 
 class EncoderDecoder(nn.Module):
@@ -215,20 +292,31 @@ class EncoderDecoder(nn.Module):
         """See :func:`init_weights`."""
         init_weights(self, self.cfg)
 
-    def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def encode(self, input_ids: torch.Tensor, moe_log: MoELog | None = None) -> torch.Tensor:
         """Encoder output (B, S, dim), the decoder's cross-attention memory."""
-        return self.encoder.run(self.tok_embeddings(input_ids))
+        return self.encoder.hidden_states(self.tok_embeddings(input_ids), moe_log=moe_log)
 
-    def decode(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
+    def decode(
+        self,
+        decoder_input_ids: torch.Tensor,
+        memory: torch.Tensor,
+        caches: list[KVCache] | None = None,
+        start: int = 0,
+        moe_log: MoELog | None = None,
+    ) -> torch.Tensor:
         """Decoder logits (B, T, vocab) given the encoder ``memory``."""
-        h = self.decoder.run(self.tok_embeddings(decoder_input_ids), caches, start, memory=memory)
+        h = self.decoder.hidden_states(
+            self.tok_embeddings(decoder_input_ids), caches, start, memory=memory, moe_log=moe_log
+        )
         if self.cfg.output_dim_scale:
             h = h * self.cfg.dim**-0.5
         return self.output(h)
 
-    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, *, moe_log: MoELog | None = None
+    ) -> torch.Tensor:
         """Logits (B, T, vocab) of ``decoder_input_ids`` conditioned on ``input_ids``."""
-        return self.decode(decoder_input_ids, self.encode(input_ids))
+        return self.decode(decoder_input_ids, self.encode(input_ids, moe_log), moe_log=moe_log)
 
     def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
         """Decoder self-attention caches."""

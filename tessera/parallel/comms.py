@@ -7,11 +7,14 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-COLLECTIVES = frozenset({"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast"})
+COLLECTIVES = frozenset(
+    {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast"}
+)
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """``with CollectiveCounter() as c: ...`` then ``c.counts`` (name -> calls) and ``c.kib`` (name -> KiB sent, last call)."""
+    """``with CollectiveCounter() as c: ...`` then ``c.counts`` (name -> calls) and ``c.kib``
+    (name -> KiB sent, last call)."""
 
     def __init__(self) -> None:
         super().__init__()

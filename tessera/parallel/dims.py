@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tessera.config import ConfigError, ParallelConfig
+from tessera.layout import resolve_dp_shard
 
 
 @dataclass
@@ -30,20 +31,7 @@ class ParallelDims:
     _named: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        others = self.dp_replicate * self.cp * self.tp * self.pp
-        if self.dp_shard == -1:
-            if self.world_size % others:
-                raise ConfigError(
-                    f"the world size {self.world_size} is not divisible by dp_replicate*cp*tp*pp={others}; "
-                    "launch a multiple of that many processes or change the parallel degrees"
-                )
-            self.dp_shard = self.world_size // others
-        total = others * self.dp_shard
-        if total != self.world_size:
-            raise ConfigError(
-                f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} x pp={self.pp} = {total}, "
-                f"but {self.world_size} process(es) were launched; make them equal (dp_shard=-1 takes the rest)"
-            )
+        self.dp_shard = resolve_dp_shard(self, self.world_size)
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp}")
 
@@ -61,7 +49,13 @@ class ParallelDims:
         """The job's DeviceMesh (built once); call after the process group exists."""
         if self._mesh is not None:
             return self._mesh
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp)]
+        dims = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("cp", self.cp),
+            ("tp", self.tp),
+        ]
         names = tuple(n for n, d in dims if d > 1) or ("dp_shard",)
         sizes = tuple(d for _, d in dims if d > 1) or (1,)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)

@@ -24,7 +24,9 @@ class DistEnv:
 
 def dist_env() -> DistEnv:
     """RANK, WORLD_SIZE and LOCAL_RANK of this process (single-process values when unset)."""
-    return DistEnv(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+    return DistEnv(
+        int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    )
 
 
 def init_distributed(device_type: str) -> DistEnv:

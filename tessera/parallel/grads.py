@@ -19,7 +19,9 @@ def _group_key(p: torch.Tensor) -> tuple:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None) -> float:
+def clip_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
+) -> float:
     """Clip gradients to a global L2 norm ``max_norm`` and return the norm before clipping.
 
     torch's ``clip_grad_norm_`` needs all gradients of one kind; tensor parallelism leaves

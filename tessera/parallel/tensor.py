@@ -68,7 +68,9 @@ class ReplicatedRegion(ParallelStyle):
             return (x.redistribute(device_mesh, (Replicate(),)).to_local(), *args[1:])
 
         def scatter(_module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor):
-            return DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False).redistribute(device_mesh, (Shard(1),))
+            return DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False).redistribute(
+                device_mesh, (Shard(1),)
+            )
 
         module.register_forward_pre_hook(gather)
         module.register_forward_hook(scatter)
@@ -86,11 +88,16 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     plan["attention"] = ReplicateInput(sp)
     if sp:
         plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
-    if hasattr(block, "moe"):
+    if block.moe is not None:
         if sp:
             plan["moe"] = ReplicatedRegion()
         return plan
-    plan.update({"feed_forward.up_proj": ColwiseParallel(), "feed_forward.down_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp)})
+    plan.update(
+        {
+            "feed_forward.up_proj": ColwiseParallel(),
+            "feed_forward.down_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
+        }
+    )
     if getattr(block.feed_forward, "gate_proj", None) is not None:
         plan["feed_forward.gate_proj"] = ColwiseParallel()
     plan["feed_forward"] = ReplicateInput(sp)
@@ -102,15 +109,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     sp = sequence_parallel
     root_plan: dict[str, ParallelStyle] = {
         # Under SP the embedding output stays a DTensor so the stack sees the global sequence length.
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp),
-        "output": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False),
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp
+        ),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
+        ),
     }
     if sp:
         root_plan["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, root_plan)
-    tp = tp_mesh.size()
     for block in model.layers.values():
+        # Attention derives its local head count from the sharded projections' widths.
         parallelize_module(block, tp_mesh, _block_plan(block, sp))
-        # Each rank now holds 1/tp of the heads; the attention module reshapes by these counts.
-        block.attention.n_heads //= tp
-        block.attention.n_kv_heads //= tp

@@ -118,7 +118,10 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     """The JSON part of a checkpoint (step, config, loader and scheduler state)."""
     meta = Path(path) / META
     if not meta.is_file():
-        raise CheckpointError(f"'{path}' is not a complete tessera checkpoint (no {META}); pick a directory under <run_dir>/{CHECKPOINT_DIR}/")
+        raise CheckpointError(
+            f"'{path}' is not a complete tessera checkpoint (no {META}); pick a directory under "
+            f"<run_dir>/{CHECKPOINT_DIR}/"
+        )
     try:
         return json.loads(meta.read_text())
     except json.JSONDecodeError as err:
@@ -166,10 +169,18 @@ class Checkpointer:
         for old in list_checkpoints(self.root.parent)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict[str, Any]:
+    def load(
+        self,
+        path: str | Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        restore_rng: bool = True,
+    ) -> dict[str, Any]:
         """Restore model (and optimizer, RNG) from ``path``; returns the checkpoint's JSON part."""
         meta = read_meta(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state(model), None)
+        model_sd, optim_sd = (
+            get_state_dict(model, optimizer) if optimizer is not None else (get_model_state(model), None)
+        )
         tensors: dict[str, Any] = {"model": model_sd, "rng": _rng_state()}
         if optim_sd is not None:
             tensors["optim"] = optim_sd["state"]
@@ -177,13 +188,17 @@ class Checkpointer:
         try:
             reader.read_metadata()
         except (OSError, EOFError, pickle.UnpicklingError) as err:
-            raise CheckpointError(f"checkpoint '{path}' has unreadable DCP metadata ({err}); resume from another checkpoint") from None
+            raise CheckpointError(
+                f"checkpoint '{path}' has unreadable DCP metadata ({err}); resume from another checkpoint"
+            ) from None
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(tensors, storage_reader=reader)
         except (CheckpointException, RuntimeError, ValueError, KeyError) as err:
-            raise CheckpointError(f"checkpoint '{path}' does not fit this model or is damaged: {str(err).splitlines()[0]}") from None
+            raise CheckpointError(
+                f"checkpoint '{path}' does not fit this model or is damaged: {str(err).splitlines()[0]}"
+            ) from None
         if optim_sd is not None:
             full = {"state": tensors["optim"], "param_groups": _param_groups_from_json(meta["optim_param_groups"])}
             set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=full)

@@ -12,10 +12,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from tessera.config import ConfigError, JobConfig
+from tessera.layout import check_layout
 from tessera.parallel import ParallelDims, parallelize, uses_fsdp
-from tessera.parallel.compat import incompatibilities
-from tessera.parallel.pipeline import LossFn, Pipeline, build_pipeline, check_pipeline_plan
 from tessera.parallel.env import DistEnv, device_for, init_distributed
+from tessera.parallel.pipeline import LossFn, Pipeline, build_pipeline
 
 
 @dataclass
@@ -77,7 +77,9 @@ class ParallelContext:
 
     def pipeline(self, model: nn.Module, config: JobConfig, loss_fn: LossFn) -> Pipeline:
         """Split ``model`` into this rank's pipeline stages, each parallelized like a whole model."""
-        return build_pipeline(model, self.dims, config, self.device, loss_fn, lambda stage: parallelize(stage, self.dims, config))
+        return build_pipeline(
+            model, self.dims, config, self.device, loss_fn, lambda stage: parallelize(stage, self.dims, config)
+        )
 
     @property
     def pp_mesh(self):
@@ -92,15 +94,13 @@ class ParallelContext:
 def setup_parallel(config: JobConfig, device: torch.device) -> ParallelContext:
     """Join the process group, check the layout against the world size, build the mesh."""
     if config.parallel.cpu_offload and device.type != "cuda":
-        raise ConfigError("parallel.cpu_offload moves GPU parameters and optimizer state to host memory; a CPU run has nothing to offload, set it to false")
+        raise ConfigError(
+            "parallel.cpu_offload moves GPU parameters and optimizer state to host memory; a CPU run has nothing to "
+            "offload, set it to false"
+        )
     env = init_distributed(device.type)
+    check_layout(config, env.world_size)
     dims = ParallelDims.from_config(config.parallel, env.world_size)
-    problems = incompatibilities(config, env.world_size)
-    if problems:
-        raise ConfigError(f"unsupported parallel combination: {problems[0]} (see the compatibility table in README.md)")
-    if config.train.batch_size % dims.dp:
-        raise ConfigError(f"train.batch_size={config.train.batch_size} (global) is not divisible by the data-parallel degree {dims.dp}; make it a multiple")
-    check_pipeline_plan(config, dims.dp)
     if env.is_distributed:
         dims.build_mesh(device.type)
     return ParallelContext(env, dims, device_for(env, device.type) if env.is_distributed else device)

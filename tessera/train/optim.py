@@ -56,6 +56,8 @@ def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over :func:`lr_multiplier`; its state_dict is plain numbers."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_multiplier, cfg=cfg, total_steps=total_steps))

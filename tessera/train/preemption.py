@@ -78,4 +78,7 @@ class PreemptionGuard:
         if _is_rank_zero():
             marker = {"step": step, "signal": name, "checkpoint": str(checkpoint), "exit_code": PREEMPTED_EXIT_CODE}
             (self.run_dir / PREEMPTION_MARKER).write_text(json.dumps(marker) + "\n")
-        return f"preempted by {name}: saved step {step} to {checkpoint}; exiting with code {PREEMPTED_EXIT_CODE} so the job is requeued and resumes there"
+        return (
+            f"preempted by {name}: saved step {step} to {checkpoint}; exiting with code {PREEMPTED_EXIT_CODE} "
+            "so the job is requeued and resumes there"
+        )

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
 from tessera.data.pipeline import DataBundle, Split, build_data
-from tessera.model import build_model, count_parameters, generate, moe_losses, moe_metrics
+from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.train.metrics import MetricsLogger, plot_loss_curve
@@ -38,11 +38,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+def lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean next-token cross-entropy in float32, over the positions where ``loss_mask`` (B, T) is true."""
     if loss_mask is None:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing)
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing, reduction="none")
+    losses = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing, reduction="none"
+    )
     mask = loss_mask.flatten().float()
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -83,8 +87,8 @@ class Trainer:
         if self.dtype == torch.float16 and self.device.type == "cpu":
             raise ConfigError("train.dtype='fp16' needs a GPU; use train.dtype=bf16 or fp32 on CPU")
         self.resume_from = resolve_resume(config)
-        self.par = setup_parallel(config, self.device)
-        self.device = self.par.device
+        self.parallel = setup_parallel(config, self.device)
+        self.device = self.parallel.device
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
@@ -92,21 +96,23 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
-        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.par.is_main)
+        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.parallel.is_main)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
-        self.flops_per_token = flops_per_token(self.n_params - self.n_embedding_params, config.model, config.train.seq_len)
+        self.flops_per_token = flops_per_token(
+            self.n_params - self.n_embedding_params, config.model, config.train.seq_len
+        )
         self.peak = peak_flops(self.device, config.log.peak_flops)
-        if self.par.is_main:
+        if self.parallel.is_main:
             self._write_run_files()
 
     def _build_data(self) -> DataBundle:
         # Rank 0 trains the tokenizer and tokenizes the corpus into the cache; the rest reuse it.
-        if not self.par.is_main:
-            self.par.barrier()
-        data = build_data(self.config, self.par.dp_rank, self.par.dp_size)
-        if self.par.is_main:
-            self.par.barrier()
+        if not self.parallel.is_main:
+            self.parallel.barrier()
+        data = build_data(self.config, self.parallel.dp_rank, self.parallel.dp_size)
+        if self.parallel.is_main:
+            self.parallel.barrier()
         return data
 
     def _build_model(self) -> torch.nn.Module:
@@ -119,9 +125,9 @@ class Trainer:
         self.n_embedding_params = self.n_params - count_parameters(model, exclude_embeddings=True)
         self.pipeline = None
         if cfg.parallel.pp > 1:  # this rank's stages; self.model holds their modules under full-model names
-            self.pipeline = self.par.pipeline(model, cfg, lm_loss)
+            self.pipeline = self.parallel.pipeline(model, cfg, lm_loss)
             return self.pipeline.model
-        model = self.par.parallelize(model, cfg)
+        model = self.parallel.parallelize(model, cfg)
         if cfg.parallel.meta_init:
             model.to_empty(device=self.device)
             torch.manual_seed(cfg.train.seed)
@@ -135,14 +141,17 @@ class Trainer:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # Under FSDP its mixed-precision policy casts parameters instead of autocast.
-        if self.dtype == torch.float32 or self.par.fsdp:
+        if self.dtype == torch.float32 or self.parallel.fsdp:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def restore(self, path: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, data position, RNG, step."""
         if read_meta(path).get("model") != self.config.to_dict()["model"]:
-            raise CheckpointError(f"checkpoint '{path}' was trained with a different [model] section; resume with the same model config or set train.resume=none")
+            raise CheckpointError(
+                f"checkpoint '{path}' was trained with a different [model] section; resume with the same model config "
+                "or set train.resume=none"
+            )
         meta = self.checkpointer.load(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.data.train.load_state_dict(meta["loader"])
@@ -162,30 +171,34 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches; returns its metrics."""
         cfg = self.config
         total_loss = 0.0
+        moe_logs: list[MoELog] = []
         for _ in range(cfg.train.grad_accum):
             batch = self.data.train.next_batch().to(self.device)
             args, kwargs, labels, loss_mask = self.objective(batch)
             if self.pipeline is not None:  # kwargs are empty: document masks are refused with pp
-                with self.par.loss_context(), self._autocast():
+                with self.parallel.loss_context(), self._autocast():
                     total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum)
                 continue
-            with self.par.loss_context():
+            moe_logs.append(MoELog())
+            with self.parallel.loss_context():
                 with self._autocast():
-                    logits = self.model(*args, **kwargs)
+                    logits = self.model(*args, **kwargs, moe_log=moe_logs[-1])
                 loss = lm_loss(logits, labels, cfg.train.label_smoothing, loss_mask)
-                aux = moe_losses(self.model)  # MoE load-balancing and router z-losses (None without MoE)
+                aux = moe_loss(moe_logs[-1])  # MoE load-balancing and router z-losses (None without MoE)
                 loss = (loss if aux is None else add_replicated(loss, aux)) / cfg.train.grad_accum
                 self.scaler.scale(loss).backward()
             total_loss += scalar(loss)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.par.pp_mesh)
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.parallel.pp_mesh)
         lr = self.scheduler.get_last_lr()[0]
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": self.par.mean_over_dp(total_loss), "lr": lr, "grad_norm": grad_norm, **moe_metrics(self.model)}
+        stats = moe_metrics(moe_logs)  # tensors: read them with one sync
+        moe = dict(zip(stats, torch.stack(list(stats.values())).tolist())) if stats else {}
+        return {"loss": self.parallel.mean_over_dp(total_loss), "lr": lr, "grad_norm": grad_norm, **moe}
 
     @torch.no_grad()
     def evaluate(self, dataset: Split | None = None) -> float:
@@ -195,10 +208,10 @@ class Trainer:
         smaller than one batch is evaluated whole on every rank.
         """
         dataset = dataset if dataset is not None else self.data.val
-        bs, dp = self.config.train.batch_size, self.par.dp_size
+        bs, dp = self.config.train.batch_size, self.parallel.dp_size
         n = min(len(dataset), self.config.train.eval_batches * bs) // bs * bs
         local = bs // dp
-        starts = [s + self.par.dp_rank * local for s in range(0, n, bs)] if n else [0]
+        starts = [s + self.parallel.dp_rank * local for s in range(0, n, bs)] if n else [0]
         size = local if n else len(dataset)
         self.model.eval()
         total, count = 0.0, 0.0
@@ -207,11 +220,11 @@ class Trainer:
             args, kwargs, labels, loss_mask = self.objective(batch)
             weight = labels.numel() if loss_mask is None else int(loss_mask.sum())
             if self.pipeline is not None:
-                with self.par.loss_context(), self._autocast():
+                with self.parallel.loss_context(), self._autocast():
                     total += self.pipeline.eval_loss(args, labels, loss_mask)
                 count += weight
                 continue
-            with self.par.loss_context():
+            with self.parallel.loss_context():
                 with self._autocast():
                     logits = self.model(*args, **kwargs)
                 loss = lm_loss(logits, labels, loss_mask=loss_mask)
@@ -219,7 +232,7 @@ class Trainer:
             count += weight
         self.model.train()
         if n:
-            total, count = self.par.sum_over_dp([total, count])
+            total, count = self.parallel.sum_over_dp([total, count])
         return total / count
 
     def sample(self, prompt: str, tokens: int) -> str:
@@ -233,7 +246,11 @@ class Trainer:
 
     def _should_eval(self) -> bool:
         every = self.config.train.eval_every
-        return self.data.val is not None and len(self.data.val) > 0 and (self.step == self.config.train.steps or (every > 0 and self.step % every == 0))
+        return (
+            self.data.val is not None
+            and len(self.data.val) > 0
+            and (self.step == self.config.train.steps or (every > 0 and self.step % every == 0))
+        )
 
     def _should_save(self) -> bool:
         c = self.config.checkpoint
@@ -244,9 +261,11 @@ class Trainer:
         cfg = self.config
         if self.resume_from is not None:
             self.restore(self.resume_from)
-        if self.par.is_main:
+        if self.parallel.is_main:
             _truncate_metrics(self.run_dir, self.step)
-        logger = MetricsLogger(self.run_dir, cfg.train.steps, cfg.log.progress, cfg.log.tensorboard, enabled=self.par.is_main)
+        logger = MetricsLogger(
+            self.run_dir, cfg.train.steps, cfg.log.progress, cfg.log.tensorboard, enabled=self.parallel.is_main
+        )
         result = TrainResult(self.run_dir, cfg.train.steps)
         logger.print(self._banner())
         started = time.perf_counter()
@@ -261,11 +280,17 @@ class Trainer:
                 self.step += 1
                 elapsed = time.perf_counter() - t0
                 tokens_per_s = self.tokens_per_step / elapsed
-                mfu = tokens_per_s * self.flops_per_token / (self.peak * self.par.env.world_size) if self.peak else 0.0
+                mfu = (
+                    tokens_per_s * self.flops_per_token / (self.peak * self.parallel.env.world_size)
+                    if self.peak
+                    else 0.0
+                )
                 record = {"step": self.step, **metrics, "tokens_per_s": tokens_per_s, "mfu": mfu}
                 result.losses.append(metrics["loss"])
                 if not math.isfinite(metrics["loss"]):
-                    raise FloatingPointError(f"loss became {metrics['loss']} at step {self.step}; lower optim.lr or enable optim.grad_clip")
+                    raise FloatingPointError(
+                        f"loss became {metrics['loss']} at step {self.step}; lower optim.lr or enable optim.grad_clip"
+                    )
                 if self._should_eval():
                     result.val_losses[self.step] = self._log_eval(logger, record)
                 elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
@@ -294,26 +319,38 @@ class Trainer:
 
     def _banner(self) -> str:
         n = self.n_params
-        layout = f"{self.par.env.world_size} processes, dp={self.par.dp_size} tp={self.par.dims.tp}" if self.par.env.is_distributed else "1 process"
+        layout = (
+            f"{self.parallel.env.world_size} processes, dp={self.parallel.dp_size} tp={self.parallel.dims.tp}"
+            if self.parallel.env.is_distributed
+            else "1 process"
+        )
         where = f"resuming from {self.resume_from}" if self.resume_from else "starting fresh"
         return (
             f"tessera: {n / 1e6:.2f}M parameters, {self.data.tokenizer.vocab_size} tokens in vocab, "
-            f"{len(self.data.train.dataset)} train / {len(self.data.val) if self.data.val is not None else 0} val sequences of {self.config.train.seq_len}, "
+            f"{len(self.data.train.dataset)} train / {len(self.data.val) if self.data.val is not None else 0} val "
+            f"sequences of {self.config.train.seq_len}, "
             f"{self.device.type} {self.config.train.dtype}, {layout}, {where}; run dir {self.run_dir}"
         )
 
     def _finish(self, result: TrainResult, logger: MetricsLogger) -> None:
         cfg = self.config
-        if cfg.log.plot and self.par.is_main:
+        if cfg.log.plot and self.parallel.is_main:
             plot_loss_curve(self.run_dir)
-        if cfg.train.sample_tokens > 0 and (self.par.tp_enabled or self.pipeline is not None):
+        if cfg.train.sample_tokens > 0 and (self.parallel.tp_enabled or self.pipeline is not None):
             logger.print(f"sample skipped under tensor/pipeline parallelism; run: tessera generate {self.run_dir}")
-        elif cfg.train.sample_tokens > 0 and cfg.model.arch == "decoder":  # every rank decodes: FSDP's gathers are collective
+        elif (
+            cfg.train.sample_tokens > 0 and cfg.model.arch == "decoder"
+        ):  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
-        if not self.par.is_main:
+        if not self.parallel.is_main:
             return
-        summary = {"steps": self.step, "seconds": result.seconds, "val_losses": result.val_losses, "final_loss": result.losses[-1] if result.losses else None}
+        summary = {
+            "steps": self.step,
+            "seconds": result.seconds,
+            "val_losses": result.val_losses,
+            "final_loss": result.losses[-1] if result.losses else None,
+        }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         vals = list(result.val_losses.values())
         trend = f"val loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""

@@ -38,13 +38,17 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "tp": "offload with tensor parallelism is not supported",
         "pp": "offload is not validated with pipeline stages yet",
     },
-    "meta init": {"pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"},
+    "meta init": {
+        "pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"
+    },
     "tied embeddings": {
         "tp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false",
         "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
     },
     "encoder / encoder-decoder": {"tp": "the tensor-parallel plan covers decoder-only models"},
-    "absolute positions (learned, sinusoidal)": {"sp": "position tables are added before the sequence is sharded; set parallel.sequence_parallel=false"},
+    "absolute positions (learned, sinusoidal)": {
+        "sp": "position tables are added before the sequence is sharded; set parallel.sequence_parallel=false"
+    },
     "score-bias positions (t5_bias, alibi)": {
         "tp": "the bias tables are not sharded by head yet",
         "pp": "the score-bias module is shared by the blocks of every stage; use rope or learned positions",
@@ -57,7 +61,9 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 # Pairs of layouts that do not combine, with the reason.
 UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
     frozenset({"ddp", "tp"}): "DDP does not take DTensor parameters; use FSDP or HSDP (parallel.dp_shard > 1) with tp",
-    frozenset({"ddp", "pp"}): "DDP would all-reduce every micro-batch's gradients; use FSDP or HSDP (parallel.dp_shard > 1) with pp",
+    frozenset(
+        {"ddp", "pp"}
+    ): "DDP would all-reduce every micro-batch's gradients; use FSDP or HSDP (parallel.dp_shard > 1) with pp",
 }
 
 
@@ -103,13 +109,13 @@ def job_features(config: Any) -> set[str]:
         features.add("tied embeddings")
     if m.arch != "decoder":
         features.add("encoder / encoder-decoder")
-    if m.position in ("learned", "sinusoidal"):
+    if m.position.kind in ("learned", "sinusoidal"):
         features.add("absolute positions (learned, sinusoidal)")
-    if m.position in ("t5_bias", "alibi"):
+    if m.position.kind in ("t5_bias", "alibi"):
         features.add("score-bias positions (t5_bias, alibi)")
-    if m.attention not in ("sdpa", "eager"):
+    if m.attention.kernel not in ("sdpa", "eager"):
         features.add("sparse/linear attention kernels")
-    if m.moe_experts > 1:
+    if m.moe.experts > 1:
         features.add("mixture of experts")
     return features
 

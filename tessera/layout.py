@@ -1,0 +1,196 @@
+"""Pure layout arithmetic and the one layout check: degrees, pipeline plan, batch divisibility.
+
+Nothing here touches torch.distributed or the model: :func:`check_layout` runs at config time
+(``world_size=None``: what can be known without the launcher) and again once the world size is
+known (the launcher and each training process), so a bad layout fails before any process group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tessera.compat import incompatibilities
+from tessera.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tessera.config import JobConfig, ParallelConfig
+
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
+
+
+def resolve_dp_shard(p: ParallelConfig, world_size: int) -> int:
+    """``parallel.dp_shard`` for ``world_size`` processes (-1 takes what the other degrees leave)."""
+    others = p.dp_replicate * p.cp * p.tp * p.pp
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"the world size {world_size} is not divisible by dp_replicate*cp*tp*pp={others}; "
+                "launch a multiple of that many processes or change the parallel degrees"
+            )
+        dp_shard = world_size // others
+    if others * dp_shard != world_size:
+        raise ConfigError(
+            f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x cp={p.cp} x tp={p.tp} "
+            f"x pp={p.pp} = {others * dp_shard}, but {world_size} process(es) were launched; "
+            "make them equal (dp_shard=-1 takes the rest)"
+        )
+    return dp_shard
+
+
+def virtual_stages(p: ParallelConfig) -> int:
+    """Stages per rank: ``parallel.pp_virtual_stages``, or 2 for the multi-stage schedules, else 1."""
+    if p.pp_virtual_stages:
+        return p.pp_virtual_stages
+    return 2 if p.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def microbatches(p: ParallelConfig) -> int:
+    """Micro-batches per pipeline step: ``parallel.microbatches``, or ``pp`` when 0."""
+    return p.microbatches or p.pp
+
+
+def stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage: str = "") -> list[int]:
+    """Blocks per stage: the explicit comma-separated list, or ``n_layers`` balanced by count."""
+    if layers_per_stage:
+        return [int(c) for c in layers_per_stage.split(",")]
+    return [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]
+
+
+def local_stage_ids(rank: int, pp: int, v: int) -> list[int]:
+    """The stage indices a pp rank runs, looped: ``rank + k*pp`` for each of its ``v`` stages."""
+    return [rank + k * pp for k in range(v)]
+
+
+def check_layout(config: JobConfig, world_size: int | None = None) -> None:
+    """Raise a one-line ConfigError when the job's layout cannot run (on ``world_size`` processes).
+
+    Without a world size, ``dp_shard = -1`` leaves the data-parallel degree unknown and the
+    checks that need it wait for the second call.
+    """
+    p = config.parallel
+    _check_degrees(p)
+    _check_tensor_parallel(config)
+    dp_shard = resolve_dp_shard(p, world_size) if world_size is not None else p.dp_shard
+    dp = p.dp_replicate * dp_shard if dp_shard != -1 else None
+    _check_pipeline_plan(config)
+    if dp is not None:
+        _check_batch(config, dp)
+    problems = incompatibilities(config, world_size)
+    if problems:
+        raise ConfigError(f"unsupported parallel combination: {problems[0]} (see the compatibility table in README.md)")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_degrees(p: ParallelConfig) -> None:
+    for key in ("dp_replicate", "tp", "pp", "cp", "ep"):
+        _require(getattr(p, key) >= 1, f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    _require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallel.dp_shard must be >= 1 or -1 (the rest), got {p.dp_shard}")
+    _require(p.ac_every >= 1, f"parallel.ac_every must be >= 1, got {p.ac_every}")
+    _require(
+        p.microbatches >= 0 and p.pp_virtual_stages >= 0,
+        "parallel.microbatches and parallel.pp_virtual_stages must be >= 0 (0 = default), "
+        f"got {p.microbatches}, {p.pp_virtual_stages}",
+    )
+
+
+def _check_tensor_parallel(config: JobConfig) -> None:
+    p, m, t = config.parallel, config.model, config.train
+    if p.tp == 1:
+        return
+    kv = m.n_kv_heads or m.n_heads
+    _require(
+        m.n_heads % p.tp == 0,
+        f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; pick a tp that divides the head count",
+    )
+    _require(
+        kv % p.tp == 0,
+        f"model.n_kv_heads={kv} is not divisible by parallel.tp={p.tp}; use tp <= n_kv_heads that divides it",
+    )
+    _require(
+        m.vocab_size % p.tp == 0,
+        f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
+        "round the vocabulary up to a multiple of tp",
+    )
+    _require(
+        not p.sequence_parallel or t.seq_len % p.tp == 0,
+        f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallelism splits it); "
+        "change seq_len or set parallel.sequence_parallel=false",
+    )
+
+
+def _check_batch(config: JobConfig, dp: int) -> None:
+    """The global batch splits evenly over data-parallel ranks (and their pipeline micro-batches)."""
+    batch, p = config.train.batch_size, config.parallel
+    mb = microbatches(p) if p.pp > 1 else 1
+    if batch % (dp * mb):
+        what = f"the data-parallel degree {dp}" + (f" x parallel.microbatches={mb}" if mb > 1 else "")
+        raise ConfigError(
+            f"train.batch_size={batch} (global) is not divisible by {what}; make it a multiple of {dp * mb}"
+        )
+
+
+def _check_pipeline_plan(config: JobConfig) -> None:
+    p, m = config.parallel, config.model
+    if p.pp == 1:
+        return
+    schedule, v, mb = p.pp_schedule, virtual_stages(p), microbatches(p)
+    _require(
+        m.arch != "encoder_decoder",
+        "parallel.pp > 1 splits decoder and encoder models; model.arch='encoder_decoder' is not supported, "
+        "set parallel.pp=1",
+    )
+    _require(
+        not config.data.document_mask,
+        "data.document_mask needs positions and document ids on every pipeline stage, which parallel.pp > 1 "
+        "does not pass; set data.document_mask=false or parallel.pp=1",
+    )
+    multi = schedule in MULTI_STAGE_SCHEDULES
+    _require(
+        not multi or v >= 2,
+        f"parallel.pp_schedule='{schedule}' needs several stages per rank; "
+        "set parallel.pp_virtual_stages >= 2 (or 0 for the default 2)",
+    )
+    _require(
+        multi or v == 1,
+        f"parallel.pp_schedule='{schedule}' runs one stage per rank; "
+        "set parallel.pp_virtual_stages=1 or use interleaved_1f1b / interleaved_zb",
+    )
+    _check_stage_split(p, m.n_layers, p.pp * v)
+    _require(
+        schedule != "1f1b" or mb >= p.pp,
+        f"parallel.pp_schedule='1f1b' needs microbatches >= pp, got parallel.microbatches={mb} with pp={p.pp}",
+    )
+    _require(
+        not multi or mb % p.pp == 0,
+        f"parallel.pp_schedule='{schedule}' needs parallel.microbatches to be a multiple of pp={p.pp}, got {mb}",
+    )
+    _require(
+        not (schedule == "interleaved_zb" and p.compile),
+        f"parallel.pp_schedule='{schedule}' splits the backward into input and weight parts, which "
+        "torch.compile does not support; use 1f1b or interleaved_1f1b",
+    )
+
+
+def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int) -> None:
+    if not p.layers_per_stage:
+        _require(
+            n_stages <= n_layers,
+            f"{n_stages} pipeline stages (pp={p.pp} x {n_stages // p.pp} per rank) but model.n_layers={n_layers}; "
+            "every stage needs a block, lower parallel.pp or pp_virtual_stages",
+        )
+        return
+    counts = p.layers_per_stage.split(",")
+    _require(
+        all(c.strip().isdigit() and int(c) >= 1 for c in counts),
+        f"parallel.layers_per_stage={p.layers_per_stage!r} must be comma-separated positive block counts, e.g. '3,5'",
+    )
+    _require(
+        len(counts) == n_stages and sum(map(int, counts)) == n_layers,
+        f"parallel.layers_per_stage={p.layers_per_stage!r} must list {n_stages} stages (pp * virtual stages) "
+        f"summing to model.n_layers={n_layers}",
+    )
