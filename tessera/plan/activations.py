@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.plan import modelcfg
 from tessera.plan.shapes import BlockParams, ModelShape
 
 
@@ -121,7 +120,7 @@ def _moe(shape: ModelShape, prec: Precision) -> float:
     inputs = (2 if prec.autocast and shape.gated else 1) * c * h
     per_assignment = 12 + inputs + _ffn_hidden(shape.expert_hidden, shape.gated, c) + c * h + prec.stream * h
     router = c * h + 8.0 * e + 12 * k + 4
-    shared = modelcfg.moe(shape.cfg, "shared_experts")
+    shared = shape.cfg.moe.shared_experts
     shared_bytes = _ffn_hidden(shape.expert_hidden * shared, shape.gated, c) if shared else 0.0
     return router + k * per_assignment + shared_bytes
 
@@ -134,10 +133,10 @@ def tessera_block(shape: ModelShape, block: BlockParams, prec: Precision) -> Blo
     residual = 2 * _norm(h, prec, cfg.norm) + dropout * 2 * h
     attention = c * (q + 2 * kv) + c * q + 4.0 * heads  # q, k, v after RoPE; the kernel's output and logsumexp
     scores = 0.0
-    if modelcfg.attention_kernel(cfg) == "eager" or modelcfg.attention_dropout(cfg) > 0:
+    if cfg.attention.kernel == "eager" or cfg.attention.dropout > 0:
         # fp32 scores and probabilities per key, fp32 copies of q and the repeated k, v; no logsumexp
         scores, attention = 8.0 * heads, attention + 12.0 * q - 4.0 * heads
-    if cfg.qk_norm:
+    if cfg.attention.qk_norm:
         attention += (4 + c) * (q + kv)
     gathered = (3 if prec.autocast else 1) * c * h  # the q/k/v input (one cast copy per projection under autocast)
     # op-level checkpointing keeps the block input, q/k/v and o_proj outputs, the kernel outputs, FFN matmul outputs

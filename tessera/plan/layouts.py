@@ -16,14 +16,10 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tessera.config import ConfigError, JobConfig, validate
-from tessera.plan import modelcfg
+from tessera.config import JobConfig
+from tessera.errors import ConfigError
+from tessera.layout import check_layout, microbatches, resolve_dp_shard, virtual_stages
 from tessera.plan.shapes import divisors
-
-try:  # the matrix moves from tessera/parallel/compat.py to tessera/compat.py
-    from tessera.compat import incompatibilities
-except ImportError:  # pragma: no cover - older tree
-    from tessera.parallel.compat import incompatibilities
 
 AC_MODES = ("none", "op", "selective", "full")
 PP_SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("interleaved_zb", 2))
@@ -128,11 +124,8 @@ def apply_layout(config: JobConfig, layout: Layout) -> JobConfig:
 
 def layout_of(config: JobConfig, world: int) -> Layout:
     """The layout ``config`` asks for on ``world`` processes (``dp_shard = -1`` resolved)."""
-    from tessera.parallel.pipeline import microbatches, virtual_stages
-
     p = config.parallel
-    others = p.dp_replicate * p.tp * p.pp * p.cp
-    dp_shard = p.dp_shard if p.dp_shard != -1 else max(1, world // others)
+    dp_shard = resolve_dp_shard(p, world)
     dp = p.dp_replicate * dp_shard
     if p.pp > 1:
         mb = microbatches(p)
@@ -146,22 +139,16 @@ def layout_of(config: JobConfig, world: int) -> Layout:
 
 def layout_problem(config: JobConfig, layout: Layout, world: int) -> str:
     """Why tessera would refuse ``layout`` for this job ("" when it would run it)."""
-    from tessera.parallel.dims import ParallelDims
-
     if layout.world != world:
         return f"the degrees multiply to {layout.world}, not {world}"
     job = apply_layout(config, layout)
     try:
-        validate(job)
-        ParallelDims.from_config(job.parallel, world)
+        check_layout(job, world)
     except ConfigError as err:
         return str(err)
-    problems = incompatibilities(job, world)
-    if problems:
-        return problems[0]
-    experts = modelcfg.moe(config.model, "experts")
-    if layout.ep > 1 and (not experts or experts % layout.ep):
-        return f"parallel.ep={layout.ep} must divide model.moe_experts={experts}"
+    experts = config.model.moe.experts
+    if layout.ep > 1 and (not experts or experts % layout.ep or layout.shard % layout.ep):
+        return f"parallel.ep={layout.ep} must divide model.moe.experts={experts} and dp_shard*cp={layout.shard}"
     if layout.cp > 1 and config.train.seq_len % (2 * layout.cp):
         return f"train.seq_len={config.train.seq_len} must divide into 2 x cp={2 * layout.cp} chunks"
     return ""
@@ -197,7 +184,7 @@ def _micro_choices(per_rank: int, pp: int, schedule: str) -> list[tuple[int, int
 def candidate_layouts(config: JobConfig, world: int, gpus_per_node: int) -> Iterator[Layout]:
     """Every layout of ``world`` processes that tessera would run for this job (tp at most one node)."""
     g = global_batch(config)
-    experts = modelcfg.moe(config.model, "experts")
+    experts = config.model.moe.experts
     for dp_rep, dp_shard, tp, pp, cp, ep in _degrees(world, gpus_per_node, experts):
         dp = dp_rep * dp_shard
         if g % dp:

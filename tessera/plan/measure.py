@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.config import ConfigError, JobConfig
+from tessera.config import JobConfig
+from tessera.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,7 +61,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, config: JobConfig,
     """One optimizer step as the trainer takes it, on ``tokens`` (grad_accum, B, T + 1)."""
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from tessera.model import moe_losses
+    from tessera.model.moe import MoELog, moe_loss
     from tessera.parallel import clip_grad_norm
     from tessera.train.distributed import add_replicated
     from tessera.train.trainer import lm_loss
@@ -76,10 +77,11 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, config: JobConfig,
                     spec.pipeline.step((inputs,), labels, None, accum)
                 after_micro()
                 continue
+            log = MoELog()
             with autocast:
-                logits = model(inputs)
+                logits = model(inputs, moe_log=log)
             loss = lm_loss(logits, labels, config.train.label_smoothing)
-            aux = moe_losses(model)
+            aux = moe_loss(log)
             loss = (loss if aux is None else add_replicated(loss, aux)) / accum
             loss.backward()
         after_micro()
@@ -169,6 +171,9 @@ def measure_layout(config: JobConfig, world: int, rank: int = 0, steps: int = 2)
 
     if config.model.arch != "decoder":
         raise ConfigError(f"--measure runs causal-LM steps; model.arch='{config.model.arch}' is planned by formula only")
+    if config.model.moe.experts:
+        raise ConfigError("--measure cannot route MoE tokens on fake tensors (data-dependent shapes); "
+                          "measure MoE layouts on real processes with benchmarks/memory.py")
     if config.parallel.pp > 1:
         raise ConfigError("--measure cannot run pipeline schedules on a fake process group; measure pp > 1 with benchmarks/memory.py")
     start = time.perf_counter()

@@ -26,10 +26,7 @@ from tessera.plan.activations import BlockMemory, Precision
 from tessera.plan.layouts import Layout
 from tessera.plan.shapes import BlockParams, ModelShape
 
-try:  # pure layout arithmetic moves to tessera/layout.py
-    from tessera.layout import stage_layer_counts
-except ImportError:  # pragma: no cover - older tree
-    from tessera.parallel.pipeline import stage_layer_counts
+from tessera.layout import stage_layer_counts
 
 # Bytes per logit at the loss, beyond the logits in compute dtype: the fp32 log-softmax the loss
 # keeps (tessera's lm_loss upcasts) and the fp32 buffers of its backward -- two (the loss and

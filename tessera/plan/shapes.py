@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.plan import modelcfg
 from tessera.train.flops import flops_per_token
 
 _TP_SHARDED = ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj", "feed_forward.")
@@ -96,18 +95,18 @@ def _classify(block: nn.Module) -> BlockParams:
             tp += p.numel()
         else:
             replicated += p.numel()
-    return BlockParams(tp, replicated, experts, hasattr(block, "moe"))
+    return BlockParams(tp, replicated, experts, getattr(block, "moe", None) is not None)
 
 
 def _one_period(cfg: ModelConfig) -> ModelConfig:
     """The same model with only one period of block kinds (every ``moe_every``-th block is MoE)."""
-    period = max(1, modelcfg.moe(cfg, "every")) if modelcfg.moe(cfg, "experts") else 1
+    period = max(1, cfg.moe.every) if cfg.moe.experts else 1
     decoder = period if cfg.arch == "encoder_decoder" else 0
     return dataclasses.replace(cfg, n_layers=period, n_decoder_layers=decoder)
 
 
 def model_shape(cfg: ModelConfig) -> ModelShape:
-    """Count ``cfg``'s parameters on a meta build of one period of its blocks, then scale to all blocks."""
+    """Count ``cfg``'s parameters on a meta build of one period of its blocks, then repeat it for all blocks."""
     from tessera.model import build_model
     from tessera.parallel.blocks import block_containers
 
@@ -135,12 +134,12 @@ def _shape(cfg: ModelConfig, blocks: tuple[BlockParams, ...], embedding: int, he
     from tessera.model.ffn import GATED, ffn_hidden_size
 
     dense = ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
-    experts = modelcfg.moe(cfg, "experts")
-    expert_hidden = modelcfg.moe(cfg, "ffn_hidden") or dense
+    experts = cfg.moe.experts
+    expert_hidden = cfg.moe.ffn_hidden or dense
     shape = ModelShape(
         dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads or cfg.n_heads, head_dim=cfg.head_dim or cfg.dim // cfg.n_heads,
         ffn_hidden=dense if any(not b.moe for b in blocks) else 0, expert_hidden=expert_hidden if experts else 0, experts=experts,
-        top_k=modelcfg.moe(cfg, "top_k") if experts else 0, gated=cfg.activation in GATED, vocab=cfg.vocab_size, blocks=blocks,
+        top_k=cfg.moe.top_k if experts else 0, gated=cfg.activation in GATED, vocab=cfg.vocab_size, blocks=blocks,
         embedding=embedding, head=head, tied=cfg.tie_embeddings, flops_per_token_base=0.0, cfg=cfg,
     )
     return dataclasses.replace(shape, flops_per_token_base=6.0 * shape.active_matmul)
