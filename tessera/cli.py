@@ -23,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_convert_parser(sub)
     _add_parity(sub)
+    _add_plan(sub)
 
     train = sub.add_parser("train", help="train a model from a TOML recipe", allow_abbrev=False)
     train.add_argument("config", help="TOML recipe, e.g. configs/smoke.toml")
@@ -54,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group after a failure")
     launch.add_argument("--via", choices=("torchrun", "accelerate"), default="torchrun", help="launcher (accelerate: also writes RUN_DIR/accelerate.yaml)")
     launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    launch.add_argument("--gpu", default="", help="GPU kind (tessera plan's catalog, e.g. h100-80gb): warn if the layout will not fit")
 
     sl = sub.add_parser("slurm", help="write (and submit) a SLURM sbatch script that trains on N nodes", allow_abbrev=False)
     sl.add_argument("config", help="TOML recipe; overrides follow as for train")
@@ -75,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     sl.add_argument("--setup", action="append", default=[], metavar="LINE", help="shell line run before srun, e.g. 'source .venv/bin/activate' (repeatable)")
     sl.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     sl.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    sl.add_argument("--gpu", default="", help="GPU kind (tessera plan's catalog, e.g. h100-80gb): warn if the layout will not fit")
 
     prep = sub.add_parser("prepare", help="tokenize a corpus into a megatron-core indexed dataset (PREFIX.bin/.idx)", allow_abbrev=False)
     prep.add_argument("source", help="'default' (this Python's stdlib), a text/JSON/JSONL/Parquet/Arrow file or folder, or hf:NAME")
@@ -218,6 +221,7 @@ def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     return launch(
         args.config, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
         rdzv_id=args.rdzv_id, node_rank=args.node_rank, max_restarts=args.max_restarts, via=args.via, dry_run=args.dry_run,
+        gpu=args.gpu,
     )
 
 
@@ -228,6 +232,7 @@ def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, device=args.device, partition=args.partition, time=args.time, account=args.account,
         qos=args.qos, exclusive=args.exclusive, job_name=args.job_name, cpus_per_task=args.cpus_per_task, mem=args.mem,
         signal_seconds=args.signal_seconds, rdzv_port=args.rdzv_port, max_restarts=args.max_restarts, sbatch_options=args.sbatch, setup=args.setup,
+        gpu=args.gpu,
     )
     return slurm(args.config, overrides, spec, args.argv, args.submit, args.dry_run)
 
@@ -249,3 +254,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 COMMANDS["convert"] = _cmd_convert
 COMMANDS["parity"] = _cmd_parity
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="rank the layouts of N GPUs by predicted speed; memory per GPU, what does not fit", allow_abbrev=False)
+    plan.add_argument("config", help="TOML recipe; overrides follow as for train")
+    plan.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    plan.add_argument("--gpu", required=True, help="GPU kind: a100-40gb, a100-80gb, h100-80gb, h200-141gb, b200")
+    plan.add_argument("--nodes-of", type=int, default=8, help="GPUs per node (default 8)")
+    plan.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    plan.add_argument("--measure", action="store_true", help="also measure the best measurable layout on fake ranks (real model, real parallelize)")
+
+
+def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.plan.cli import run_plan
+
+    print(run_plan(args.config, overrides, args.gpus, args.gpu, args.nodes_of, args.top, args.measure))
+    return 0
+
+
+COMMANDS["plan"] = _cmd_plan

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from tessera.config import JobConfig, load_config
+from tessera.plan import warn_if_unfit
 from tessera.launcher.common import TORCHRUN_ENV, LaunchError, check_world_size, train_args
 from tessera.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_MARKER
 
@@ -54,6 +55,7 @@ class SlurmSpec:
     max_restarts: int = 0
     sbatch_options: list[str] = field(default_factory=list)
     setup: list[str] = field(default_factory=list)
+    gpu: str = ""  # a GPU kind of the planner's catalog: warn when the layout is predicted not to fit it
 
 
 def time_limit_seconds(text: str) -> int:
@@ -238,6 +240,7 @@ def slurm(config_path: str, overrides: list[str], spec: SlurmSpec, argv: list[st
     device, note = job_device(spec.device, config)
     spec = dataclasses.replace(spec, device=device)
     check_spec(spec, config)
+    warn_if_unfit(config, spec.nodes * spec.gpus_per_node, spec.gpu, spec.gpus_per_node)
     if note:
         print(note, file=sys.stderr)
     if dry_run:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from tessera.config import JobConfig, load_config
+from tessera.plan import warn_if_unfit
 from tessera.launcher.common import TORCHRUN_ENV, Endpoint, LaunchError, check_world_size, default_nproc_per_node, parse_endpoint, train_args
 
 
@@ -115,16 +116,19 @@ def accelerate_command(spec: TorchrunSpec, yaml_path: str, config_path: str, ove
 
 
 def launch(config_path: str, overrides: list[str], nnodes: int = 1, nproc_per_node: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
-           rdzv_id: str = "", node_rank: int | None = None, max_restarts: int = 0, via: str = "torchrun", dry_run: bool = False) -> int:
+           rdzv_id: str = "", node_rank: int | None = None, max_restarts: int = 0, via: str = "torchrun", dry_run: bool = False,
+           gpu: str = "") -> int:
     """Validate the job, then print the command (``dry_run``) or replace this process with it.
 
     ``nproc_per_node = 0`` means :func:`default_nproc_per_node`. The command runs with
-    :data:`TORCHRUN_ENV` (printed in front of it, so a copy runs the same).
+    :data:`TORCHRUN_ENV` (printed in front of it, so a copy runs the same). ``gpu`` names a GPU
+    kind of the planner's catalog: a layout predicted not to fit it gets a one-line warning.
     """
     config = load_config(config_path, overrides)
     nproc = nproc_per_node or default_nproc_per_node()
     spec = make_spec(nnodes, nproc, rdzv_endpoint, rdzv_backend, rdzv_id, node_rank, max_restarts, config.train.run_dir)
     check_world_size(config, spec.nnodes, spec.nproc_per_node)
+    warn_if_unfit(config, spec.world_size, gpu, spec.nproc_per_node)
     if via == "accelerate":
         yaml_path = Path(config.train.run_dir) / "accelerate.yaml"
         yaml_path.parent.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,8 @@ RUNTIME_OVERHEAD = 2.0 * GIB
 # The caching allocator's reserve over live tensor bytes (fragmentation), as a fraction.
 ALLOCATOR_SLACK = 0.05
 
-A100_EFFICIENCY = 0.62
-H100_EFFICIENCY = 0.60
+A100_EFFICIENCY = 0.67
+H100_EFFICIENCY = 0.68
 
 CATALOG: dict[str, GPU] = {
     "a100-40gb": GPU("A100-40GB", 312e12, 40 * GIB, 1.555e12, 300e9, 25e9, A100_EFFICIENCY),

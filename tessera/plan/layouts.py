@@ -190,9 +190,11 @@ def candidate_layouts(config: JobConfig, world: int, gpus_per_node: int) -> Iter
         if g % dp:
             continue
         schedules = PP_SCHEDULES if pp > 1 else (("1f1b", 1),)
-        for (schedule, v), sp, ac, reshard in itertools.product(schedules, (True, False) if tp > 1 else (True,), AC_MODES,
-                                                                (True, False) if dp_shard * cp > 1 else (True,)):
+        for (schedule, v), ac, reshard in itertools.product(schedules, AC_MODES, (True, False) if dp_shard * cp > 1 else (True,)):
             for b, m in _micro_choices(g // dp, pp, schedule):
-                layout = Layout(dp_rep, dp_shard, tp, pp, cp, ep, sp, schedule, v, b, m, ac, 2, reshard)
+                # Sequence parallelism costs the same communication and saves memory: try without it only if refused.
+                layout = Layout(dp_rep, dp_shard, tp, pp, cp, ep, True, schedule, v, b, m, ac, 2, reshard)
+                if layout_problem(config, layout, world) and tp > 1:
+                    layout = dataclasses.replace(layout, sp=False)
                 if not layout_problem(config, layout, world):
                     yield layout

@@ -162,8 +162,12 @@ def fake_world(world: int, rank: int = 0):
         dist.destroy_process_group()
 
 
-def measure_layout(config: JobConfig, world: int, rank: int = 0, steps: int = 2) -> Measurement:
-    """Per-GPU peak memory of ``config`` on ``world`` fake ranks, measured on fake tensors."""
+def measure_layout(config: JobConfig, world: int, rank: int = 0, steps: int = 1) -> Measurement:
+    """Per-GPU peak memory of ``config`` on ``world`` fake ranks, measured on fake tensors.
+
+    Gradient accumulation is cut to two micro-batches: from the second on, each micro-batch
+    meets the same memory (the earlier micro-batches' gradients), so more only cost time.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tessera.model import build_model
@@ -177,6 +181,8 @@ def measure_layout(config: JobConfig, world: int, rank: int = 0, steps: int = 2)
     if config.parallel.pp > 1:
         raise ConfigError("--measure cannot run pipeline schedules on a fake process group; measure pp > 1 with benchmarks/memory.py")
     start = time.perf_counter()
+    if config.train.grad_accum > 2:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, grad_accum=2))
     dims = ParallelDims.from_config(config.parallel, world)
     note, buckets = "", 0.0
     if dims.dp_replicate > 1 and not uses_fsdp(dims):  # DDP: one replica, plus the reducer's buckets

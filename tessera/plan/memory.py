@@ -19,7 +19,8 @@ layout gathers or casts on top.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from functools import lru_cache
 
 from tessera.plan import activations as act
 from tessera.plan.activations import BlockMemory, Precision
@@ -57,7 +58,8 @@ class MemoryBreakdown:
     @property
     def total(self) -> float:
         """All bytes."""
-        return sum(getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), float))
+        return (self.params + self.grads + self.optim + self.activations + self.logits + self.inflight + self.buffers
+                + self.runtime)
 
 
 def zero_model_state_bytes(params: float, n: int, stage: int, param_bytes: int = 2, grad_bytes: int = 2, optim_bytes: int = 12) -> float:
@@ -132,6 +134,12 @@ class StageActivations:
     inner_backward: float  # the most while an earlier block runs backward (its own and earlier blocks' + working set)
 
 
+@lru_cache(maxsize=256)
+def block_memory(shape: ModelShape, block: BlockParams, prec: Precision) -> BlockMemory:
+    """:func:`tessera_block`, cached (a plan asks for the same few blocks thousands of times)."""
+    return act.tessera_block(shape, block, prec)
+
+
 def stage_activations(shape: ModelShape, share: RankShare, layout: Layout, prec: Precision, seq_len: int) -> StageActivations:
     """What one micro-batch keeps on this rank, and the most it holds during a block's backward.
 
@@ -143,7 +151,7 @@ def stage_activations(shape: ModelShape, share: RankShare, layout: Layout, prec:
     kept, during = 0.0, []
     for stage in share.stages:
         for i, block in enumerate(stage):
-            mem = act.tessera_block(shape, block, prec)
+            mem = block_memory(shape, block, prec)
             full = mem.full.bytes(tokens, keys, tp, sp)
             kept_block = _kept(mem, layout, i).bytes(tokens, keys, tp, sp)
             kept += kept_block

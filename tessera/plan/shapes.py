@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -58,8 +58,7 @@ class ModelShape:
     embedding: int  # token (+ type, learned position) embeddings: first stage
     head: int  # output projection (+ MLM head) and final norm: last stage; 0 extra when tied
     tied: bool
-    flops_per_token_base: float  # 6 N_active without the attention-score term (see flops_per_token)
-    cfg: ModelConfig
+    cfg: ModelConfig = field(compare=False)
 
     @property
     def n_layers(self) -> int:
@@ -140,9 +139,9 @@ def _shape(cfg: ModelConfig, blocks: tuple[BlockParams, ...], embedding: int, he
         dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads or cfg.n_heads, head_dim=cfg.head_dim or cfg.dim // cfg.n_heads,
         ffn_hidden=dense if any(not b.moe for b in blocks) else 0, expert_hidden=expert_hidden if experts else 0, experts=experts,
         top_k=cfg.moe.top_k if experts else 0, gated=cfg.activation in GATED, vocab=cfg.vocab_size, blocks=blocks,
-        embedding=embedding, head=head, tied=cfg.tie_embeddings, flops_per_token_base=0.0, cfg=cfg,
+        embedding=embedding, head=head, tied=cfg.tie_embeddings, cfg=cfg,
     )
-    return dataclasses.replace(shape, flops_per_token_base=6.0 * shape.active_matmul)
+    return shape
 
 
 def divisors(n: int) -> list[int]:

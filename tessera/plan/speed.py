@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from tessera.plan.gpus import GPU, LATENCY_NETWORK, LATENCY_NVLINK, LINK_EFFICIENCY
 from tessera.plan.layouts import Layout
-from tessera.plan.memory import RankShare, rank_share
+from tessera.plan.activations import Precision, tessera_precision
+from tessera.plan.memory import RankShare, block_memory, rank_share
 from tessera.plan.shapes import BlockParams, ModelShape
 
 
@@ -113,7 +114,7 @@ class _RankTime:
     comm: float  # exposed seconds per micro-batch (TP, CP, EP, PP)
 
 
-def _rank_time(shape: ModelShape, share: RankShare, layout: Layout, seq_len: int, gpu: GPU, engine: Engine) -> _RankTime:
+def _rank_time(shape: ModelShape, share: RankShare, layout: Layout, seq_len: int, gpu: GPU, engine: Engine, prec: Precision) -> _RankTime:
     """Compute and exposed model-parallel communication of one micro-batch on one pp rank."""
     tokens = layout.micro_batch * seq_len / layout.cp
     rate = gpu.peak_flops * gpu.efficiency
@@ -130,6 +131,11 @@ def _rank_time(shape: ModelShape, share: RankShare, layout: Layout, seq_len: int
             flops = _block_flops(shape, block, layout, seq_len) * tokens
             extra = _recomputed(layout, i)
             compute += flops * (4 / 3 if extra else 1.0) / rate
+            if layout.ac == "op":  # recomputing the elementwise ops: memory-bound, read and write what they make
+                mem = block_memory(shape, block, prec)
+                keys = seq_len
+                redo = mem.full.bytes(int(tokens), keys, layout.tp, layout.sequence_parallel) - mem.op.bytes(int(tokens), keys, layout.tp, layout.sequence_parallel)
+                compute += 2 * max(0.0, redo) / gpu.hbm_bandwidth
             comm += (4 + (2 if extra else 0)) * region
             attention = 12.0 * shape.n_heads * shape.head_dim * seq_len / layout.tp * tokens / rate
             comm += max(0.0, 3 * ring_time("all_gather", kv_bytes, layout.cp, cp_link) - attention)
@@ -167,10 +173,11 @@ def _dp_time(local: float, layout: Layout, gpu: GPU, engine: Engine, n_blocks: i
 
 
 def estimate_speed(shape: ModelShape, layout: Layout, seq_len: int, global_batch: int, gpu: GPU, engine: Engine = TESSERA,
-                   layers_per_stage: str = "") -> Speed:
+                   layers_per_stage: str = "", prec: Precision | None = None) -> Speed:
     """Seconds per optimizer step of ``layout`` on ``gpu``, split into compute, exposed comm, bubble, optimizer."""
     ranks = [rank_share(shape, layout, r, layers_per_stage) for r in sorted({0, layout.pp - 1})]
-    times = [_rank_time(shape, s, layout, seq_len, gpu, engine) for s in ranks]
+    prec = prec or tessera_precision("bf16", layout.fsdp)
+    times = [_rank_time(shape, s, layout, seq_len, gpu, engine, prec) for s in ranks]
     slow = max(range(len(times)), key=lambda i: times[i].compute + times[i].comm)
     t, share = times[slow], ranks[slow]
     m = layout.microbatches
