@@ -46,7 +46,7 @@ RUNTIME_OVERHEAD = 2.0 * GIB
 # The caching allocator's reserve over live tensor bytes (fragmentation), as a fraction.
 ALLOCATOR_SLACK = 0.05
 
-A100_EFFICIENCY = 0.67
+A100_EFFICIENCY = 0.665
 H100_EFFICIENCY = 0.68
 
 CATALOG: dict[str, GPU] = {

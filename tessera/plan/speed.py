@@ -38,6 +38,8 @@ class Engine:
     reduce_every_microbatch: bool = True  # tessera's grad_accum loop reduces each micro-batch (no no_sync)
     reduce_bytes: int = 4  # gradient reduction dtype
     compute_bytes: int = 2  # activations and gathered parameters on the wire
+    dp_overlap: bool = True  # gradient reduction overlaps backward (Megatron-LM 2021's local DDP reduced after it)
+    pp_scatter_gather: bool = False  # pipeline sends 1/tp of each activation (Megatron's scatter-gather); SP does anyway
 
 
 TESSERA = Engine()
@@ -108,13 +110,22 @@ def _block_flops(shape: ModelShape, block: BlockParams, layout: Layout, seq_len:
     return dense + attention + 6.0 * block.replicated + routed
 
 
+def _elementwise_bytes(shape: ModelShape, block: BlockParams, prec: Precision, layout: Layout, tokens: int, keys: int) -> float:
+    """Bytes op-level checkpointing recomputes in a block: what full saving keeps beyond the matmul outputs."""
+    mem = block_memory(shape, block, prec)
+    tp, sp = layout.tp, layout.sequence_parallel
+    return max(0.0, mem.full.bytes(tokens, keys, tp, sp) - mem.op.bytes(tokens, keys, tp, sp))
+
+
 @dataclass(frozen=True)
 class _RankTime:
     compute: float  # seconds per micro-batch
     comm: float  # exposed seconds per micro-batch (TP, CP, EP, PP)
 
 
-def _rank_time(shape: ModelShape, share: RankShare, layout: Layout, seq_len: int, gpu: GPU, engine: Engine, prec: Precision) -> _RankTime:
+def _rank_time(
+    shape: ModelShape, share: RankShare, layout: Layout, seq_len: int, gpu: GPU, engine: Engine, prec: Precision
+) -> _RankTime:
     """Compute and exposed model-parallel communication of one micro-batch on one pp rank."""
     tokens = layout.micro_batch * seq_len / layout.cp
     rate = gpu.peak_flops * gpu.efficiency
@@ -132,22 +143,21 @@ def _rank_time(shape: ModelShape, share: RankShare, layout: Layout, seq_len: int
             extra = _recomputed(layout, i)
             compute += flops * (4 / 3 if extra else 1.0) / rate
             if layout.ac == "op":  # recomputing the elementwise ops: memory-bound, read and write what they make
-                mem = block_memory(shape, block, prec)
-                keys = seq_len
-                redo = mem.full.bytes(int(tokens), keys, layout.tp, layout.sequence_parallel) - mem.op.bytes(int(tokens), keys, layout.tp, layout.sequence_parallel)
-                compute += 2 * max(0.0, redo) / gpu.hbm_bandwidth
+                compute += 2 * _elementwise_bytes(shape, block, prec, layout, int(tokens), seq_len) / gpu.hbm_bandwidth
             comm += (4 + (2 if extra else 0)) * region
             attention = 12.0 * shape.n_heads * shape.head_dim * seq_len / layout.tp * tokens / rate
             comm += max(0.0, 3 * ring_time("all_gather", kv_bytes, layout.cp, cp_link) - attention)
             if block.moe:
                 comm += (4 + (2 if extra else 0)) * ring_time("all_to_all", tokens * shape.top_k * h * c, layout.ep, ep_link)
     if share.head:
-        compute += 6.0 * shape.head / layout.tp * tokens / rate + 2 * region
+        compute += 6.0 * shape.head / layout.tp * tokens / rate
+        comm += 2 * region
     if share.embedding:
         comm += 2 * region
     if layout.pp > 1:
         pp_link = _link(gpu, layout.world // layout.pp, 2)
-        comm += 2 * layout.virtual * ring_time("p2p", tokens * h * c / (layout.tp if layout.sequence_parallel else 1), 2, pp_link)
+        split = layout.tp if layout.sequence_parallel or engine.pp_scatter_gather else 1
+        comm += 2 * layout.virtual * ring_time("p2p", tokens * h * c / split, 2, pp_link)
     return _RankTime(compute, comm)
 
 
@@ -187,7 +197,7 @@ def estimate_speed(shape: ModelShape, layout: Layout, seq_len: int, global_batch
     # DP collectives hide behind the micro-batch's compute except the excess and one block's worth.
     exposed_micro = max(0.0, dp_micro - t.compute) + dp_micro / n_blocks
     backward = t.compute * 2 / 3
-    exposed_step = max(0.0, dp_step - backward) + dp_step / n_blocks
+    exposed_step = max(0.0, dp_step - backward) + dp_step / n_blocks if engine.dp_overlap else dp_step
     compute, comm = m * t.compute, m * (t.comm + exposed_micro) + exposed_step
     bubble = 0.0
     if layout.pp > 1:
