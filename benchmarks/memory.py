@@ -43,9 +43,23 @@ import warnings
 import torch
 
 MIB = 2**20
-SMALL = ["model.vocab_size=4096", "model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.max_seq_len=256", "train.seq_len=128"]
-MEDIUM = ["model.vocab_size=8192", "model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
-          "model.max_seq_len=256", "train.seq_len=256"]
+SMALL = [
+    "model.vocab_size=4096",
+    "model.dim=256",
+    "model.n_layers=4",
+    "model.n_heads=8",
+    "model.max_seq_len=256",
+    "train.seq_len=128",
+]
+MEDIUM = [
+    "model.vocab_size=8192",
+    "model.dim=512",
+    "model.n_layers=8",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.max_seq_len=256",
+    "train.seq_len=256",
+]
 DIM, HEADS, VOCAB, SEQ, BATCH = 256, 8, 4096, 64, 4
 
 
@@ -74,7 +88,9 @@ def _build(config, dims):
     model = build_model(config.model)
     fsdp, tp = uses_fsdp(dims), dims.tp > 1
     if config.parallel.pp > 1:
-        pipe = build_pipeline(model, dims, config, torch.device("cpu"), lm_loss, lambda stage: parallelize(stage, dims, config))
+        pipe = build_pipeline(
+            model, dims, config, torch.device("cpu"), lm_loss, lambda stage: parallelize(stage, dims, config)
+        )
         return pipe.model, StepSpec(dims.dp, fsdp, tp, pipeline=pipe, pp_mesh=dims.submesh("pp"))
     return parallelize(model, dims, config), StepSpec(dims.dp, fsdp, tp)
 
@@ -87,11 +103,17 @@ def _states(model, config, spec) -> dict:
 
     optimizer = build_optimizer(model, config.optim)
     optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients to count them
-    tokens = torch.randint(0, config.model.vocab_size, (1, config.train.batch_size // spec.dp, config.train.seq_len + 1))
+    tokens = torch.randint(
+        0, config.model.vocab_size, (1, config.train.batch_size // spec.dp, config.train.seq_len + 1)
+    )
     _step(model, optimizer, config, tokens, spec)
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    return {"params": _local_bytes(model.parameters()), "grads": _local_bytes(p.grad for p in model.parameters() if p.grad is not None),
-            "optim": _local_bytes(state), "P": count_parameters(model)}
+    return {
+        "params": _local_bytes(model.parameters()),
+        "grads": _local_bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "optim": _local_bytes(state),
+        "P": count_parameters(model),
+    }
 
 
 def _loss_params(model, config, spec) -> dict:
@@ -104,7 +126,9 @@ def _loss_params(model, config, spec) -> dict:
 
     optimizer = build_optimizer(model, config.optim)
     local = config.train.batch_size // spec.dp
-    _step(model, optimizer, config, torch.randint(0, config.model.vocab_size, (1, local, config.train.seq_len + 1)), spec)
+    _step(
+        model, optimizer, config, torch.randint(0, config.model.vocab_size, (1, local, config.train.seq_len + 1)), spec
+    )
     tokens = torch.randint(0, config.model.vocab_size, (local, config.train.seq_len + 1))
     with FSDPMemTracker(model, optimizer) as tracker:
         loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
@@ -149,8 +173,16 @@ def _launch(world: int, *args: str):
     if world == 1:
         cmd = [sys.executable, __file__, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            __file__,
+            *args,
+        ]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{' '.join(args)} at {world} ranks failed:\n{proc.stderr[-3000:]}")
@@ -166,7 +198,12 @@ def _plan(overrides: list[str], world: int, pp_rank: int | None = None) -> float
 
     config = _config(overrides)
     layout = layout_of(config, world)
-    setting = Setting(tessera_precision(config.train.dtype, layout.fsdp), config.train.seq_len, "cpu", config.parallel.layers_per_stage)
+    setting = Setting(
+        tessera_precision(config.train.dtype, layout.fsdp),
+        config.train.seq_len,
+        "cpu",
+        config.parallel.layers_per_stage,
+    )
     shape = model_shape(config.model)
     if pp_rank is not None:
         return rank_memory(shape, layout, setting, pp_rank).total
@@ -178,33 +215,58 @@ def part1() -> None:
     print(f"{'layout':<7}{'ranks':>6}{'params':>9}{'grads':>9}{'optim':>9}{'total':>9}{'tessera':>9}{'ZeRO paper':>12}")
     for mode in ("ddp", "fsdp"):
         for world in (1, 2, 4):
-            degrees = ["parallel.dp_shard=1"] if world == 1 else (
-                [f"parallel.dp_replicate={world}", "parallel.dp_shard=1"] if mode == "ddp" else [f"parallel.dp_shard={world}"])
+            degrees = (
+                ["parallel.dp_shard=1"]
+                if world == 1
+                else (
+                    [f"parallel.dp_replicate={world}", "parallel.dp_shard=1"]
+                    if mode == "ddp"
+                    else [f"parallel.dp_shard={world}"]
+                )
+            )
             r = _launch(world, "--worker", "states", *SMALL, f"train.batch_size={4 * world}", *degrees)[0]
             n = world if mode == "fsdp" else 1
             total = r["params"] + r["grads"] + r["optim"]
-            print(f"{mode:<7}{world:>6}{r['params'] / MIB:>9.2f}{r['grads'] / MIB:>9.2f}{r['optim'] / MIB:>9.2f}{total / MIB:>9.2f}"
-                  f"{16 * r['P'] / n / MIB:>9.2f}{16 * r['P'] / n / MIB:>12.2f}")
+            print(
+                f"{mode:<7}{world:>6}{r['params'] / MIB:>9.2f}{r['grads'] / MIB:>9.2f}{r['optim'] / MIB:>9.2f}"
+                f"{total / MIB:>9.2f}"
+                f"{16 * r['P'] / n / MIB:>9.2f}{16 * r['P'] / n / MIB:>12.2f}"
+            )
     print("tessera: fp32 params (master) 4P + fp32 grads 4P + AdamW moments 8P = 16P (DDP), 16P/N (FSDP).")
-    print("ZeRO paper, mixed-precision Adam: 2P bf16 params + 2P bf16 grads + 12P fp32 master and moments = 16P (stage 0),")
+    print(
+        "ZeRO paper, mixed-precision Adam: 2P bf16 params + 2P bf16 grads + 12P fp32 master and moments "
+        "= 16P (stage 0),"
+    )
     print("16P/N (stage 3): equal totals by coincidence of the fp32 master weights, not the same tensors.")
 
 
 def part2() -> None:
     from tessera.plan.shapes import model_shape
 
-    print("\nPart 2: parameter bytes per rank between forward and backward (at the loss), MiB: ZeRO-3 vs ZeRO-2-style FSDP")
+    print(
+        "\nPart 2: parameter bytes per rank between forward and backward (at the loss), MiB: "
+        "ZeRO-3 vs ZeRO-2-style FSDP"
+    )
     print(f"{'reshard_after_forward':<24}{'ranks':>6}{'shards':>9}{'gathered':>10}{'total':>9}{'formula':>9}  formula")
     shape = model_shape(_config(SMALL).model)
     p, last = shape.total, shape.blocks[-1].total
     for world in (2, 4):
         for reshard in (True, False):
-            r = _launch(world, "--worker", "loss_params", *SMALL, f"train.batch_size={4 * world}", f"parallel.dp_shard={world}",
-                        f"parallel.reshard_after_forward={str(reshard).lower()}")[0]
+            r = _launch(
+                world,
+                "--worker",
+                "loss_params",
+                *SMALL,
+                f"train.batch_size={4 * world}",
+                f"parallel.dp_shard={world}",
+                f"parallel.reshard_after_forward={str(reshard).lower()}",
+            )[0]
             formula = 4 * p / world + (2 * last if reshard else 2 * p)
             text = "4P/N + 2 x last block (bf16)" if reshard else "4P/N + 2P (every block and the root, bf16)"
-            print(f"{str(reshard):<24}{world:>6}{r['sharded'] / MIB:>9.2f}{r['gathered'] / MIB:>10.2f}"
-                  f"{(r['sharded'] + r['gathered']) / MIB:>9.2f}{formula / MIB:>9.2f}  {text}")
+            print(
+                f"{reshard!s:<24}{world:>6}{r['sharded'] / MIB:>9.2f}{r['gathered'] / MIB:>10.2f}"
+                f"{(r['sharded'] + r['gathered']) / MIB:>9.2f}{formula / MIB:>9.2f}  {text}"
+            )
 
 
 # (name, ranks, overrides): each layout family of Part 3, on the small model unless MEDIUM is named.
@@ -212,7 +274,11 @@ PART3 = [
     ("single", 1, ["parallel.dp_shard=1"]),
     ("single, full AC", 1, ["parallel.dp_shard=1", "parallel.activation_checkpoint=full"]),
     ("DDP 2", 2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-    ("DDP 2, selective AC", 2, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.activation_checkpoint=selective"]),
+    (
+        "DDP 2, selective AC",
+        2,
+        ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.activation_checkpoint=selective"],
+    ),
     ("FSDP 4", 4, ["parallel.dp_shard=4"]),
     ("FSDP 4, full AC", 4, ["parallel.dp_shard=4", "parallel.activation_checkpoint=full"]),
     ("FSDP 4, op AC", 4, ["parallel.dp_shard=4", "parallel.activation_checkpoint=op"]),
@@ -223,8 +289,16 @@ PART3 = [
     ("TP 2 + SP, full AC", 2, ["parallel.dp_shard=1", "parallel.tp=2", "parallel.activation_checkpoint=full"]),
     ("FSDP 2 x TP 2 + SP", 4, ["parallel.dp_shard=2", "parallel.tp=2"]),
     ("PP 2, 1F1B, 4 micro-batches", 2, ["parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=4"]),
-    ("PP 2, 1F1B, full AC", 2, ["parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=4", "parallel.activation_checkpoint=full"]),
-    ("PP 2, interleaved v2", 2, ["parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=4", "parallel.pp_schedule=interleaved_1f1b"]),
+    (
+        "PP 2, 1F1B, full AC",
+        2,
+        ["parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=4", "parallel.activation_checkpoint=full"],
+    ),
+    (
+        "PP 2, interleaved v2",
+        2,
+        ["parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=4", "parallel.pp_schedule=interleaved_1f1b"],
+    ),
     ("PP 2 x FSDP 2", 4, ["parallel.dp_shard=2", "parallel.pp=2", "parallel.microbatches=4"]),
     ("CP 2", 2, ["parallel.dp_shard=1", "parallel.cp=2"]),
     ("EP 2 (MoE, 4 experts)", 2, ["parallel.dp_shard=2", "parallel.ep=2", "model.moe.experts=4", "model.moe.top_k=2"]),
@@ -232,7 +306,11 @@ PART3 = [
     ("medium: FSDP 4, full AC", 4, [*MEDIUM, "parallel.dp_shard=4", "parallel.activation_checkpoint=full"]),
     ("medium: FSDP 2 x TP 2 + SP", 4, [*MEDIUM, "parallel.dp_shard=2", "parallel.tp=2"]),
     ("medium: DDP 2", 2, [*MEDIUM, "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-    ("medium: PP 2 x TP 2", 4, [*MEDIUM, "parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2", "parallel.microbatches=4"]),
+    (
+        "medium: PP 2 x TP 2",
+        4,
+        [*MEDIUM, "parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2", "parallel.microbatches=4"],
+    ),
 ]
 
 
@@ -261,20 +339,61 @@ def part3() -> None:
         print(f"{name:<34}{world:>6}{max(peaks) / MIB:>21.1f}{planned / MIB:>9.1f}{planned / max(peaks):>15.3f}")
 
 
-LLAMA_1B = ["model.vocab_size=32000", "model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.n_kv_heads=8",
-            "model.ffn_hidden=5632", "model.max_seq_len=4096", "train.seq_len=4096"]
+LLAMA_1B = [
+    "model.vocab_size=32000",
+    "model.dim=2048",
+    "model.n_layers=16",
+    "model.n_heads=16",
+    "model.n_kv_heads=8",
+    "model.ffn_hidden=5632",
+    "model.max_seq_len=4096",
+    "train.seq_len=4096",
+]
 # (name, recipe, overrides, fake ranks) for Part 4.
 PART4 = [
     ("1B: FSDP 8", None, [*LLAMA_1B, "parallel.dp_shard=8", "train.batch_size=16"], 8),
-    ("1B: FSDP 4 x TP 2 + SP, full AC", None, [*LLAMA_1B, "parallel.dp_shard=4", "parallel.tp=2", "train.batch_size=8",
-                                              "parallel.activation_checkpoint=full"], 8),
-    ("1B: HSDP 8x8, op AC", None, [*LLAMA_1B, "parallel.dp_replicate=8", "parallel.dp_shard=8", "train.batch_size=64",
-                                  "parallel.activation_checkpoint=op"], 64),
-    ("8B: FSDP 8, op AC", "configs/llama3-8b.toml", ["parallel.tp=1", "parallel.dp_shard=8", "train.batch_size=8",
-                                                     "parallel.activation_checkpoint=op"], 8),
-    ("8B: FSDP 8 x TP 8 + SP", "configs/llama3-8b.toml", ["parallel.tp=8", "parallel.dp_shard=8", "train.batch_size=8"], 64),
-    ("8B: FSDP 64, full AC", "configs/llama3-8b.toml", ["parallel.tp=1", "parallel.dp_shard=64", "train.batch_size=64",
-                                                        "parallel.activation_checkpoint=full"], 64),
+    (
+        "1B: FSDP 4 x TP 2 + SP, full AC",
+        None,
+        [
+            *LLAMA_1B,
+            "parallel.dp_shard=4",
+            "parallel.tp=2",
+            "train.batch_size=8",
+            "parallel.activation_checkpoint=full",
+        ],
+        8,
+    ),
+    (
+        "1B: HSDP 8x8, op AC",
+        None,
+        [
+            *LLAMA_1B,
+            "parallel.dp_replicate=8",
+            "parallel.dp_shard=8",
+            "train.batch_size=64",
+            "parallel.activation_checkpoint=op",
+        ],
+        64,
+    ),
+    (
+        "8B: FSDP 8, op AC",
+        "configs/llama3-8b.toml",
+        ["parallel.tp=1", "parallel.dp_shard=8", "train.batch_size=8", "parallel.activation_checkpoint=op"],
+        8,
+    ),
+    (
+        "8B: FSDP 8 x TP 8 + SP",
+        "configs/llama3-8b.toml",
+        ["parallel.tp=8", "parallel.dp_shard=8", "train.batch_size=8"],
+        64,
+    ),
+    (
+        "8B: FSDP 64, full AC",
+        "configs/llama3-8b.toml",
+        ["parallel.tp=1", "parallel.dp_shard=64", "train.batch_size=64", "parallel.activation_checkpoint=full"],
+        64,
+    ),
 ]
 
 
@@ -286,7 +405,9 @@ def part4() -> None:
     from tessera.plan.memory import Setting, estimate_memory
     from tessera.plan.shapes import model_shape
 
-    print("\nPart 4: --measure on fake ranks (real model, real parallelize(), fake tensors) vs the planner, GiB per GPU")
+    print(
+        "\nPart 4: --measure on fake ranks (real model, real parallelize(), fake tensors) vs the planner, GiB per GPU"
+    )
     print(f"{'layout':<34}{'ranks':>6}{'measured':>10}{'plan':>9}{'plan/measured':>15}{'seconds':>9}")
     for name, recipe, overrides, world in PART4:
         config = load_config(recipe, ["train.dtype=bf16", *overrides])
@@ -294,7 +415,10 @@ def part4() -> None:
         layout = layout_of(config, world)
         setting = Setting(tessera_precision("bf16", layout.fsdp), config.train.seq_len, "cpu")
         planned = estimate_memory(model_shape(config.model), layout, setting).total
-        print(f"{name:<34}{world:>6}{m.peak / 2**30:>10.2f}{planned / 2**30:>9.2f}{planned / m.peak:>15.3f}{m.seconds:>9.0f}")
+        print(
+            f"{name:<34}{world:>6}{m.peak / 2**30:>10.2f}{planned / 2**30:>9.2f}{planned / m.peak:>15.3f}"
+            f"{m.seconds:>9.0f}"
+        )
 
 
 def tp_worker() -> None:
@@ -312,7 +436,9 @@ def tp_worker() -> None:
     out = {}
     for sp in (False, True):
         torch.manual_seed(0)
-        model = build_model(model_config(vocab_size=VOCAB, dim=DIM, n_layers=1, n_heads=HEADS, max_seq_len=128, tie_embeddings=False))
+        model = build_model(
+            model_config(vocab_size=VOCAB, dim=DIM, n_layers=1, n_heads=HEADS, max_seq_len=128, tie_embeddings=False)
+        )
         apply_tensor_parallel(model, mesh, sp)
         block = model.layers["0"]
         x = torch.randn(BATCH, SEQ, DIM, requires_grad=True)
@@ -341,9 +467,18 @@ def tp_worker() -> None:
 def part5() -> None:
     counts = _launch(2, "--tp-worker")
     size = BATCH * SEQ * DIM * 4 / 1024
-    print(f"\nPart 5: collectives of one TP block at tp=2 (activation {BATCH}x{SEQ}x{DIM} fp32 = {size:.0f} KiB per collective)")
-    for name, expected in (("tp", "2 all_reduce forward, 2 backward"), ("sp", "2 all_gather + 2 reduce_scatter forward, the same backward")):
-        print(f"  {name}: measured forward {counts[name]['forward']}, backward {counts[name]['backward']}; expected {expected}")
+    print(
+        f"\nPart 5: collectives of one TP block at tp=2 "
+        f"(activation {BATCH}x{SEQ}x{DIM} fp32 = {size:.0f} KiB per collective)"
+    )
+    for name, expected in (
+        ("tp", "2 all_reduce forward, 2 backward"),
+        ("sp", "2 all_gather + 2 reduce_scatter forward, the same backward"),
+    ):
+        print(
+            f"  {name}: measured forward {counts[name]['forward']}, backward {counts[name]['backward']}; "
+            f"expected {expected}"
+        )
 
 
 def main() -> None:

@@ -15,18 +15,33 @@ from tessera.plan.layouts import Layout
 
 
 def test_plan_prints_a_ranked_table_a_measurement_and_a_command_that_runs(capsys):
-    assert main(["plan", "configs/tiny/llama.toml", "--gpus", "4", "--gpu", "h100-80gb", "--top", "3", "--measure"]) == 0
+    assert (
+        main(["plan", "configs/tiny/llama.toml", "--gpus", "4", "--gpu", "h100-80gb", "--top", "3", "--measure"]) == 0
+    )
     out = capsys.readouterr().out
     assert "4 x H100-80GB" in out and "efficiency 0.68" in out
     header = next(line for line in out.splitlines() if line.lstrip().startswith("#"))
-    for column in ("params", "grads", "optim", "act", "logits", "pipe", "bufs", "compute", "comm", "bubble", "tok/s/GPU", "MFU"):
+    for column in (
+        "params",
+        "grads",
+        "optim",
+        "act",
+        "logits",
+        "pipe",
+        "bufs",
+        "compute",
+        "comm",
+        "bubble",
+        "tok/s/GPU",
+        "MFU",
+    ):
         assert column in header
     assert [line.split()[0] for line in out.splitlines() if re.match(r"\s+[123]\s", line)] == ["1", "2", "3"]
     measured = re.search(r"--measure .*: ([\d.]+) GiB of tensors .* plan ([\d.]+) GiB .*\(([-+][\d.]+)%\)", out)
     assert measured and abs(float(measured.group(3))) < 10
     command = out.strip().splitlines()[-1].split()
-    assert command[:3] == ["tessera", "launch", "configs/tiny/llama.toml"]
-    check_layout(load_config(command[2], command[3:]), 4)  # the suggested overrides are a valid 4-process job
+    assert command[:5] == ["tessera", "launch", "configs/tiny/llama.toml", "--nproc-per-node", "4"]
+    check_layout(load_config(command[2], command[5:]), 4)  # the suggested overrides are a valid 4-process job
 
 
 @pytest.mark.parametrize(
@@ -59,8 +74,8 @@ def test_ranking_puts_fitting_and_faster_layouts_first(llama8b_on_16):
     assert fits == sorted(fits, reverse=True), "every layout that fits ranks above every one that does not"
     speeds = [e.speed.tokens_per_s_per_gpu for e in p.estimates if e.fits]
     assert speeds[0] >= 0.97 * max(speeds)
-    # Known good above known bad: interleaving shrinks the bubble; more micro-batches shrink it more.
-    same = dict(dp_shard=8, pp=2, ac="full", micro_batch=1, reshard=True)
+    # Known good above known bad: interleaving shrinks the bubble; GPipe keeps every micro-batch in flight.
+    same = {"dp_shard": 8, "pp": 2, "ac": "full", "micro_batch": 1, "reshard": True}
     assert _index(p, schedule="interleaved_1f1b", virtual=2, **same) < _index(p, schedule="1f1b", **same)
     assert _index(p, schedule="1f1b", **same) < _index(p, schedule="gpipe", **same)
 
@@ -78,9 +93,27 @@ def test_launch_and_slurm_warn_when_the_layout_will_not_fit(capsys):
     """llama3-8b's recipe (tp=8, 512 sequences in one micro-batch) cannot fit 8 x A100-40GB; the tiny recipe fits."""
     assert main(["launch", "configs/llama3-8b.toml", "--nproc-per-node", "8", "--gpu", "a100-40gb", "--dry-run"]) == 0
     err = capsys.readouterr().err
-    assert re.search(r"tessera: warning: the planner predicts [\d.]+ GiB per GPU .* over the 40.0 GiB of an A100-40GB", err)
-    assert main(["slurm", "configs/llama3-8b.toml", "--nodes", "1", "--gpus-per-node", "8", "--device", "gpu", "--gpu", "a100-40gb",
-                 "--dry-run"]) == 0
+    assert re.search(
+        r"tessera: warning: the planner predicts [\d.]+ GiB per GPU .* over the 40.0 GiB of an A100-40GB", err
+    )
+    assert (
+        main(
+            [
+                "slurm",
+                "configs/llama3-8b.toml",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "8",
+                "--device",
+                "gpu",
+                "--gpu",
+                "a100-40gb",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     assert "tessera: warning: the planner predicts" in capsys.readouterr().err
     assert main(["launch", "configs/tiny/llama.toml", "--nproc-per-node", "2", "--gpu", "h100-80gb", "--dry-run"]) == 0
     assert "warning" not in capsys.readouterr().err

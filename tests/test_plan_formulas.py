@@ -59,7 +59,8 @@ def test_korthikanti_table2_by_hand_and_by_the_block_accounting(mode):
 
 
 def test_inflight_micro_batches_of_each_schedule():
-    """1F1B: rank r holds p - r micro-batches; interleaved: Korthikanti's first-stage L(1 + (p-1)/(pv)); GPipe: all m."""
+    """1F1B: rank r holds p - r micro-batches; interleaved: Korthikanti's L(1 + (p-1)/(pv)) on the first stage;
+    GPipe: all m."""
     p, v, m = 8, 4, 32
     one_f = Layout(pp=p, microbatches=m)
     assert [inflight_stages(one_f, r) for r in (0, 3, p - 1)] == [8, 5, 1]
@@ -79,7 +80,7 @@ def test_ring_collective_times():
 
 
 def _tiny(**model) -> ModelConfig:
-    base = dict(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128)
+    base = {"vocab_size": 512, "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128}
     return ModelConfig(**{**base, **model})
 
 
@@ -96,7 +97,9 @@ def test_flops_per_token_is_6n_plus_attention_with_only_active_experts():
     assert moe.active_matmul == count_parameters(build_model(cfg), exclude_embeddings=True) - experts // 2
 
 
-@pytest.mark.parametrize("recipe", ["tiny/llama", "tiny/gpt2", "tiny/mixtral", "tiny/bert", "tiny/t5", "llama3-8b", "mixtral-8x7b"])
+@pytest.mark.parametrize(
+    "recipe", ["tiny/llama", "tiny/gpt2", "tiny/mixtral", "tiny/bert", "tiny/t5", "llama3-8b", "mixtral-8x7b"]
+)
 def test_parameter_counts_equal_the_built_model(recipe):
     """The planner's per-block counts add up to the real model's parameters (full-size recipes on meta)."""
     cfg = load_config(f"configs/{recipe}.toml").model
@@ -126,30 +129,35 @@ def _saved_bytes(cfg: ModelConfig, mode: str, tokens: tuple[int, int] = (3, 20))
             seen[ptr] = tensor.untyped_storage().nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
-            block(x, ctx)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+        block(x, ctx)
     casts = 0
     if mode == "autocast":  # autocast's weight copies are parameters in disguise: the planner counts them as buffers
         casts = sum(2 * p.numel() for n, p in block.named_parameters() if p.dim() >= 2)
     return (sum(seen.values()) - casts) / (b * t)
 
 
-PRECISIONS = {"fp32": tessera_precision("fp32", False), "autocast": tessera_precision("bf16", False), "bf16": tessera_precision("bf16", True)}
+PRECISIONS = {
+    "fp32": tessera_precision("fp32", False),
+    "autocast": tessera_precision("bf16", False),
+    "bf16": tessera_precision("bf16", True),
+}
 
 
 @pytest.mark.parametrize("mode", list(PRECISIONS))
 @pytest.mark.parametrize(
     "model",
     [
-        dict(dim=96, n_heads=6, n_kv_heads=2, ffn_hidden=160),  # Llama-style: RMSNorm, SwiGLU, GQA, RoPE
-        dict(dim=64, n_heads=4, n_kv_heads=4, activation="gelu", norm="layernorm"),  # GPT-style FFN and norm
-        dict(dim=96, n_heads=6, n_kv_heads=2, moe={"experts": 4, "top_k": 2, "ffn_hidden": 80}),  # MoE
+        {"dim": 96, "n_heads": 6, "n_kv_heads": 2, "ffn_hidden": 160},  # Llama-style: RMSNorm, SwiGLU, GQA, RoPE
+        {"dim": 64, "n_heads": 4, "n_kv_heads": 4, "activation": "gelu", "norm": "layernorm"},  # GPT-style
+        {"dim": 96, "n_heads": 6, "n_kv_heads": 2, "moe": {"experts": 4, "top_k": 2, "ffn_hidden": 80}},  # MoE
     ],
     ids=["llama", "gpt", "moe"],
 )
 def test_block_accounting_equals_what_autograd_saves(mode, model):
     """tessera_block's bytes per token are the bytes autograd keeps for the real block (within 1%)."""
+    model = dict(model)  # the parametrized dict is shared by every precision
     moe = model.pop("moe", None)
     cfg = _tiny(**model)
     if moe:
@@ -166,13 +174,18 @@ def test_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1():
         layout = Layout(pp=4, schedule=schedule, virtual=v, micro_batch=1, microbatches=8)
         s = estimate_speed(shape, layout, 64, 8, gpu("h100-80gb"))
         assert s.bubble / (s.compute + s.comm + s.bubble) == pytest.approx(3 / (v * 8 + 3))
-    zero_bubble = estimate_speed(shape, Layout(pp=4, schedule="interleaved_zb", virtual=2, microbatches=8), 64, 8, gpu("h100"))
-    interleaved = estimate_speed(shape, Layout(pp=4, schedule="interleaved_1f1b", virtual=2, microbatches=8), 64, 8, gpu("h100"))
+    zero_bubble = estimate_speed(
+        shape, Layout(pp=4, schedule="interleaved_zb", virtual=2, microbatches=8), 64, 8, gpu("h100")
+    )
+    interleaved = estimate_speed(
+        shape, Layout(pp=4, schedule="interleaved_1f1b", virtual=2, microbatches=8), 64, 8, gpu("h100")
+    )
     assert zero_bubble.bubble == pytest.approx(interleaved.bubble / 3)
 
 
 def test_step_time_by_hand_for_tensor_parallel_in_one_node():
-    """Compute = FLOPs / (peak x efficiency); TP: 4 exposed region collectives per block (8 for 2 blocks) + head + embedding."""
+    """Compute = FLOPs / (peak x efficiency); TP: 4 exposed region collectives per block (8 for 2 blocks), 2 for the
+    head and 2 for the embedding."""
     cfg = _tiny(n_layers=2, vocab_size=1024, dim=256, n_heads=8, n_kv_heads=8, ffn_hidden=512)
     shape = model_shape(cfg)
     g = gpu("h100-80gb")

@@ -30,11 +30,23 @@ LLAMA3 = Engine("llama 3", reduce_every_microbatch=False)
 
 def gpt(hidden: int, heads: int, layers: int) -> ModelConfig:
     """The GPT models of Narayanan et al. 2021 / Korthikanti et al. 2022: vocab 51200, sequence 2048."""
-    return ModelConfig(vocab_size=51200, dim=hidden, n_layers=layers, n_heads=heads, activation="gelu", norm="layernorm",
-                       bias=True, attention=AttentionConfig(qkv_bias=True), position=PositionConfig(kind="learned"), max_seq_len=2048)
+    return ModelConfig(
+        vocab_size=51200,
+        dim=hidden,
+        n_layers=layers,
+        n_heads=heads,
+        activation="gelu",
+        norm="layernorm",
+        bias=True,
+        attention=AttentionConfig(qkv_bias=True),
+        position=PositionConfig(kind="learned"),
+        max_seq_len=2048,
+    )
 
 
-LLAMA3_405B = ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248, max_seq_len=131072)
+LLAMA3_405B = ModelConfig(
+    vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248, max_seq_len=131072
+)
 
 
 def megatron_tflops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -59,32 +71,124 @@ class Run:
 
 RUNS = [
     # Narayanan et al. 2021, Table 1 (A100-80GB, 8 per node): TFLOP/s per GPU
-    Run("Megatron GPT 18B, 256 GPUs, TP8 DP32", "a100-80gb", gpt(6144, 48, 40),
-        Layout(dp_replicate=32, tp=8, sp=False, micro_batch=1, microbatches=32, ac="full"), 2048, 1024, "megatron_tflops", 135,
-        MEGATRON_2021),
-    Run("Megatron GPT 39B, 512 GPUs, TP8 PP2 DP32", "a100-80gb", gpt(8192, 64, 48),
-        Layout(dp_replicate=32, tp=8, pp=2, sp=False, micro_batch=1, microbatches=48, ac="full"), 2048, 1536, "megatron_tflops", 138,
-        MEGATRON_2021),
-    Run("Megatron GPT 1T, 3072 GPUs, TP8 PP64 DP6", "a100-80gb", gpt(25600, 160, 128),
-        Layout(dp_replicate=6, tp=8, pp=64, sp=False, micro_batch=1, microbatches=512, ac="full"), 2048, 3072, "megatron_tflops", 163,
-        MEGATRON_2021),
+    Run(
+        "Megatron GPT 18B, 256 GPUs, TP8 DP32",
+        "a100-80gb",
+        gpt(6144, 48, 40),
+        Layout(dp_replicate=32, tp=8, sp=False, micro_batch=1, microbatches=32, ac="full"),
+        2048,
+        1024,
+        "megatron_tflops",
+        135,
+        MEGATRON_2021,
+    ),
+    Run(
+        "Megatron GPT 39B, 512 GPUs, TP8 PP2 DP32",
+        "a100-80gb",
+        gpt(8192, 64, 48),
+        Layout(dp_replicate=32, tp=8, pp=2, sp=False, micro_batch=1, microbatches=48, ac="full"),
+        2048,
+        1536,
+        "megatron_tflops",
+        138,
+        MEGATRON_2021,
+    ),
+    Run(
+        "Megatron GPT 1T, 3072 GPUs, TP8 PP64 DP6",
+        "a100-80gb",
+        gpt(25600, 160, 128),
+        Layout(dp_replicate=6, tp=8, pp=64, sp=False, micro_batch=1, microbatches=512, ac="full"),
+        2048,
+        3072,
+        "megatron_tflops",
+        163,
+        MEGATRON_2021,
+    ),
     # Korthikanti et al. 2022 (abstract; Table 3 layout): 530B on 2240 A100s, MFU
-    Run("Korthikanti 530B, 2240 GPUs, TP8 PP35 DP8, SP + selective", "a100-80gb", gpt(20480, 128, 105),
-        Layout(dp_replicate=8, tp=8, pp=35, sp=True, micro_batch=1, microbatches=280, ac="none"), 2048, 2240, "mfu", 0.542,
-        MEGATRON_2021),
-    Run("Korthikanti 530B, 2240 GPUs, TP8 PP35 DP8, full recompute", "a100-80gb", gpt(20480, 128, 105),
-        Layout(dp_replicate=8, tp=8, pp=35, sp=True, micro_batch=1, microbatches=280, ac="full"), 2048, 2240, "mfu", 0.421,
-        MEGATRON_2021),
+    Run(
+        "Korthikanti 530B, 2240 GPUs, TP8 PP35 DP8, SP + selective",
+        "a100-80gb",
+        gpt(20480, 128, 105),
+        Layout(dp_replicate=8, tp=8, pp=35, sp=True, micro_batch=1, microbatches=280, ac="none"),
+        2048,
+        2240,
+        "mfu",
+        0.542,
+        MEGATRON_2021,
+    ),
+    Run(
+        "Korthikanti 530B, 2240 GPUs, TP8 PP35 DP8, full recompute",
+        "a100-80gb",
+        gpt(20480, 128, 105),
+        Layout(dp_replicate=8, tp=8, pp=35, sp=True, micro_batch=1, microbatches=280, ac="full"),
+        2048,
+        2240,
+        "mfu",
+        0.421,
+        MEGATRON_2021,
+    ),
     # Llama 3 paper, Table 4 (H100-80GB): TFLOP/s per GPU (model FLOPs)
-    Run("Llama 3 405B, 8192 GPUs, TP8 PP16 DP64, 8k", "h100-80gb", LLAMA3_405B,
-        Layout(dp_shard=64, tp=8, pp=16, schedule="interleaved_1f1b", virtual=2, micro_batch=1, microbatches=32, reshard=False),
-        8192, 2048, "tflops", 430, LLAMA3),
-    Run("Llama 3 405B, 16384 GPUs, TP8 PP16 DP128, 8k", "h100-80gb", LLAMA3_405B,
-        Layout(dp_shard=128, tp=8, pp=16, schedule="interleaved_1f1b", virtual=2, micro_batch=1, microbatches=16, reshard=False),
-        8192, 2048, "tflops", 400, LLAMA3),
-    Run("Llama 3 405B, 16384 GPUs, TP8 CP16 PP16 DP8, 128k", "h100-80gb", LLAMA3_405B,
-        Layout(dp_shard=8, cp=16, tp=8, pp=16, schedule="interleaved_1f1b", virtual=2, micro_batch=1, microbatches=16, reshard=False),
-        131072, 128, "tflops", 380, LLAMA3),
+    Run(
+        "Llama 3 405B, 8192 GPUs, TP8 PP16 DP64, 8k",
+        "h100-80gb",
+        LLAMA3_405B,
+        Layout(
+            dp_shard=64,
+            tp=8,
+            pp=16,
+            schedule="interleaved_1f1b",
+            virtual=2,
+            micro_batch=1,
+            microbatches=32,
+            reshard=False,
+        ),
+        8192,
+        2048,
+        "tflops",
+        430,
+        LLAMA3,
+    ),
+    Run(
+        "Llama 3 405B, 16384 GPUs, TP8 PP16 DP128, 8k",
+        "h100-80gb",
+        LLAMA3_405B,
+        Layout(
+            dp_shard=128,
+            tp=8,
+            pp=16,
+            schedule="interleaved_1f1b",
+            virtual=2,
+            micro_batch=1,
+            microbatches=16,
+            reshard=False,
+        ),
+        8192,
+        2048,
+        "tflops",
+        400,
+        LLAMA3,
+    ),
+    Run(
+        "Llama 3 405B, 16384 GPUs, TP8 CP16 PP16 DP8, 128k",
+        "h100-80gb",
+        LLAMA3_405B,
+        Layout(
+            dp_shard=8,
+            cp=16,
+            tp=8,
+            pp=16,
+            schedule="interleaved_1f1b",
+            virtual=2,
+            micro_batch=1,
+            microbatches=16,
+            reshard=False,
+        ),
+        131072,
+        128,
+        "tflops",
+        380,
+        LLAMA3,
+    ),
 ]
 
 _SHAPES: dict[int, object] = {}
@@ -100,7 +204,12 @@ def predict(run: Run, efficiency: float) -> tuple[float, Speed]:
     speed = estimate_speed(shape, run.layout, run.seq_len, run.global_batch, kind, run.engine, prec=prec)
     if run.metric == "megatron_tflops":
         m = run.model
-        value = megatron_tflops(run.global_batch, run.seq_len, m.n_layers, m.dim, m.vocab_size) / speed.step / run.layout.world / 1e12
+        value = (
+            megatron_tflops(run.global_batch, run.seq_len, m.n_layers, m.dim, m.vocab_size)
+            / speed.step
+            / run.layout.world
+            / 1e12
+        )
     else:
         value = speed.mfu if run.metric == "mfu" else speed.tflops_per_gpu
     return value, speed
@@ -117,7 +226,9 @@ def test_catalog_efficiency_is_the_fit_and_every_run_is_within_15_percent(kind):
     runs = [r for r in RUNS if r.gpu.startswith(kind)]
     fitted = fit_efficiency(runs)
     catalog = CATALOG[runs[0].gpu].efficiency
-    assert catalog == pytest.approx(fitted, abs=0.003), f"refit gives {fitted}; update tessera/plan/gpus.py and the README"
+    assert catalog == pytest.approx(fitted, abs=0.003), (
+        f"refit gives {fitted}; update tessera/plan/gpus.py and the README"
+    )
     for run in runs:
         value, _ = predict(run, catalog)
         assert abs(value / run.reported - 1) < 0.15, f"{run.name}: predicted {value:.3g}, reported {run.reported}"

@@ -128,7 +128,13 @@ def _moe(shape: ModelShape, prec: Precision) -> float:
 def tessera_block(shape: ModelShape, block: BlockParams, prec: Precision) -> BlockMemory:
     """The saved bytes per token of one zoo block as tessera runs it (pre-/post-norm, SDPA or eager)."""
     cfg = shape.cfg
-    h, q, kv, c, heads = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, prec.compute, shape.n_heads
+    h, q, kv, c, heads = (
+        shape.dim,
+        shape.n_heads * shape.head_dim,
+        shape.n_kv_heads * shape.head_dim,
+        prec.compute,
+        shape.n_heads,
+    )
     dropout = 1.0 if cfg.dropout > 0 else 0.0
     residual = 2 * _norm(h, prec, cfg.norm) + dropout * 2 * h
     attention = c * (q + 2 * kv) + c * q + 4.0 * heads  # q, k, v after RoPE; the kernel's output and logsumexp

@@ -18,8 +18,15 @@ def measurable(e: Estimate, p: Plan) -> bool:
     return p.config.model.arch == "decoder" and e.layout.pp == 1 and not p.config.model.moe.experts
 
 
-def run_plan(config_path: str, overrides: list[str], gpus: int, gpu_name: str, gpus_per_node: int = 8, top: int = 10,
-             measure: bool = False) -> str:
+def run_plan(
+    config_path: str,
+    overrides: list[str],
+    gpus: int,
+    gpu_name: str,
+    gpus_per_node: int = 8,
+    top: int = 10,
+    measure: bool = False,
+) -> str:
     """The report of ``tessera plan`` (and, with ``measure``, the best measurable layout measured)."""
     for flag, value in (("--gpus", gpus), ("--nodes-of", gpus_per_node), ("--top", top)):
         if value < 1:
@@ -31,7 +38,9 @@ def run_plan(config_path: str, overrides: list[str], gpus: int, gpu_name: str, g
     if measure:
         candidates = [e for e in result.estimates if e.fits and measurable(e, result)][:1]
         if not candidates:
-            raise ConfigError("--measure needs a fitting layout without pipeline parallelism or MoE (a decoder); none was found")
+            raise ConfigError(
+                "--measure needs a fitting layout without pipeline parallelism or MoE (a decoder); none was found"
+            )
         best = candidates[0]
         measured = (best, measure_layout(apply_layout(config, best.layout), gpus))
     return render(result, config_path, top, measured)

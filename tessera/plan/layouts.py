@@ -72,21 +72,37 @@ class Layout:
 
     def describe(self) -> str:
         """A short label: the degrees above 1, the schedule, AC and micro-batching."""
-        parts = [f"{k}={v}" for k, v in (("dp_rep", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp),
-                                          ("pp", self.pp), ("cp", self.cp), ("ep", self.ep)) if v > 1]
+        parts = [
+            f"{k}={v}"
+            for k, v in (
+                ("dp_rep", self.dp_replicate),
+                ("dp_shard", self.dp_shard),
+                ("tp", self.tp),
+                ("pp", self.pp),
+                ("cp", self.cp),
+                ("ep", self.ep),
+            )
+            if v > 1
+        ]
         if self.tp > 1 and not self.sp:
             parts.append("no-sp")
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual}" if self.virtual > 1 else ""))
         if self.fsdp and not self.reshard:
-            parts.append("no-reshard")
+            parts.append("zero2")
         return " ".join(parts or ["single"])
 
     def overrides(self, global_batch: int) -> list[str]:
         """The ``section.key=value`` overrides that make a recipe run this layout."""
-        p = [f"parallel.dp_replicate={self.dp_replicate}", f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}",
-             f"parallel.pp={self.pp}", f"parallel.cp={self.cp}", f"parallel.ep={self.ep}",
-             f"parallel.activation_checkpoint={self.ac}"]
+        p = [
+            f"parallel.dp_replicate={self.dp_replicate}",
+            f"parallel.dp_shard={self.dp_shard}",
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.cp={self.cp}",
+            f"parallel.ep={self.ep}",
+            f"parallel.activation_checkpoint={self.ac}",
+        ]
         if self.tp > 1:
             p.append(f"parallel.sequence_parallel={str(self.sp).lower()}")
         if self.ac == "selective":
@@ -94,8 +110,13 @@ class Layout:
         if self.fsdp:
             p.append(f"parallel.reshard_after_forward={str(self.reshard).lower()}")
         if self.pp > 1:
-            p += [f"parallel.pp_schedule={self.schedule}", f"parallel.pp_virtual_stages={self.virtual}",
-                  f"parallel.microbatches={self.microbatches}", f"train.batch_size={global_batch}", "train.grad_accum=1"]
+            p += [
+                f"parallel.pp_schedule={self.schedule}",
+                f"parallel.pp_virtual_stages={self.virtual}",
+                f"parallel.microbatches={self.microbatches}",
+                f"train.batch_size={global_batch}",
+                "train.grad_accum=1",
+            ]
         else:
             p += [f"train.batch_size={self.dp * self.micro_batch}", f"train.grad_accum={self.microbatches}"]
         return p
@@ -110,15 +131,28 @@ def apply_layout(config: JobConfig, layout: Layout) -> JobConfig:
     """A copy of ``config`` that runs ``layout`` (same global batch)."""
     g = global_batch(config)
     parallel = dataclasses.replace(
-        config.parallel, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-        ep=layout.ep, sequence_parallel=layout.sp, pp_schedule=layout.schedule, pp_virtual_stages=layout.virtual if layout.pp > 1 else 0,
-        microbatches=layout.microbatches if layout.pp > 1 else 0, activation_checkpoint=layout.ac, ac_every=layout.ac_every,
-        reshard_after_forward=layout.reshard, layers_per_stage="" if layout.pp != config.parallel.pp else config.parallel.layers_per_stage,
+        config.parallel,
+        dp_replicate=layout.dp_replicate,
+        dp_shard=layout.dp_shard,
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        ep=layout.ep,
+        sequence_parallel=layout.sp,
+        pp_schedule=layout.schedule,
+        pp_virtual_stages=layout.virtual if layout.pp > 1 else 0,
+        microbatches=layout.microbatches if layout.pp > 1 else 0,
+        activation_checkpoint=layout.ac,
+        ac_every=layout.ac_every,
+        reshard_after_forward=layout.reshard,
+        layers_per_stage="" if layout.pp != config.parallel.pp else config.parallel.layers_per_stage,
     )
     if layout.pp > 1:
         train = dataclasses.replace(config.train, batch_size=g, grad_accum=1)
     else:
-        train = dataclasses.replace(config.train, batch_size=layout.dp * layout.micro_batch, grad_accum=layout.microbatches)
+        train = dataclasses.replace(
+            config.train, batch_size=layout.dp * layout.micro_batch, grad_accum=layout.microbatches
+        )
     return dataclasses.replace(config, parallel=parallel, train=train)
 
 
@@ -130,11 +164,39 @@ def layout_of(config: JobConfig, world: int) -> Layout:
     if p.pp > 1:
         mb = microbatches(p)
         micro = max(1, global_batch(config) // (dp * mb))
-        return Layout(p.dp_replicate, dp_shard, p.tp, p.pp, p.cp, p.ep, p.sequence_parallel, p.pp_schedule, virtual_stages(p), micro, mb,
-                      p.activation_checkpoint, p.ac_every, p.reshard_after_forward)
+        return Layout(
+            p.dp_replicate,
+            dp_shard,
+            p.tp,
+            p.pp,
+            p.cp,
+            p.ep,
+            p.sequence_parallel,
+            p.pp_schedule,
+            virtual_stages(p),
+            micro,
+            mb,
+            p.activation_checkpoint,
+            p.ac_every,
+            p.reshard_after_forward,
+        )
     micro = max(1, config.train.batch_size // dp)
-    return Layout(p.dp_replicate, dp_shard, p.tp, 1, p.cp, p.ep, p.sequence_parallel, "1f1b", 1, micro, config.train.grad_accum,
-                  p.activation_checkpoint, p.ac_every, p.reshard_after_forward)
+    return Layout(
+        p.dp_replicate,
+        dp_shard,
+        p.tp,
+        1,
+        p.cp,
+        p.ep,
+        p.sequence_parallel,
+        "1f1b",
+        1,
+        micro,
+        config.train.grad_accum,
+        p.activation_checkpoint,
+        p.ac_every,
+        p.reshard_after_forward,
+    )
 
 
 def layout_problem(config: JobConfig, layout: Layout, world: int) -> str:
@@ -190,7 +252,9 @@ def candidate_layouts(config: JobConfig, world: int, gpus_per_node: int) -> Iter
         if g % dp:
             continue
         schedules = PP_SCHEDULES if pp > 1 else (("1f1b", 1),)
-        for (schedule, v), ac, reshard in itertools.product(schedules, AC_MODES, (True, False) if dp_shard * cp > 1 else (True,)):
+        for (schedule, v), ac, reshard in itertools.product(
+            schedules, AC_MODES, (True, False) if dp_shard * cp > 1 else (True,)
+        ):
             for b, m in _micro_choices(g // dp, pp, schedule):
                 # Sequence parallelism costs the same communication and saves memory: try without it only if refused.
                 layout = Layout(dp_rep, dp_shard, tp, pp, cp, ep, True, schedule, v, b, m, ac, 2, reshard)

@@ -56,8 +56,14 @@ class StepSpec:
     clip: bool = True  # gradient clipping (its norm is a data-dependent scalar: off on fake tensors)
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, config: JobConfig, tokens: torch.Tensor, spec: StepSpec,
-          after_micro=lambda: None) -> None:
+def _step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: JobConfig,
+    tokens: torch.Tensor,
+    spec: StepSpec,
+    after_micro=lambda: None,
+) -> None:
     """One optimizer step as the trainer takes it, on ``tokens`` (grad_accum, B, T + 1)."""
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -67,7 +73,11 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, config: JobConfig,
     from tessera.train.trainer import lm_loss
 
     dtype = DTYPES[config.train.dtype]
-    autocast = torch.autocast(tokens.device.type, dtype=dtype) if dtype != torch.float32 and not spec.fsdp else contextlib.nullcontext()
+    autocast = (
+        torch.autocast(tokens.device.type, dtype=dtype)
+        if dtype != torch.float32 and not spec.fsdp
+        else contextlib.nullcontext()
+    )
     accum = config.train.grad_accum
     for micro in tokens:
         inputs, labels = micro[:, :-1], micro[:, 1:]
@@ -91,7 +101,9 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, config: JobConfig,
     optimizer.zero_grad(set_to_none=True)
 
 
-def training_memory(model: nn.Module, config: JobConfig, spec: StepSpec, steps: int = 2) -> tuple[float, dict[str, float]]:
+def training_memory(
+    model: nn.Module, config: JobConfig, spec: StepSpec, steps: int = 2
+) -> tuple[float, dict[str, float]]:
     """Peak tracked bytes (and their categories) of ``steps`` training steps after one warm-up step.
 
     The warm-up step (untracked) creates the optimizer state and whatever else is built lazily,
@@ -113,7 +125,14 @@ def training_memory(model: nn.Module, config: JobConfig, spec: StepSpec, steps: 
             tracker.track_external(model, optimizer)
         with tracker:
             for _ in range(steps):
-                _step(model, optimizer, config, torch.randint(0, config.model.vocab_size, shape), spec, tracker.reset_mod_stats)
+                _step(
+                    model,
+                    optimizer,
+                    config,
+                    torch.randint(0, config.model.vocab_size, shape),
+                    spec,
+                    tracker.reset_mod_stats,
+                )
     snapshot = tracker.get_tracker_snapshot("peak")
     categories: dict[str, float] = {}
     for device_snapshot in snapshot.values():
@@ -174,12 +193,18 @@ def measure_layout(config: JobConfig, world: int, rank: int = 0, steps: int = 1)
     from tessera.parallel import ParallelDims, parallelize, uses_fsdp
 
     if config.model.arch != "decoder":
-        raise ConfigError(f"--measure runs causal-LM steps; model.arch='{config.model.arch}' is planned by formula only")
+        raise ConfigError(
+            f"--measure runs causal-LM steps; model.arch='{config.model.arch}' is planned by formula only"
+        )
     if config.model.moe.experts:
-        raise ConfigError("--measure cannot route MoE tokens on fake tensors (data-dependent shapes); "
-                          "measure MoE layouts on real processes with benchmarks/memory.py")
+        raise ConfigError(
+            "--measure cannot route MoE tokens on fake tensors (data-dependent shapes); "
+            "measure MoE layouts on real processes with benchmarks/memory.py"
+        )
     if config.parallel.pp > 1:
-        raise ConfigError("--measure cannot run pipeline schedules on a fake process group; measure pp > 1 with benchmarks/memory.py")
+        raise ConfigError(
+            "--measure cannot run pipeline schedules on a fake process group; measure pp > 1 with benchmarks/memory.py"
+        )
     start = time.perf_counter()
     if config.train.grad_accum > 2:
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, grad_accum=2))

@@ -22,12 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tessera.layout import stage_layer_counts
 from tessera.plan import activations as act
 from tessera.plan.activations import BlockMemory, Precision
 from tessera.plan.layouts import Layout
 from tessera.plan.shapes import BlockParams, ModelShape
-
-from tessera.layout import stage_layer_counts
 
 # Bytes per logit at the loss, beyond the logits in compute dtype: the fp32 log-softmax the loss
 # keeps (tessera's lm_loss upcasts) and the fp32 buffers of its backward -- two (the loss and
@@ -58,19 +57,32 @@ class MemoryBreakdown:
     @property
     def total(self) -> float:
         """All bytes."""
-        return (self.params + self.grads + self.optim + self.activations + self.logits + self.inflight + self.buffers
-                + self.runtime)
+        return (
+            self.params
+            + self.grads
+            + self.optim
+            + self.activations
+            + self.logits
+            + self.inflight
+            + self.buffers
+            + self.runtime
+        )
 
 
-def zero_model_state_bytes(params: float, n: int, stage: int, param_bytes: int = 2, grad_bytes: int = 2, optim_bytes: int = 12) -> float:
+def zero_model_state_bytes(
+    params: float, n: int, stage: int, param_bytes: int = 2, grad_bytes: int = 2, optim_bytes: int = 12
+) -> float:
     """Model-state bytes per GPU under ZeRO ``stage`` on ``n`` ranks (Rajbhandari et al. 2020).
 
     The defaults are mixed-precision Adam: 16P (stage 0), 4P + 12P/N (1), 2P + 14P/N (2),
     16P/N (3). tessera's fp32-master variant is ``param_bytes=4, grad_bytes=4, optim_bytes=8``.
     """
     p = params
-    return (param_bytes * p / (n if stage >= 3 else 1) + grad_bytes * p / (n if stage >= 2 else 1)
-            + optim_bytes * p / (n if stage >= 1 else 1))
+    return (
+        param_bytes * p / (n if stage >= 3 else 1)
+        + grad_bytes * p / (n if stage >= 2 else 1)
+        + optim_bytes * p / (n if stage >= 1 else 1)
+    )
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,7 @@ def rank_share(shape: ModelShape, layout: Layout, pp_rank: int, layers_per_stage
     counts = stage_layer_counts(shape.n_layers, n_stages, layers_per_stage)
     starts = [sum(counts[:i]) for i in range(n_stages + 1)]
     ids = [pp_rank + k * layout.pp for k in range(layout.virtual)]
-    stages = tuple(shape.blocks[starts[s]:starts[s + 1]] for s in ids)
+    stages = tuple(shape.blocks[starts[s] : starts[s + 1]] for s in ids)
     return RankShare(stages, 0 in ids, n_stages - 1 in ids)
 
 
@@ -140,7 +152,9 @@ def block_memory(shape: ModelShape, block: BlockParams, prec: Precision) -> Bloc
     return act.tessera_block(shape, block, prec)
 
 
-def stage_activations(shape: ModelShape, share: RankShare, layout: Layout, prec: Precision, seq_len: int) -> StageActivations:
+def stage_activations(
+    shape: ModelShape, share: RankShare, layout: Layout, prec: Precision, seq_len: int
+) -> StageActivations:
     """What one micro-batch keeps on this rank, and the most it holds during a block's backward.
 
     During block i's backward, blocks 0..i still keep their activations and block i adds its
@@ -156,7 +170,9 @@ def stage_activations(shape: ModelShape, share: RankShare, layout: Layout, prec:
             kept_block = _kept(mem, layout, i).bytes(tokens, keys, tp, sp)
             kept += kept_block
             during.append(kept + (full - kept_block) + BACKWARD_GRADIENTS * full)
-    boundary = 2 * tokens * prec.compute * shape.dim / (tp if sp else 1) if layout.pp > 1 else 0.0  # received input, sent output
+    boundary = (
+        2 * tokens * prec.compute * shape.dim / (tp if sp else 1) if layout.pp > 1 else 0.0
+    )  # received input, sent output
     head = 0.0
     if share.head:
         h = shape.dim
@@ -224,24 +240,53 @@ def rank_memory(shape: ModelShape, layout: Layout, setting: Setting, pp_rank: in
     logit_values = tokens * shape.vocab / layout.tp if share.head else 0.0
     buf = _buffers(shape, share, layout, prec)
     earlier = grads if layout.microbatches > 1 else 0.0
-    common = dict(params=params, optim=optim, pp_rank=pp_rank)
+    common = {"params": params, "optim": optim, "pp_rank": pp_rank}
     moments = (
-        MemoryBreakdown(grads=earlier, activations=acts.kept, logits=logit_values * (prec.compute + LOGIT_FP32_BUFFERS[layout.tp > 1]),
-                        inflight=inflight, buffers=buf.loss, moment="loss", **common),
-        MemoryBreakdown(grads=earlier, activations=acts.last_backward, logits=logit_values * prec.compute, inflight=inflight,
-                        buffers=buf.block_backward, moment="block backward", **common),
-        MemoryBreakdown(grads=earlier, activations=acts.inner_backward, logits=logit_values * prec.compute, inflight=inflight,
-                        buffers=buf.block_backward + buf.reducing, moment="block backward", **common),
+        MemoryBreakdown(
+            grads=earlier,
+            activations=acts.kept,
+            logits=logit_values * (prec.compute + LOGIT_FP32_BUFFERS[layout.tp > 1]),
+            inflight=inflight,
+            buffers=buf.loss,
+            moment="loss",
+            **common,
+        ),
+        MemoryBreakdown(
+            grads=earlier,
+            activations=acts.last_backward,
+            logits=logit_values * prec.compute,
+            inflight=inflight,
+            buffers=buf.block_backward,
+            moment="block backward",
+            **common,
+        ),
+        MemoryBreakdown(
+            grads=earlier,
+            activations=acts.inner_backward,
+            logits=logit_values * prec.compute,
+            inflight=inflight,
+            buffers=buf.block_backward + buf.reducing,
+            moment="block backward",
+            **common,
+        ),
         MemoryBreakdown(grads=grads, buffers=buf.backward_end, moment="backward end", **common),
-        MemoryBreakdown(grads=grads, buffers=_optimizer_temp(shape, layout, setting, local / n) + (0.0 if layout.fsdp else buf.backward_end),
-                        moment="optimizer step", **common),
+        MemoryBreakdown(
+            grads=grads,
+            buffers=_optimizer_temp(shape, layout, setting, local / n) + (0.0 if layout.fsdp else buf.backward_end),
+            moment="optimizer step",
+            **common,
+        ),
     )
     return max(moments, key=lambda m: m.total)
 
 
 def _optimizer_temp(shape: ModelShape, layout: Layout, setting: Setting, params: float) -> float:
     """AdamW's temporaries: one fp32 list of every parameter (foreach, CUDA), else per tensor (CPU)."""
-    return 4.0 * params if setting.device == "cuda" else 8.0 * _largest_tensor(shape, layout) / (layout.shard if layout.fsdp else 1)
+    return (
+        4.0 * params
+        if setting.device == "cuda"
+        else 8.0 * _largest_tensor(shape, layout) / (layout.shard if layout.fsdp else 1)
+    )
 
 
 def _largest_tensor(shape: ModelShape, layout: Layout) -> float:
@@ -249,7 +294,9 @@ def _largest_tensor(shape: ModelShape, layout: Layout) -> float:
     return max(shape.vocab * shape.dim / layout.tp, shape.dim * hidden / layout.tp)
 
 
-def estimate_memory(shape: ModelShape, layout: Layout, setting: Setting, overhead: float = 0.0, slack: float = 0.0) -> MemoryBreakdown:
+def estimate_memory(
+    shape: ModelShape, layout: Layout, setting: Setting, overhead: float = 0.0, slack: float = 0.0
+) -> MemoryBreakdown:
     """Peak bytes per GPU over the pipeline ranks that can be largest (first and last), plus runtime costs."""
     ranks = {0, layout.pp - 1}
     peak = max((rank_memory(shape, layout, setting, r) for r in ranks), key=lambda m: m.total)

@@ -47,10 +47,16 @@ class Plan:
 
 def estimate(config: JobConfig, shape: ModelShape, layout: Layout, gpu: GPU, engine: Engine = TESSERA) -> Estimate:
     """Memory (with the GPU runtime's overhead) and speed of ``layout`` for this job."""
-    setting = Setting(tessera_precision(config.train.dtype, layout.fsdp), config.train.seq_len, "cuda", config.parallel.layers_per_stage
-                      if layout.pp == config.parallel.pp else "")
+    setting = Setting(
+        tessera_precision(config.train.dtype, layout.fsdp),
+        config.train.seq_len,
+        "cuda",
+        config.parallel.layers_per_stage if layout.pp == config.parallel.pp else "",
+    )
     memory = estimate_memory(shape, layout, setting, RUNTIME_OVERHEAD, ALLOCATOR_SLACK)
-    speed = estimate_speed(shape, layout, config.train.seq_len, global_batch(config), gpu, engine, setting.layers_per_stage, setting.prec)
+    speed = estimate_speed(
+        shape, layout, config.train.seq_len, global_batch(config), gpu, engine, setting.layers_per_stage, setting.prec
+    )
     return Estimate(layout, memory, speed, gpu.memory)
 
 
@@ -73,8 +79,10 @@ def plan(config: JobConfig, world: int, gpu: GPU) -> Plan:
     shape = model_shape(config.model)
     estimates = [estimate(config, shape, layout, gpu) for layout in candidate_layouts(config, world, gpu.gpus_per_node)]
     if not estimates:
-        raise ConfigError(f"no layout of {world} GPUs passes tessera's checks for this job; "
-                          f"train.batch_size * train.grad_accum = {global_batch(config)} must divide by the data-parallel degree")
+        raise ConfigError(
+            f"no layout of {world} GPUs passes tessera's checks for this job; "
+            f"train.batch_size * train.grad_accum = {global_batch(config)} must divide by the data-parallel degree"
+        )
     estimates.sort(key=rank_key)
     return Plan(config, shape, gpu, world, estimates, requested_estimate(config, shape, world, gpu))
 

@@ -136,10 +136,21 @@ def _shape(cfg: ModelConfig, blocks: tuple[BlockParams, ...], embedding: int, he
     experts = cfg.moe.experts
     expert_hidden = cfg.moe.ffn_hidden or dense
     shape = ModelShape(
-        dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads or cfg.n_heads, head_dim=cfg.head_dim or cfg.dim // cfg.n_heads,
-        ffn_hidden=dense if any(not b.moe for b in blocks) else 0, expert_hidden=expert_hidden if experts else 0, experts=experts,
-        top_k=cfg.moe.top_k if experts else 0, gated=cfg.activation in GATED, vocab=cfg.vocab_size, blocks=blocks,
-        embedding=embedding, head=head, tied=cfg.tie_embeddings, cfg=cfg,
+        dim=cfg.dim,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads or cfg.n_heads,
+        head_dim=cfg.head_dim or cfg.dim // cfg.n_heads,
+        ffn_hidden=dense if any(not b.moe for b in blocks) else 0,
+        expert_hidden=expert_hidden if experts else 0,
+        experts=experts,
+        top_k=cfg.moe.top_k if experts else 0,
+        gated=cfg.activation in GATED,
+        vocab=cfg.vocab_size,
+        blocks=blocks,
+        embedding=embedding,
+        head=head,
+        tied=cfg.tie_embeddings,
+        cfg=cfg,
     )
     return shape
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.plan.activations import Precision, tessera_precision
 from tessera.plan.gpus import GPU, LATENCY_NETWORK, LATENCY_NVLINK, LINK_EFFICIENCY
 from tessera.plan.layouts import Layout
-from tessera.plan.activations import Precision, tessera_precision
 from tessera.plan.memory import RankShare, block_memory, rank_share
 from tessera.plan.shapes import BlockParams, ModelShape
 
@@ -39,7 +39,9 @@ class Engine:
     reduce_bytes: int = 4  # gradient reduction dtype
     compute_bytes: int = 2  # activations and gathered parameters on the wire
     dp_overlap: bool = True  # gradient reduction overlaps backward (Megatron-LM 2021's local DDP reduced after it)
-    pp_scatter_gather: bool = False  # pipeline sends 1/tp of each activation (Megatron's scatter-gather); SP does anyway
+    pp_scatter_gather: bool = (
+        False  # pipeline sends 1/tp of each activation (Megatron's scatter-gather); SP does anyway
+    )
 
 
 TESSERA = Engine()
@@ -91,7 +93,9 @@ def ring_time(kind: str, nbytes: float, size: int, link: tuple[float, float]) ->
     if size <= 1 or nbytes <= 0:
         return 0.0
     bandwidth, latency = link
-    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "p2p": size / (size - 1)}[kind]
+    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "p2p": size / (size - 1)}[
+        kind
+    ]
     return factor * (size - 1) / size * nbytes / bandwidth + latency
 
 
@@ -110,7 +114,9 @@ def _block_flops(shape: ModelShape, block: BlockParams, layout: Layout, seq_len:
     return dense + attention + 6.0 * block.replicated + routed
 
 
-def _elementwise_bytes(shape: ModelShape, block: BlockParams, prec: Precision, layout: Layout, tokens: int, keys: int) -> float:
+def _elementwise_bytes(
+    shape: ModelShape, block: BlockParams, prec: Precision, layout: Layout, tokens: int, keys: int
+) -> float:
     """Bytes op-level checkpointing recomputes in a block: what full saving keeps beyond the matmul outputs."""
     mem = block_memory(shape, block, prec)
     tp, sp = layout.tp, layout.sequence_parallel
@@ -131,7 +137,9 @@ def _rank_time(
     rate = gpu.peak_flops * gpu.efficiency
     c, h = engine.compute_bytes, shape.dim
     tp_link = _link(gpu, 1, layout.tp)
-    region = 2 * ring_time("reduce_scatter" if layout.sequence_parallel else "all_reduce", tokens * h * c, layout.tp, tp_link)
+    region = 2 * ring_time(
+        "reduce_scatter" if layout.sequence_parallel else "all_reduce", tokens * h * c, layout.tp, tp_link
+    )
     if not layout.sequence_parallel:
         region /= 2
     kv_bytes = 2 * tokens * layout.cp * shape.n_kv_heads * shape.head_dim / layout.tp * c
@@ -148,7 +156,9 @@ def _rank_time(
             attention = 12.0 * shape.n_heads * shape.head_dim * seq_len / layout.tp * tokens / rate
             comm += max(0.0, 3 * ring_time("all_gather", kv_bytes, layout.cp, cp_link) - attention)
             if block.moe:
-                comm += (4 + (2 if extra else 0)) * ring_time("all_to_all", tokens * shape.top_k * h * c, layout.ep, ep_link)
+                comm += (4 + (2 if extra else 0)) * ring_time(
+                    "all_to_all", tokens * shape.top_k * h * c, layout.ep, ep_link
+                )
     if share.head:
         compute += 6.0 * shape.head / layout.tp * tokens / rate
         comm += 2 * region
@@ -182,8 +192,16 @@ def _dp_time(local: float, layout: Layout, gpu: GPU, engine: Engine, n_blocks: i
     return per_micro, per_step
 
 
-def estimate_speed(shape: ModelShape, layout: Layout, seq_len: int, global_batch: int, gpu: GPU, engine: Engine = TESSERA,
-                   layers_per_stage: str = "", prec: Precision | None = None) -> Speed:
+def estimate_speed(
+    shape: ModelShape,
+    layout: Layout,
+    seq_len: int,
+    global_batch: int,
+    gpu: GPU,
+    engine: Engine = TESSERA,
+    layers_per_stage: str = "",
+    prec: Precision | None = None,
+) -> Speed:
     """Seconds per optimizer step of ``layout`` on ``gpu``, split into compute, exposed comm, bubble, optimizer."""
     ranks = [rank_share(shape, layout, r, layers_per_stage) for r in sorted({0, layout.pp - 1})]
     prec = prec or tessera_precision("bf16", layout.fsdp)
@@ -206,4 +224,6 @@ def estimate_speed(shape: ModelShape, layout: Layout, seq_len: int, global_batch
             bubble /= 3
     optimizer = 32.0 * local / (layout.shard if layout.fsdp else 1) / gpu.hbm_bandwidth
     tokens = global_batch * seq_len
-    return Speed(compute, comm, bubble, optimizer, tokens, layout.world, shape.flops_per_token(seq_len) * tokens, gpu.peak_flops)
+    return Speed(
+        compute, comm, bubble, optimizer, tokens, layout.world, shape.flops_per_token(seq_len) * tokens, gpu.peak_flops
+    )
