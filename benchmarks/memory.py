@@ -155,7 +155,8 @@ def worker(mode: str, overrides: list[str]) -> None:
         dims.build_mesh("cpu")
     model, spec = _build(config, dims)
     if mode == "peak":
-        record = {"peak": training_memory(model, config, spec, steps=1)[0]}
+        peak, kinds = training_memory(model, config, spec, steps=1)
+        record = {"peak": peak, "kinds": kinds}
     else:
         record = (_states if mode == "states" else _loss_params)(model, config, spec)
     records = [None] * env.world_size

@@ -120,8 +120,11 @@ def training_memory(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _step(model, optimizer, config, torch.randint(0, config.model.vocab_size, shape), spec)
-        tracker = FSDPMemTracker(model, optimizer) if spec.fsdp else MemTracker()
-        if not spec.fsdp:
+        if spec.pipeline is not None:
+            tracker = _peak_tracker()
+        else:
+            tracker = FSDPMemTracker(model, optimizer) if spec.fsdp else MemTracker()
+        if spec.pipeline is not None or not spec.fsdp:
             tracker.track_external(model, optimizer)
         with tracker:
             for _ in range(steps):
@@ -140,6 +143,27 @@ def training_memory(
             name = str(getattr(kind, "value", kind))
             categories[name] = categories.get(name, 0.0) + float(value)
     return categories.pop("Total", 0.0), categories
+
+
+def _peak_tracker():
+    """A ``MemTracker`` without per-module statistics, which refuse a module called several times per step
+    (a pipeline stage runs once per micro-batch); the storage accounting, and so the peak, is the same."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PeakTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            pass
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            pass
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
+
+    return PeakTracker()
 
 
 @contextlib.contextmanager

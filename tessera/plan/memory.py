@@ -233,50 +233,33 @@ def rank_memory(shape: ModelShape, layout: Layout, setting: Setting, pp_rank: in
     prec, share = setting.prec, rank_share(shape, layout, pp_rank, setting.layers_per_stage)
     local = share.local(shape, layout)
     n = layout.shard if layout.fsdp else 1
-    params, grads, optim = prec.param * local / n, prec.grad * local / n, prec.optim * local / n
+    states = {"params": prec.param * local / n, "optim": prec.optim * local / n, "pp_rank": pp_rank}
+    grads = prec.grad * local / n
     acts = stage_activations(shape, share, layout, prec, setting.seq_len)
-    inflight = acts.kept * (inflight_stages(layout, pp_rank) - 1)
     tokens = layout.micro_batch * setting.seq_len // layout.cp
-    logit_values = tokens * shape.vocab / layout.tp if share.head else 0.0
+    logits = (tokens * shape.vocab / layout.tp if share.head else 0.0) * prec.compute
+    # torch's schedules keep every micro-batch's output (on the last stage: the logits) until the next step
+    outputs = logits * layout.microbatches if layout.pp > 1 else 0.0
+    inflight = acts.kept * (inflight_stages(layout, pp_rank) - 1) + max(0.0, outputs - logits)
+    # Earlier micro-batches' sharded gradients; under a pipeline FSDP reduces only after the last micro-batch
+    # (until then it accumulates unsharded gradients, counted in the buffers).
+    earlier = grads if layout.microbatches > 1 and not (layout.pp > 1 and layout.fsdp) else 0.0
     buf = _buffers(shape, share, layout, prec)
-    earlier = grads if layout.microbatches > 1 else 0.0
-    common = {"params": params, "optim": optim, "pp_rank": pp_rank}
-    moments = (
-        MemoryBreakdown(
-            grads=earlier,
-            activations=acts.kept,
-            logits=logit_values * (prec.compute + LOGIT_FP32_BUFFERS[layout.tp > 1]),
-            inflight=inflight,
-            buffers=buf.loss,
-            moment="loss",
-            **common,
-        ),
-        MemoryBreakdown(
-            grads=earlier,
-            activations=acts.last_backward,
-            logits=logit_values * prec.compute,
-            inflight=inflight,
-            buffers=buf.block_backward,
-            moment="block backward",
-            **common,
-        ),
-        MemoryBreakdown(
-            grads=earlier,
-            activations=acts.inner_backward,
-            logits=logit_values * prec.compute,
-            inflight=inflight,
-            buffers=buf.block_backward + buf.reducing,
-            moment="block backward",
-            **common,
-        ),
-        MemoryBreakdown(grads=grads, buffers=buf.backward_end, moment="backward end", **common),
-        MemoryBreakdown(
-            grads=grads,
-            buffers=_optimizer_temp(shape, layout, setting, local / n) + (0.0 if layout.fsdp else buf.backward_end),
-            moment="optimizer step",
-            **common,
-        ),
+    loss_logits = logits / prec.compute * (prec.compute + LOGIT_FP32_BUFFERS[layout.tp > 1])
+    during = (
+        ("loss", acts.kept, loss_logits, buf.loss),
+        ("block backward", acts.last_backward, logits, buf.block_backward),
+        ("block backward", acts.inner_backward, logits, buf.block_backward + buf.reducing),
     )
+    moments = [
+        MemoryBreakdown(grads=earlier, activations=a, logits=lg, inflight=inflight, buffers=bf, moment=m, **states)
+        for m, a, lg, bf in during
+    ]
+    moments.append(
+        MemoryBreakdown(grads=grads, inflight=outputs, buffers=buf.backward_end, moment="backward end", **states)
+    )
+    temp = _optimizer_temp(shape, layout, setting, local / n) + (0.0 if layout.fsdp else buf.backward_end)
+    moments.append(MemoryBreakdown(grads=grads, inflight=outputs, buffers=temp, moment="optimizer step", **states))
     return max(moments, key=lambda m: m.total)
 
 
