@@ -121,3 +121,21 @@ def test_launch_and_slurm_warn_when_the_layout_will_not_fit(capsys):
 
 def test_shape_of_a_full_size_recipe_matches_its_published_size():
     assert round(model_shape(load_config("configs/llama3-8b.toml").model).total / 1e9, 2) == 8.03
+
+
+def test_enumeration_follows_the_compatibility_matrix(monkeypatch):
+    """Only layouts the matrix allows: no tp with tied embeddings; cp and ep appear once the matrix allows them."""
+    from tessera import compat
+    from tessera.plan.layouts import candidate_layouts
+
+    tied = load_config("configs/tiny/gpt2.toml", ["train.batch_size=8"])
+    assert tied.model.tie_embeddings
+    layouts = list(candidate_layouts(tied, 4, 8))
+    assert layouts and all(lay.tp == 1 for lay in layouts)
+    moe = load_config("configs/tiny/mixtral.toml", ["train.batch_size=8", "parallel.tp=1"])
+    before = list(candidate_layouts(moe, 4, 8))
+    assert before and all(lay.cp == 1 and lay.ep == 1 for lay in before)
+    monkeypatch.setitem(compat.UNSUPPORTED, "training", {})
+    after = list(candidate_layouts(moe, 4, 8))
+    assert any(lay.cp > 1 for lay in after) and any(lay.ep > 1 for lay in after)
+    assert all(moe.model.moe.experts % lay.ep == 0 and lay.shard % lay.ep == 0 for lay in after)

@@ -1,14 +1,20 @@
 """Per-GPU memory of a layout: model states, activations, logits, pipeline in-flight, buffers.
 
-The estimate follows one optimizer step of tessera's trainer and takes the largest of three
-moments on the most loaded pipeline rank:
+The estimate follows one optimizer step of tessera's trainer and takes the largest of these
+moments on the first and the last pipeline rank:
 
 - **loss**: the end of the forward pass and the start of backward -- every saved activation of
   the micro-batches in flight, the logits and their cross-entropy buffers, the parameters FSDP
   holds gathered (or autocast's cast copies), and the gradients of earlier micro-batches;
+- **block backward**: the last block's backward (what is still kept, plus its recomputed
+  activations and activation gradients, the gathered block and the prefetched next one), and
+  an earlier block's backward while the later block's gradients are being reduced;
 - **backward end**: all gradients, plus FSDP's unsharded embedding/head gradients awaiting the
   final reduce-scatter;
 - **optimizer step**: all gradients plus AdamW's temporaries.
+
+Every constant that is not a formula (the logits' backward buffers, the activation gradients of a
+block's backward) was read off torch's memory tracker on tiny decoders, and is named below.
 
 Model states follow the ZeRO paper's accounting (:func:`zero_model_state_bytes`) with tessera's
 precisions: fp32 parameters are the master copy, gradients are fp32, AdamW keeps two fp32
