@@ -22,7 +22,7 @@ from torch import nn
 from tessera.config import ModelConfig
 from tessera.train.flops import flops_per_token
 
-_TP_SHARDED = ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj", "feed_forward.")
+_TP_SHARDED = tuple(f"{a}.{p}_proj" for a in ("attention", "cross_attention") for p in "qkvo") + ("feed_forward.",)
 
 
 @dataclass(frozen=True)
