@@ -198,6 +198,8 @@ def test_step_time_by_hand_for_tensor_parallel_in_one_node():
     assert per_token == 5_118_720
     flops = tokens * per_token
     assert s.compute == pytest.approx(flops / (g.peak_flops * g.efficiency), rel=1e-6)
+    fp32 = estimate_speed(shape, layout, 128, 4, g, prec=tessera_precision("fp32", False))  # CUDA cores, TF32 off
+    assert fp32.compute == pytest.approx(flops / (g.fp32_flops * g.efficiency), rel=1e-6)
     region = 2 * 1 / 2 * tokens * 256 * 2 / (g.nvlink * LINK_EFFICIENCY) + LATENCY_NVLINK
     assert s.comm == pytest.approx((8 + 2 + 2) * region, rel=1e-6)
     assert math.isclose(s.mfu, shape.flops_per_token(128) * tokens / s.step / 2 / g.peak_flops)

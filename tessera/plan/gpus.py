@@ -1,6 +1,7 @@
 """The GPU catalog: peak bf16 FLOP/s, memory, links, and the calibrated achievable efficiency.
 
-Peaks are the vendors' dense (no sparsity) bf16 tensor-core figures; memory is what
+Peaks are the vendors' dense (no sparsity) bf16 tensor-core figures, and their fp32 CUDA-core
+figures for ``train.dtype = "fp32"`` (tessera leaves TF32 off, so fp32 matmuls run at that rate); memory is what
 ``nvidia-smi`` reports as total; ``nvlink`` is the per-GPU unidirectional NVLink bandwidth;
 ``network`` the per-GPU inter-node bandwidth of the usual HGX/DGX build (one NIC per GPU:
 200 Gb/s HDR InfiniBand on A100 systems, 400 Gb/s NDR on H100/H200/B200).
@@ -33,6 +34,7 @@ class GPU:
     nvlink: float  # bytes/s per GPU, one direction
     network: float  # bytes/s per GPU between nodes, one direction
     efficiency: float  # achievable fraction of peak on the model's matmuls (calibrated)
+    fp32_flops: float = 0.0  # dense fp32 FLOP/s without tensor cores: tessera's fp32 runs (TF32 stays off)
     calibrated: bool = True
     gpus_per_node: int = 8
 
@@ -50,11 +52,11 @@ A100_EFFICIENCY = 0.665
 H100_EFFICIENCY = 0.68
 
 CATALOG: dict[str, GPU] = {
-    "a100-40gb": GPU("A100-40GB", 312e12, 40 * GIB, 1.555e12, 300e9, 25e9, A100_EFFICIENCY),
-    "a100-80gb": GPU("A100-80GB", 312e12, 80 * GIB, 2.039e12, 300e9, 25e9, A100_EFFICIENCY),
-    "h100-80gb": GPU("H100-80GB", 989e12, 79.6 * GIB, 3.35e12, 450e9, 50e9, H100_EFFICIENCY),
-    "h200-141gb": GPU("H200-141GB", 989e12, 140.4 * GIB, 4.8e12, 450e9, 50e9, H100_EFFICIENCY),
-    "b200": GPU("B200", 2250e12, 179 * GIB, 8.0e12, 900e9, 50e9, H100_EFFICIENCY, calibrated=False),
+    "a100-40gb": GPU("A100-40GB", 312e12, 40 * GIB, 1.555e12, 300e9, 25e9, A100_EFFICIENCY, 19.5e12),
+    "a100-80gb": GPU("A100-80GB", 312e12, 80 * GIB, 2.039e12, 300e9, 25e9, A100_EFFICIENCY, 19.5e12),
+    "h100-80gb": GPU("H100-80GB", 989e12, 79.6 * GIB, 3.35e12, 450e9, 50e9, H100_EFFICIENCY, 67e12),
+    "h200-141gb": GPU("H200-141GB", 989e12, 140.4 * GIB, 4.8e12, 450e9, 50e9, H100_EFFICIENCY, 67e12),
+    "b200": GPU("B200", 2250e12, 179 * GIB, 8.0e12, 900e9, 50e9, H100_EFFICIENCY, 80e12, calibrated=False),
 }
 
 

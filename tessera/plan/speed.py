@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tessera.plan.activations import Precision, tessera_precision
@@ -134,7 +135,7 @@ def _rank_time(
 ) -> _RankTime:
     """Compute and exposed model-parallel communication of one micro-batch on one pp rank."""
     tokens = layout.micro_batch * seq_len / layout.cp
-    rate = gpu.peak_flops * gpu.efficiency
+    rate = (gpu.fp32_flops if prec.compute == 4 else gpu.peak_flops) * gpu.efficiency
     c, h = engine.compute_bytes, shape.dim
     tp_link = _link(gpu, 1, layout.tp)
     region = 2 * ring_time(
@@ -205,6 +206,7 @@ def estimate_speed(
     """Seconds per optimizer step of ``layout`` on ``gpu``, split into compute, exposed comm, bubble, optimizer."""
     ranks = [rank_share(shape, layout, r, layers_per_stage) for r in sorted({0, layout.pp - 1})]
     prec = prec or tessera_precision("bf16", layout.fsdp)
+    engine = dataclasses.replace(engine, compute_bytes=prec.compute)  # activations and gathers travel in it
     times = [_rank_time(shape, s, layout, seq_len, gpu, engine, prec) for s in ranks]
     slow = max(range(len(times)), key=lambda i: times[i].compute + times[i].comm)
     t, share = times[slow], ranks[slow]
