@@ -430,17 +430,12 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     from tessera.api import generate_text
 
-    print(
-        generate_text(
-            args.path,
-            args.prompt,
-            args.max_new_tokens,
-            0.0 if args.greedy else args.temperature,
-            args.top_k,
-            args.top_p,
-            args.seed,
-        )
+    temperature = 0.0 if args.greedy else args.temperature
+    text, cache = generate_text(
+        args.path, args.prompt, args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed
     )
+    print(text)
+    print(cache, file=sys.stderr)
     return 0
 
 
@@ -450,13 +445,19 @@ def _add_convert(sub: Subparsers) -> None:
     imp = actions.add_parser(
         "hf-import", help="HF model directory (config.json + safetensors) -> tessera run directory", allow_abbrev=False
     )
-    imp.add_argument("hf_dir", help="HF model directory: llama, mistral, qwen2, gpt2, mixtral, bert or t5")
+    imp.add_argument(
+        "hf_dir",
+        help="HF model directory: llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, "
+        "gpt2, bert, t5, mamba, mamba2 or jamba",
+    )
     imp.add_argument("out_dir", help="tessera run directory to write (one checkpoint, step 0)")
     exp = actions.add_parser(
         "hf-export", help="tessera run or checkpoint directory -> HF model directory", allow_abbrev=False
     )
     exp.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
-    exp.add_argument("out_dir", help="HF model directory to write (config.json + model.safetensors)")
+    exp.add_argument(
+        "out_dir", help="HF model directory to write (config, safetensors, tokenizer, generation config, model card)"
+    )
     exp.add_argument("--family", default=None, help="HF family to write (default: detected from the model config)")
     cons = actions.add_parser(
         "consolidate", help="tessera run or checkpoint (any layout) -> one model.safetensors", allow_abbrev=False

@@ -52,6 +52,17 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "ALiBi": {},
     "sparse/linear attention kernels": {},
     "mixture of experts": {},
+    "QK-norm over all heads": {
+        "tp": "the norm spans every head's channels, which tensor parallelism splits over ranks",
+    },
+    "Mamba layers": {
+        "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
+        "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
+    },
+    "latent attention": {
+        "tp": "the tensor-parallel plan does not cover latent attention's projections",
+        "cp": "ring attention is written for standard attention's keys and values, not the latent cache",
+    },
 }
 
 
@@ -116,6 +127,12 @@ def job_features(config: Any) -> set[str]:
         features.add("sparse/linear attention kernels")
     if m.moe.experts > 1:
         features.add("mixture of experts")
+    if m.attention.qk_norm and m.attention.qk_norm_scope == "all":
+        features.add("QK-norm over all heads")
+    if "M" in m.layer_pattern:
+        features.add("Mamba layers")
+    if m.mla.kv_rank:
+        features.add("latent attention")
     return features
 
 
