@@ -139,3 +139,11 @@ def test_enumeration_follows_the_compatibility_matrix(monkeypatch):
     after = list(candidate_layouts(moe, 4, 8))
     assert any(lay.cp > 1 for lay in after) and any(lay.ep > 1 for lay in after)
     assert all(moe.model.moe.experts % lay.ep == 0 and lay.shard % lay.ep == 0 for lay in after)
+
+
+@pytest.mark.parametrize("recipe", ["tiny/mamba", "tiny/jamba", "tiny/gpt2", "tiny/mixtral", "tiny/t5"])
+def test_model_flops_never_exceed_the_timed_flops(recipe):
+    """MFU <= the efficiency factor for every layout: what the MFU counts is never left out of the compute time."""
+    config = load_config(f"configs/{recipe}.toml", ["train.batch_size=8", "train.dtype=bf16"])
+    p = plan(config, 4, gpu("h100-80gb"))
+    assert p.estimates and max(e.speed.mfu for e in p.estimates) <= gpu("h100-80gb").efficiency + 1e-9

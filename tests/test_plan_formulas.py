@@ -208,3 +208,25 @@ def test_step_time_by_hand_for_tensor_parallel_in_one_node():
 def test_memory_totals_are_in_bytes():
     assert GIB == 2**30
     assert isinstance(PRECISIONS["fp32"], Precision)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"layer_pattern": "M", "position": {"kind": "none"}, "mamba": {"version": 1, "state": 8, "chunk": 16, "ffn": False}},
+        {"layer_pattern": "M", "position": {"kind": "none"}, "mamba": {"version": 2, "state": 8, "chunk": 16, "head_dim": 16}},
+        {"mla": {"kv_rank": 32, "rope_head_dim": 8, "nope_head_dim": 16, "v_head_dim": 16}},
+    ],
+    ids=["mamba1", "mamba2-with-ffn", "latent-attention"],
+)
+def test_traced_mixers_equal_what_autograd_saves(mode, model):
+    """Mamba and latent-attention blocks (measured once on fake tensors, FFN by formula) within 2% of autograd."""
+    cfg = _tiny()
+    for section, values in model.items():
+        field = dataclasses.replace(getattr(cfg, section), **values) if isinstance(values, dict) else values
+        cfg = dataclasses.replace(cfg, **{section: field})
+    shape = model_shape(cfg)
+    tokens = 2 * cfg.mamba.chunk if cfg.layer_pattern else cfg.max_seq_len
+    predicted = tessera_block(shape, shape.blocks[0], PRECISIONS[mode]).full.bytes(1, tokens)
+    assert predicted == pytest.approx(_saved_bytes(cfg, mode, (1, tokens)), rel=0.02)

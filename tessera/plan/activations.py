@@ -29,6 +29,7 @@ checked by tests, the latter against the bytes autograd actually saves.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tessera.plan.shapes import BlockParams, ModelShape
@@ -125,18 +126,32 @@ def _moe(shape: ModelShape, prec: Precision) -> float:
     return router + k * per_assignment + shared_bytes
 
 
+def _ffn_part(shape: ModelShape, block: BlockParams, prec: Precision) -> tuple[float, float, float, float]:
+    """(gathered, sharded, op gathered, op sharded) bytes per token of the FFN or MoE sublayer."""
+    h, c = shape.dim, prec.compute
+    if block.moe:
+        op = shape.top_k * (((3 if shape.gated else 2) * shape.expert_hidden + h) * c) + 4.0 * shape.experts
+        return _moe(shape, prec), 0.0, c * h + op, 0.0
+    if not block.ffn:
+        return 0.0, 0.0, 0.0, 0.0
+    dropout = shape.ffn_hidden if shape.cfg.dropout > 0 else 0.0
+    gathered = (2 if prec.autocast and shape.gated else 1) * c * h  # its input (one cast copy per projection)
+    sharded = _ffn_hidden(shape.ffn_hidden, shape.gated, c) + dropout
+    return gathered, sharded, c * h, (2 if shape.gated else 1) * c * shape.ffn_hidden
+
+
 def tessera_block(shape: ModelShape, block: BlockParams, prec: Precision) -> BlockMemory:
-    """The saved bytes per token of one zoo block as tessera runs it (pre-/post-norm, SDPA or eager)."""
+    """The saved bytes per token of one zoo block as tessera runs it (pre-/post-norm, SDPA or eager).
+
+    Mamba and latent-attention mixers (which no tensor-parallel plan covers) are measured instead:
+    see :func:`traced_mixer_bytes`.
+    """
+    if block.mixer != "attention":
+        return _traced_block(shape, block, prec)
     cfg = shape.cfg
-    h, q, kv, c, heads = (
-        shape.dim,
-        shape.n_heads * shape.head_dim,
-        shape.n_kv_heads * shape.head_dim,
-        prec.compute,
-        shape.n_heads,
-    )
-    dropout = 1.0 if cfg.dropout > 0 else 0.0
-    residual = 2 * _norm(h, prec, cfg.norm) + dropout * 2 * h
+    h, c, heads = shape.dim, prec.compute, shape.n_heads
+    q, kv = heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    residual = 2 * _norm(h, prec, cfg.norm) + (2 * h if cfg.dropout > 0 else 0.0)
     attention = c * (q + 2 * kv) + c * q + 4.0 * heads  # q, k, v after RoPE; the kernel's output and logsumexp
     scores = 0.0
     if cfg.attention.kernel == "eager" or cfg.attention.dropout > 0:
@@ -144,18 +159,80 @@ def tessera_block(shape: ModelShape, block: BlockParams, prec: Precision) -> Blo
         scores, attention = 8.0 * heads, attention + 12.0 * q - 4.0 * heads
     if cfg.attention.qk_norm:
         attention += (4 + c) * (q + kv)
-    gathered = (3 if prec.autocast else 1) * c * h  # the q/k/v input (one cast copy per projection under autocast)
-    # op-level checkpointing keeps the block input, q/k/v and o_proj outputs, the kernel outputs, FFN matmul outputs
-    op_sharded = c * (q + 2 * kv) + c * q + 4.0 * heads
-    op_gathered = 2.0 * c * h  # o_proj and down_proj outputs: whole-size partial sums before the TP reduction
-    if block.moe:
-        gathered += _moe(shape, prec)
-        op_gathered += shape.top_k * (((3 if shape.gated else 2) * shape.expert_hidden + h) * c) + 4.0 * shape.experts
-        sharded = attention
-    else:
-        gathered += (2 if prec.autocast and shape.gated else 1) * c * h
-        sharded = attention + _ffn_hidden(shape.ffn_hidden, shape.gated, c) + dropout * shape.ffn_hidden
-        op_sharded += (2 if shape.gated else 1) * c * shape.ffn_hidden
-    full = BlockActivation(residual, gathered, sharded, scores)
-    checkpointed = BlockActivation(prec.stream * h, 0.0, 0.0)
-    return BlockMemory(full, checkpointed, BlockActivation(prec.stream * h, op_gathered, op_sharded))
+    ffn_gathered, ffn_sharded, op_ffn_gathered, op_ffn_sharded = _ffn_part(shape, block, prec)
+    gathered = (3 if prec.autocast else 1) * c * h + ffn_gathered  # q/k/v input: a cast copy per projection
+    full = BlockActivation(residual, gathered, attention + ffn_sharded, scores)
+    # op-level checkpointing keeps the block input, q/k/v and o_proj outputs, the kernel outputs, FFN matmul
+    # outputs (o_proj's and down_proj's whole-size, before the TP reduction)
+    op = BlockActivation(
+        prec.stream * h, c * h + op_ffn_gathered, c * (q + 2 * kv) + c * q + 4.0 * heads + op_ffn_sharded
+    )
+    return BlockMemory(full, BlockActivation(prec.stream * h, 0.0, 0.0), op)
+
+
+def _traced_block(shape: ModelShape, block: BlockParams, prec: Precision) -> BlockMemory:
+    """A Mamba or latent-attention block: its mixer measured, its FFN/MoE by formula (no TP: all whole)."""
+    h = shape.dim
+    mixer = traced_mixer_bytes(shape, block.layer, prec)
+    ffn_gathered, ffn_sharded, op_gathered, op_sharded = _ffn_part(shape, block, prec)
+    norm = _norm(h, prec, shape.cfg.norm) if block.ffn else 0.0
+    full = BlockActivation(norm, mixer + ffn_gathered, ffn_sharded)
+    op = BlockActivation(prec.stream * h, mixer + op_gathered, op_sharded)  # the mixer's own policy: kept whole
+    return BlockMemory(full, BlockActivation(prec.stream * h, 0.0, 0.0), op)
+
+
+_TRACED: dict[tuple[str, int, Precision], float] = {}
+
+
+def traced_mixer_bytes(shape: ModelShape, layer: int, prec: Precision) -> float:
+    """Bytes per token that a Mamba or latent-attention mixer (and its norm) keeps for backward.
+
+    Their kernels (chunked scans, low-rank projections) keep tensors no short formula follows, so
+    the real module runs once on fake tensors (shapes only, no storage) and the storages autograd
+    saves are added up, at two chunks (Mamba) or 256 tokens; cached per model and precision.
+    """
+    import json
+
+    key = (json.dumps(dataclasses.asdict(shape.cfg), sort_keys=True, default=str), layer, prec)
+    if key not in _TRACED:
+        _TRACED[key] = _trace(shape, layer, prec)
+    return _TRACED[key]
+
+
+def _trace(shape: ModelShape, layer: int, prec: Precision) -> float:
+    import contextlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tessera.model import build_model
+    from tessera.plan.shapes import one_period
+
+    cfg = shape.cfg
+    tokens = min(cfg.max_seq_len, 2 * cfg.mamba.chunk if cfg.layer_pattern and "M" in cfg.layer_pattern else 256)
+    dtype = torch.bfloat16 if prec.compute == 2 and not prec.autocast else torch.float32
+    with torch.device("meta"):
+        model = build_model(one_period(cfg)).to(dtype)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        block = model.layers[str(layer)]
+        mamba = block.mamba is not None
+        norm, mixer = (block.mamba_norm, block.mamba) if mamba else (block.attention_norm, block.attention)
+        x = torch.randn(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
+        ctx = model.context(1, tokens, 0, None, None, x.device)
+        weights = {p.untyped_storage()._cdata for p in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()  # fake tensors have no data pointer; the storage object is the identity
+            if storage._cdata not in weights:
+                saved[storage._cdata] = storage.nbytes()
+            return t
+
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if prec.autocast else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            mixer(norm(x)) if mamba else mixer(norm(x), ctx)
+    total = sum(saved.values())
+    if prec.autocast:  # its weights' bf16 copies are counted with the other cast copies (buffers)
+        total -= 2 * sum(p.numel() for p in mixer.parameters() if p.dim() >= 2)
+    return max(0.0, total) / tokens

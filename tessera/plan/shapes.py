@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.train.flops import flops_per_token
 
 _TP_SHARDED = tuple(f"{a}.{p}_proj" for a in ("attention", "cross_attention") for p in "qkvo") + ("feed_forward.",)
 
@@ -33,6 +32,9 @@ class BlockParams:
     replicated: int
     experts: int
     moe: bool
+    mixer: str = "attention"  # "attention", "latent" (MLA) or "mamba"
+    ffn: bool = True  # a dense FFN or MoE sublayer follows the mixer
+    layer: int = 0  # its index in one period of the model's block kinds
 
     @property
     def total(self) -> int:
@@ -74,16 +76,24 @@ class ModelShape:
     def active_matmul(self) -> int:
         """Parameters one token multiplies with: all but the embedding lookup, top-k of the experts."""
         routed = sum(b.experts for b in self.blocks)
-        head = self.head + (self.vocab * self.dim if self.tied else 0)
         active_experts = routed * self.top_k // self.experts if self.experts else 0
-        return sum(b.tp + b.replicated for b in self.blocks) + active_experts + head
+        return sum(b.tp + b.replicated for b in self.blocks) + active_experts + self.head_matmul
+
+    @property
+    def head_matmul(self) -> int:
+        """Parameters of the head's matmuls (a tied head multiplies with the embedding table)."""
+        return self.head + (self.vocab * self.dim if self.tied else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per trained token: 6 N_active + 12 L H Q T (tessera's MFU formula)."""
-        return flops_per_token(self.active_matmul, self.cfg, seq_len)
+        """Model FLOPs per trained token: 6 N_active + 12 L H Q T (PaLM's, as tessera's MFU), with L the
+        attention layers only (a Mamba layer has no score products)."""
+        attention_layers = sum(1 for b in self.blocks if b.mixer != "mamba")
+        return 6.0 * self.active_matmul + 12.0 * attention_layers * self.n_heads * self.head_dim * seq_len
 
 
-def _classify(block: nn.Module) -> BlockParams:
+def _classify(block: nn.Module, layer: int) -> BlockParams:
+    from tessera.model.mla import LatentAttention
+
     tp = replicated = experts = 0
     for name, p in block.named_parameters():
         if ".experts." in f".{name}":
@@ -94,12 +104,18 @@ def _classify(block: nn.Module) -> BlockParams:
             tp += p.numel()
         else:
             replicated += p.numel()
-    return BlockParams(tp, replicated, experts, getattr(block, "moe", None) is not None)
+    moe = getattr(block, "moe", None) is not None
+    ffn = moe or getattr(block, "feed_forward", None) is not None
+    if getattr(block, "mamba", None) is not None:
+        mixer = "mamba"
+    else:
+        mixer = "latent" if isinstance(getattr(block, "attention", None), LatentAttention) else "attention"
+    return BlockParams(tp, replicated, experts, moe, mixer, ffn, layer)
 
 
-def _one_period(cfg: ModelConfig) -> ModelConfig:
-    """The same model with only one period of block kinds (every ``moe_every``-th block is MoE)."""
-    period = max(1, cfg.moe.every) if cfg.moe.experts else 1
+def one_period(cfg: ModelConfig) -> ModelConfig:
+    """The same model with only one period of block kinds (``layer_pattern``, every ``moe.every``-th MoE)."""
+    period = math.lcm(max(1, cfg.moe.every) if cfg.moe.experts else 1, max(1, len(cfg.layer_pattern)))
     decoder = period if cfg.arch == "encoder_decoder" else 0
     return dataclasses.replace(cfg, n_layers=period, n_decoder_layers=decoder)
 
@@ -109,10 +125,10 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
     from tessera.model import build_model
     from tessera.parallel.blocks import block_containers
 
-    small = _one_period(cfg)
+    small = one_period(cfg)
     with torch.device("meta"):
         model = build_model(small)
-    stacks = [[_classify(b) for b in layers.values()] for layers in block_containers(model)]
+    stacks = [[_classify(b, i) for i, b in enumerate(layers.values())] for layers in block_containers(model)]
     in_blocks = {id(p) for layers in block_containers(model) for p in layers.parameters()}
     embedding = head = 0
     seen: set[int] = set()

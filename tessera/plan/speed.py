@@ -106,7 +106,8 @@ def _recomputed(layout: Layout, index: int) -> bool:
 
 def _block_flops(shape: ModelShape, block: BlockParams, layout: Layout, seq_len: int) -> float:
     """Training FLOPs per token of one block on one GPU (without recompute)."""
-    attention = 12.0 * shape.n_heads * shape.head_dim * seq_len / layout.tp
+    # the attention-score term of tessera's MFU formula (Mamba's scan is counted by its matmul parameters alone)
+    attention = 0.0 if block.mixer == "mamba" else 12.0 * shape.n_heads * shape.head_dim * seq_len / layout.tp
     dense = 6.0 * block.tp / layout.tp
     if not block.moe:
         return dense + attention + 6.0 * block.replicated
@@ -154,14 +155,15 @@ def _rank_time(
             if layout.ac == "op":  # recomputing the elementwise ops: memory-bound, read and write what they make
                 compute += 2 * _elementwise_bytes(shape, block, prec, layout, int(tokens), seq_len) / gpu.hbm_bandwidth
             comm += (4 + (2 if extra else 0)) * region
-            attention = 12.0 * shape.n_heads * shape.head_dim * seq_len / layout.tp * tokens / rate
+            attention = (0.0 if block.mixer == "mamba" else 12.0 * shape.n_heads * shape.head_dim * seq_len) * tokens
+            attention /= layout.tp * rate
             comm += max(0.0, 3 * ring_time("all_gather", kv_bytes, layout.cp, cp_link) - attention)
             if block.moe:
                 comm += (4 + (2 if extra else 0)) * ring_time(
                     "all_to_all", tokens * shape.top_k * h * c, layout.ep, ep_link
                 )
     if share.head:
-        compute += 6.0 * shape.head / layout.tp * tokens / rate
+        compute += 6.0 * shape.head_matmul / layout.tp * tokens / rate
         comm += 2 * region
     if share.embedding:
         comm += 2 * region
