@@ -214,8 +214,16 @@ def test_memory_totals_are_in_bytes():
 @pytest.mark.parametrize(
     "model",
     [
-        {"layer_pattern": "M", "position": {"kind": "none"}, "mamba": {"version": 1, "state": 8, "chunk": 16, "ffn": False}},
-        {"layer_pattern": "M", "position": {"kind": "none"}, "mamba": {"version": 2, "state": 8, "chunk": 16, "head_dim": 16}},
+        {
+            "layer_pattern": "M",
+            "position": {"kind": "none"},
+            "mamba": {"version": 1, "state": 8, "chunk": 16, "ffn": False},
+        },
+        {
+            "layer_pattern": "M",
+            "position": {"kind": "none"},
+            "mamba": {"version": 2, "state": 8, "chunk": 16, "head_dim": 16},
+        },
         {"mla": {"kv_rank": 32, "rope_head_dim": 8, "nope_head_dim": 16, "v_head_dim": 16}},
     ],
     ids=["mamba1", "mamba2-with-ffn", "latent-attention"],
