@@ -143,6 +143,11 @@ def _add_launch(sub: Subparsers) -> None:
         help="launcher, run by this Python (accelerate: also writes RUN_DIR/accelerate.yaml)",
     )
     launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    launch.add_argument(
+        "--gpu",
+        default="",
+        help="GPU kind of `tessera plan`'s catalog, e.g. h100-80gb: warn if the layout will not fit",
+    )
 
 
 def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -160,6 +165,7 @@ def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
         max_restarts=args.max_restarts,
         via=args.via,
         dry_run=args.dry_run,
+        gpu=args.gpu,
     )
 
 
@@ -229,6 +235,11 @@ def _add_slurm(sub: Subparsers) -> None:
     )
     sl.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     sl.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    sl.add_argument(
+        "--gpu",
+        default="",
+        help="GPU kind of `tessera plan`'s catalog, e.g. h100-80gb: warn if the layout will not fit",
+    )
 
 
 def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -252,6 +263,7 @@ def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
         sbatch_options=args.sbatch,
         setup=args.setup,
         python=args.python or sys.executable,
+        gpu=args.gpu,
     )
     return slurm(args.config, overrides, spec, args.argv, args.submit, args.dry_run)
 
@@ -467,6 +479,36 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- plan
+
+
+def _add_plan(sub: Subparsers) -> None:
+    plan = _command(
+        sub,
+        "plan",
+        _cmd_plan,
+        "rank the layouts of N GPUs by predicted speed, with memory per GPU and what does not fit",
+        epilog=OVERRIDES_HELP,
+    )
+    plan.add_argument("config", help="TOML recipe; overrides follow as for train")
+    plan.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    plan.add_argument("--gpu", required=True, help="GPU kind: a100-40gb, a100-80gb, h100-80gb, h200-141gb, b200")
+    plan.add_argument("--nodes-of", type=int, default=8, help="GPUs per node (default 8)")
+    plan.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    plan.add_argument(
+        "--measure",
+        action="store_true",
+        help="also measure the best measurable layout on fake ranks (real parallelize)",
+    )
+
+
+def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.plan.cli import run_plan
+
+    print(run_plan(args.config, overrides, args.gpus, args.gpu, args.nodes_of, args.top, args.measure))
+    return 0
+
+
 # ---------------------------------------------------------------- entry point
 
 COMMANDS = (
@@ -474,6 +516,7 @@ COMMANDS = (
     _add_launch,
     _add_slurm,
     _add_parity,
+    _add_plan,
     _add_status,
     _add_config,
     _add_prepare,
