@@ -220,7 +220,10 @@ class Pipeline:
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         if self.has_first:  # split into micro-batches by the schedule, like the inputs
             kwargs.update(model_kwargs or {})
-        (self.schedule.step if train else self.schedule.eval)(*inputs, **kwargs)
+        if train:  # the micro-batches' outputs are not kept: each one's logits die with its backward
+            self.schedule.step(*inputs, return_outputs=False, **kwargs)
+        else:
+            self.schedule.eval(*inputs, **kwargs)
         # The first step's shape inference runs one extra forward per stage: count the schedule's own.
         aux = [a for hooks in self.hooks for a in hooks.aux_losses[-self.microbatches :]]
         local = sum(_scalar(loss) for loss in losses) + sum(float(a) for a in aux)

@@ -244,8 +244,8 @@ def rank_memory(shape: ModelShape, layout: Layout, setting: Setting, pp_rank: in
     acts = stage_activations(shape, share, layout, prec, setting.seq_len)
     tokens = layout.micro_batch * setting.seq_len // layout.cp
     logits = (tokens * shape.vocab / layout.tp if share.head else 0.0) * prec.compute
-    # torch's schedules keep every micro-batch's output (on the last stage: the logits) until the next step
-    outputs = logits * layout.microbatches if layout.pp > 1 else 0.0
+    # tessera runs torch's schedules with return_outputs=False: a micro-batch's logits die with its backward
+    outputs = 0.0
     inflight = acts.kept * (inflight_stages(layout, pp_rank) - 1) + max(0.0, outputs - logits)
     # Earlier micro-batches' sharded gradients; under a pipeline FSDP reduces only after the last micro-batch
     # (until then it accumulates unsharded gradients, counted in the buffers).
