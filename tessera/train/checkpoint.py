@@ -5,11 +5,14 @@ A checkpoint is a directory ``checkpoints/step_XXXXXXXX`` holding DCP shards of 
 scheduler, data-loader position, optimizer hyper-parameters, config). It is written under a
 ``.tmp`` name and renamed when complete, so a crash mid-save leaves the previous checkpoint as
 the newest complete one. Loading never unpickles arbitrary objects: tensors are read with
-``weights_only`` and DCP's metadata file goes through an allow-list unpickler.
+``weights_only``, DCP's metadata file goes through an allow-list unpickler, and a checkpoint
+that declares anything tessera never writes (a pickled "bytes" entry, a shard file outside its
+directory, a stream transform) is refused before a byte of it is read.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -23,7 +26,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 
 CHECKPOINT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -58,18 +64,55 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader with an allow-list unpickler for the ``.metadata`` file."""
+    """DCP's file reader with an allow-list unpickler for the ``.metadata`` file.
+
+    It also refuses metadata that declares what tessera never writes: entries stored as pickled
+    bytes (DCP's default planner would ``torch.load(weights_only=False)`` them, i.e. run code),
+    shard files outside the checkpoint directory, and stream transforms.
+    """
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
+        _check_entries(metadata, Path(str(path)))
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_entries(metadata: Any, path: Path) -> None:
+    """Raise unless every entry of DCP ``metadata`` is a tensor in a plain shard file beside ``path``."""
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"'{path}' holds a {type(metadata).__name__}, not DCP metadata; it is not a checkpoint")
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(
+                f"checkpoint metadata '{path}' declares '{fqn}' as {type(entry).__name__}; tessera writes only "
+                "tensors and refuses to load it (the checkpoint was not written by tessera or was tampered with)"
+            )
+    for index, info in metadata.storage_data.items():
+        name = str(getattr(info, "relative_path", ""))
+        if not name or Path(name).name != name or name in (".", "..") or getattr(info, "transform_descriptors", None):
+            raise CheckpointError(
+                f"checkpoint metadata '{path}' stores '{index.fqn}' in {name!r}"
+                f"{' with transforms' if getattr(info, 'transform_descriptors', None) else ''}; tessera reads only "
+                "plain shard files inside the checkpoint directory and refuses to load it"
+            )
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that a bytes entry is read with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -194,8 +237,8 @@ class Checkpointer:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(tensors, storage_reader=reader)
-        except (CheckpointException, RuntimeError, ValueError, KeyError) as err:
+                dcp.load(tensors, storage_reader=reader, planner=_WeightsOnlyLoadPlanner())
+        except (CheckpointException, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
             raise CheckpointError(
                 f"checkpoint '{path}' does not fit this model or is damaged: {str(err).splitlines()[0]}"
             ) from None
