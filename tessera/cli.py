@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import math
 import sys
 from collections.abc import Sequence
 
@@ -118,10 +120,10 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.print_config:
         print(config.to_toml())
         return 0
-    from tessera.train.preemption import PREEMPTED_EXIT_CODE
+    from tessera.train.preemption import stop_exit_code
     from tessera.train.trainer import train_and_exit
 
-    return PREEMPTED_EXIT_CODE if train_and_exit(config).preempted else 0
+    return stop_exit_code(train_and_exit(config).preempted)
 
 
 def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -141,6 +143,7 @@ def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
     imp = conv_sub.add_parser("hf-import", help="HF model directory (config.json + safetensors) -> tessera run directory", allow_abbrev=False)
     imp.add_argument("hf_dir", help="HF model directory: llama, mistral, qwen2, gpt2, mixtral, bert or t5")
     imp.add_argument("out_dir", help="tessera run directory to write (one checkpoint, step 0)")
+    imp.add_argument("--overwrite", action="store_true", help="replace what an earlier run wrote into OUT_DIR")
     exp = conv_sub.add_parser("hf-export", help="tessera run or checkpoint directory -> HF model directory", allow_abbrev=False)
     exp.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
     exp.add_argument("out_dir", help="HF model directory to write (config.json + model.safetensors)")
@@ -156,7 +159,7 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.convert import consolidate, hf_export, hf_import
 
     if args.convert_command == "hf-import":
-        print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir)}")
+        print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir, args.overwrite)}")
     elif args.convert_command == "consolidate":
         print(f"consolidated {args.checkpoint} -> {consolidate(args.checkpoint, args.out_dir)}")
     else:
@@ -171,6 +174,10 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0) or args.top_k < 0:
+        raise ConfigError(
+            f"--temperature must be a finite number >= 0 and --top-k >= 0, got {args.temperature}, {args.top_k}"
+        )
     import torch
 
     from tessera.api import load_with_tokenizer
@@ -178,6 +185,11 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     model, tokenizer = load_with_tokenizer(args.path)
     ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(args.prompt)])
+    if ids.shape[1] >= model.cfg.max_seq_len:
+        raise ConfigError(
+            f"--prompt is {ids.shape[1]} tokens but the model's context (model.max_seq_len) is "
+            f"{model.cfg.max_seq_len}; shorten the prompt"
+        )
     temperature = 0.0 if args.greedy else args.temperature
     gen = torch.Generator().manual_seed(args.seed)
     out = generate(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, tokenizer.eos_id, gen)
@@ -235,16 +247,42 @@ def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
 COMMANDS = {"launch": _cmd_launch, "slurm": _cmd_slurm, "train": _cmd_train, "tokenizer": _cmd_tokenizer, "generate": _cmd_generate, "prepare": _cmd_prepare, "data": _cmd_data}
 
 
+def _unknown_flags(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """A ``--flag`` that is neither an option nor a ``--section.key`` override is a typo: say so (with a guess)."""
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and "." not in name:
+            options = [o for p in _all_parsers(parser) for o in p._option_string_actions if o.startswith("--")]
+            close = difflib.get_close_matches(name, options, n=1)
+            guess = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(
+                f"unknown option '{name}'{guess}; config overrides are written --section.key VALUE or section.key=VALUE"
+            )
+
+
+def _all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser] + [q for action in subs for p in action.choices.values() for q in _all_parsers(p)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit code (2 for user errors)."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        _unknown_flags(parser, extra)
         return COMMANDS[args.command](args, extra)
     except _user_errors() as err:
         print(f"tessera: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the machine's refusal (disk full, permissions), not a tessera bug: one line
+        where = f": '{err.filename}'" if err.filename else ""
+        print(f"tessera: error: {err.strerror or err}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("tessera: interrupted", file=sys.stderr)
+        return 130
 
 
 COMMANDS["convert"] = _cmd_convert

@@ -162,6 +162,7 @@ class PackedSplit:
                 "more data"
             )
         self.prefix, self.seq_len, self.tokens = prefix, config.sequence_length, tokens
+        self.vocab_size = config.tokenizer.vocab_size
         indices = np.arange(begin, end, dtype=np.int32)
         # Under a process group megatron writes the index cache on rank 0 only: build there first (the trainer does).
         self.gpt = gpt_dataset.GPTDataset(indexed, prefix, indices, num_samples, Split[split_name], config)
@@ -179,4 +180,10 @@ class PackedSplit:
             raise IndexError(i)
         # The raw window (seq_len + 1 tokens); GPTDataset.__getitem__ would add masks tessera builds per batch.
         tokens, _ = self.gpt._query_document_sample_shuffle_indices(int(i))
+        if tokens.size and int(tokens.max()) >= self.vocab_size:  # one max per window: cheap, and every id is seen
+            raise DataError(
+                f"indexed dataset '{self.prefix}.bin' holds token id {int(tokens.max())} but the tokenizer has "
+                f"{self.vocab_size} tokens; it was prepared with another tokenizer: set data.tokenizer to that one or "
+                "re-run 'tessera prepare' with this one"
+            )
         return tokens
