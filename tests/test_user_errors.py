@@ -6,7 +6,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import REPO, TINY_OVERRIDES, run_cli
@@ -171,7 +170,9 @@ def test_token_ids_beyond_the_tokenizer_vocabulary(tmp_path, cache_dir, small_to
     write_megatron_dataset(wide, 300, 10, 400)  # ids up to 399; the tokenizer has 300
     argv = ["train", "configs/smoke.toml", *TINY_OVERRIDES, f"train.run_dir={tmp_path / 'run'}"]
     argv.append(f"data.cache_dir={cache_dir}")
-    fails_with([*argv, f"data.blend={wide}", f"data.tokenizer={small_tokenizer}"], capsys, f"'{wide}.bin' holds token id")
+    fails_with(
+        [*argv, f"data.blend={wide}", f"data.tokenizer={small_tokenizer}"], capsys, f"'{wide}.bin' holds token id"
+    )
 
 
 def test_a_jsonl_with_a_bad_line_prints_one_line_only(tmp_path, small_tokenizer):

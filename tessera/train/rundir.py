@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import ConfigError, JobConfig
-from tessera.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint, read_meta
+from tessera.train.checkpoint import (
+    CHECKPOINT_DIR,
+    CheckpointError,
+    latest_checkpoint,
+    read_meta,
+)
 from tessera.train.metrics import json_safe, read_metrics
 from tessera.train.preemption import PREEMPTION_MARKER
 
@@ -39,8 +44,8 @@ RUN_OUTPUTS = (
     "hang",
     PREEMPTION_MARKER,
 )
-# Resolved keys that never take effect on resume, and why.
-KEPT_ON_RESUME = {"train.seed": "data order and RNG state continue from the checkpoint"}
+# Keys a resumed run cannot change: the saved data position only means something for the same samples.
+FIXED_ON_RESUME = {"train.seq_len": "the sequence length", "train.seed": "the data order"}
 NOT_COMPARED = ("train.run_dir", "train.resume", "train.overwrite")
 
 
@@ -211,13 +216,26 @@ def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_changes(saved: dict[str, Any], config: JobConfig) -> str:
-    """One line naming the resolved keys that differ from a checkpoint's config and whether each takes effect."""
+def config_changes(saved: dict[str, Any], config: JobConfig) -> dict[str, tuple[Any, Any]]:
+    """Resolved keys whose value differs from a checkpoint's config: ``{key: (old, new)}``."""
     old, new = _flat(saved), _flat(config.to_dict())
-    changed = [k for k in new if k in old and k not in NOT_COMPARED and old[k] != new[k]]
-    if not changed:
+    return {k: (old[k], new[k]) for k in new if k in old and k not in NOT_COMPARED and old[k] != new[k]}
+
+
+def check_resumable(changes: dict[str, tuple[Any, Any]], path: Path) -> None:
+    """Refuse changes that a resumed run cannot honour (the ones the saved data position depends on)."""
+    for key, what in FIXED_ON_RESUME.items():
+        if key in changes:
+            old, new = changes[key]
+            raise CheckpointError(
+                f"checkpoint '{path}' was trained with {key}={old}, not {new}; the saved data position depends on "
+                f"{what}: resume with {key}={old} or start a new train.run_dir"
+            )
+
+
+def describe_changes(changes: dict[str, tuple[Any, Any]], path: Path) -> str:
+    """One line: the keys that changed since ``path`` was saved (each takes effect from the next step)."""
+    if not changes:
         return ""
-    effective = [f"{k} {old[k]!r} -> {new[k]!r}" for k in changed if k not in KEPT_ON_RESUME]
-    kept = [f"{k} {old[k]!r} -> {new[k]!r} (ignored: {KEPT_ON_RESUME[k]})" for k in changed if k in KEPT_ON_RESUME]
-    parts = ([", ".join(effective) + " (take effect)"] if effective else []) + kept
-    return f"resuming with {len(changed)} changed key(s): " + "; ".join(parts)
+    listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+    return f"resuming {path.name} with {len(changes)} changed key(s), each taking effect from the next step: {listed}"

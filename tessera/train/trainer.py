@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
 from tessera.data.pipeline import DataBundle, Split, build_data
+from tessera.data.sources import DataError
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
@@ -23,14 +24,8 @@ from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, plot_loss_curve
 from tessera.train.optim import build_optimizer, build_scheduler, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
-from tessera.train.rundir import (
-    completed_step,
-    config_changes,
-    open_run,
-    resolved_config_text,
-    truncate_metrics,
-    write_summary,
-)
+from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
+from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary
 from tessera.parallel import clip_grad_norm
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
 
@@ -177,20 +172,19 @@ class Trainer:
                 f"checkpoint '{path}' was trained with a different [model] section; resume with the same model config "
                 "or start a new train.run_dir"
             )
-        old_seq_len = saved["config"].get("train", {}).get("seq_len", self.config.train.seq_len)
-        if old_seq_len != self.config.train.seq_len:
-            raise CheckpointError(
-                f"checkpoint '{path}' was trained with train.seq_len={old_seq_len}, not {self.config.train.seq_len}; "
-                f"the data position cannot carry over: resume with train.seq_len={old_seq_len} or start a new "
-                "train.run_dir"
-            )
+        changes = config_changes(saved["config"], self.config)
+        check_resumable(changes, path)
         fresh_groups = [dict(group) for group in self.optimizer.param_groups]
         meta = self.checkpointer.load(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(meta["scheduler"])
         keep_config_hyperparameters(self.optimizer, self.scheduler, fresh_groups)
-        self.data.train.load_state_dict(meta["loader"])
+        try:
+            self.data.train.load_state_dict(meta["loader"])
+        except DataError as err:
+            changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items() if k.startswith("data."))
+            raise DataError(f"{err}{f' (changed: {changed})' if changed else ''}") from None
         self.step = int(meta["step"])
-        return config_changes(saved["config"], self.config)
+        return describe_changes(changes, path)
 
     def save(self) -> Path:
         """Checkpoint the current step."""
@@ -338,14 +332,17 @@ class Trainer:
 
     def _already_complete(self, step: int) -> TrainResult:
         """Nothing left to train: say so, and leave the run's files as they are."""
-        if self.parallel.is_main:
-            print(
-                f"tessera: {self.run_dir} is already complete at step {step} (train.steps={self.config.train.steps}), "
-                "so this launch trains 0 steps and leaves summary.json as it is; raise train.steps to continue it",
-                flush=True,
-            )
+        self._announce(
+            f"tessera: {self.run_dir} is already complete at step {step} (train.steps={self.config.train.steps}), "
+            "so this launch trains 0 steps and leaves summary.json as it is; raise train.steps to continue it"
+        )
         self.step = step
         return TrainResult(self.run_dir, step)
+
+    def _announce(self, message: str) -> None:
+        """A line the user must see whatever ``log.progress`` says (rank 0)."""
+        if self.parallel.is_main:
+            print(message, flush=True)
 
     def _loop(
         self, logger: MetricsLogger, result: TrainResult, preemption: PreemptionGuard, watchdog: HangWatchdog
@@ -373,7 +370,7 @@ class Trainer:
                 watchdog.kick(self.step)
             if self.step < cfg.train.steps and preemption.stop_requested(self.device):
                 checkpoint = latest_checkpoint(self.run_dir) if saved else self.save()
-                logger.print(preemption.record(self.step, checkpoint))
+                self._announce(preemption.record(self.step, checkpoint))
                 result.preempted = preemption.reason
                 return
 
