@@ -105,6 +105,7 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path) -> Path:
             tensors[name] = tensor.detach().contiguous()
     out = output_dir(out_dir, "output directory")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": str(ckpt)})
-    if (ckpt.parent.parent / "config.toml").is_file():
-        shutil.copyfile(ckpt.parent.parent / "config.toml", out / "config.toml")
+    config = ckpt.parent.parent / "config.toml"
+    if config.is_file() and config.resolve() != (out / "config.toml").resolve():
+        shutil.copyfile(config, out / "config.toml")
     return out / "model.safetensors"

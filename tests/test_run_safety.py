@@ -101,12 +101,14 @@ def test_hf_import_into_an_existing_run_is_refused_unless_overwrite(run_copy, tm
     assert names(run_copy) == ["step_00000000"] and not (run_copy / "metrics.jsonl").exists()
 
 
-def test_a_torn_last_metrics_line_is_dropped_on_resume(run_copy, tiny_config):
+def test_a_crash_mid_write_leaves_nothing_that_breaks_the_resume(run_copy, tiny_config):
     with open(run_copy / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 3.2')  # the crash hit mid-write: no closing brace, no newline
-    train(tiny_config("train.steps=6", run_dir=run_copy))
+    stale = run_copy / "checkpoints" / "step_00000005.tmp"  # ... and mid-save
+    stale.mkdir()
+    train(tiny_config("train.steps=6", "checkpoint.every=100", run_dir=run_copy))
     steps = [r["step"] for r in strict_records(run_copy) if "loss" in r]
-    assert steps == [1, 2, 3, 4, 5, 6]
+    assert steps == [1, 2, 3, 4, 5, 6] and not stale.exists()
 
 
 def test_a_finished_run_is_left_alone_and_extending_it_adds_to_its_summary(run_copy, tiny_config, capsys):

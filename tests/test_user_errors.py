@@ -134,6 +134,14 @@ def test_a_damaged_meta_json_is_named(content, message, trained_run, tmp_path, c
     fails_with(["generate", str(run)], capsys, f"'{meta}'", message)
 
 
+def test_a_damaged_shard_names_the_cause(trained_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    shard = next(latest_checkpoint(run).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:5000])
+    fails_with(["generate", str(run)], capsys, "is damaged: RuntimeError: PytorchStreamReader failed")
+
+
 def test_outputs_that_are_existing_files(trained_run, tmp_path, capsys):
     target = tmp_path / "exists.txt"
     target.write_text("keep me")

@@ -270,7 +270,7 @@ class Checkpointer:
                 dcp.load(tensors, storage_reader=reader, planner=_WeightsOnlyLoadPlanner())
         except (CheckpointException, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
             raise CheckpointError(
-                f"checkpoint '{path}' does not fit this model or is damaged: {str(err).splitlines()[0]}"
+                f"checkpoint '{path}' does not fit this model or is damaged: {_first_failure(err)}"
             ) from None
         if optim_sd is not None:
             full = {"state": tensors["optim"], "param_groups": _param_groups_from_json(meta["optim_param_groups"])}
@@ -313,6 +313,15 @@ def _local_bytes(tree: Any) -> int:
     if isinstance(tree, (list, tuple)):
         return sum(_local_bytes(v) for v in tree)
     return 0
+
+
+def _first_failure(err: BaseException) -> str:
+    """The first line of what went wrong (for DCP's wrapper: of the first rank's own exception)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        failure = next(iter(err.failures.values()))
+        err = failure[0] if isinstance(failure, tuple) else failure
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 def _out_of_space(err: BaseException) -> bool:
