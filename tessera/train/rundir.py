@@ -178,7 +178,9 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def write_summary(run_dir: Path, steps: int, seconds: float, final_loss: float | None, continued: bool) -> None:
+def write_summary(
+    run_dir: Path, steps: int, seconds: float, final_loss: float | None, continued: bool, param_sumsq: Any = None
+) -> None:
     """Write summary.json; a run that continued an earlier one adds to its summary instead of replacing it."""
     path = run_dir / SUMMARY
     previous: dict[str, Any] = {}
@@ -194,6 +196,7 @@ def write_summary(run_dir: Path, steps: int, seconds: float, final_loss: float |
         "seconds": float(previous.get("seconds") or 0.0) + seconds,
         "val_losses": dict(sorted(val_losses.items(), key=lambda kv: int(kv[0]))),
         "final_loss": final_loss,
+        "param_sumsq": param_sumsq,
     }
     path.write_text(json.dumps(json_safe(summary), indent=1), encoding="utf-8")
 

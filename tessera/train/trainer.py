@@ -27,6 +27,7 @@ from tessera.train.preemption import PreemptionGuard
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary
 from tessera.parallel import clip_grad_norm
+from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,8 +88,6 @@ class Trainer:
         self.run_dir = Path(config.train.run_dir)
         self.device = resolve_device(config.train.device)
         self.dtype = DTYPES[config.train.dtype]
-        if self.dtype == torch.float16 and self.device.type == "cpu":
-            raise ConfigError("train.dtype='fp16' needs a GPU; use train.dtype=bf16 or fp32 on CPU")
         self.parallel = setup_parallel(config, self.device)
         self.device = self.parallel.device
         self.run_lock = open_run(config, self.parallel.is_main)  # lock (rank 0), refuse mixing two runs
@@ -415,10 +414,12 @@ class Trainer:
         ):  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
+        param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
         if not self.parallel.is_main:
             return
         final_loss = result.losses[-1] if result.losses else None
-        write_summary(self.run_dir, self.step, result.seconds, final_loss, continued=self.resume_from is not None)
+        # param_sumsq: per tensor, layout-independent: the parity tests' final check
+        write_summary(self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq)
         vals = list(result.val_losses.values())
         trend = f"val loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
         logger.print(f"done: step {self.step} in {result.seconds:.1f}s {trend}; outputs in {self.run_dir}")
