@@ -112,6 +112,8 @@ def open_run(config: JobConfig, is_main: bool) -> RunLock | None:
             remove_run_outputs(run_dir)
         else:
             refuse_fresh_start_over_checkpoints(config, run_dir)
+        for partial in (run_dir / CHECKPOINT_DIR).glob("step_*.tmp"):  # left by a run that died mid-save
+            shutil.rmtree(partial, ignore_errors=True)
     except BaseException:
         lock.release()
         raise
