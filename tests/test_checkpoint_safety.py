@@ -1,4 +1,5 @@
-"""A checkpoint never runs code: DCP metadata that declares what tessera never writes is refused."""
+"""Loading never runs code: DCP metadata that declares what tessera never writes is refused, and so are
+cached dataset indices that are not plain NumPy files (megatron would unpickle them)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tessera.config import load_config
 from tessera.model import build_model
 from tessera.train import checkpoint as checkpoint_module
 from tessera.train.checkpoint import CheckpointError, Checkpointer
+from test_blend import EOD, write_megatron_dataset
 
 TINY_MODEL = ["model.vocab_size=512", "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=64"]
 TARGET = "model.tok_embeddings.weight"
@@ -104,3 +106,17 @@ def test_an_untouched_checkpoint_still_loads(tmp_path):
     run = tmp_path / "run"
     tiny_run(run)
     assert load(run)(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 512)
+
+
+def test_a_planted_index_cache_file_is_refused_not_unpickled(tmp_path):
+    from tessera.data.blend import build_splits
+    from tessera.data.sources import DataError
+
+    prefix, cache, marker = tmp_path / "data", tmp_path / "cache", tmp_path / "MARKER"
+    write_megatron_dataset(prefix, 200, 10, 250)
+    build_splits(str(prefix), "98,2,0", 32, 1, EOD, 300, cache)  # writes megatron's index cache
+    planted = next(cache.rglob("*train-shuffle_index.npy"))
+    planted.write_bytes(pickle.dumps(MarkerPayload(marker)))
+    with pytest.raises(DataError, match=rf"cached index '{planted}' is not a NumPy array file"):
+        build_splits(str(prefix), "98,2,0", 32, 1, EOD, 300, cache)
+    assert not marker.exists(), "megatron unpickled the planted cache file"
