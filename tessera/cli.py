@@ -178,6 +178,8 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(
             f"--temperature must be a finite number >= 0 and --top-k >= 0, got {args.temperature}, {args.top_k}"
         )
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed must be in [0, 2**63), got {args.seed}")
     import torch
 
     from tessera.api import load_with_tokenizer

@@ -113,6 +113,7 @@ def _writable(path: Path) -> bool:
 def test_generate_flags_and_prompts_beyond_the_context(trained_run, capsys):
     fails_with(["generate", str(trained_run), "--temperature", "nan"], capsys, "--temperature must be a finite")
     fails_with(["generate", str(trained_run), "--top-k", "-1"], capsys, "--top-k >= 0")
+    fails_with(["generate", str(trained_run), "--seed", str(2**70)], capsys, "--seed must be in [0, 2**63)")
     long_prompt = "def f(x): return x " * 60
     fails_with(["generate", str(trained_run), "--prompt", long_prompt], capsys, "model.max_seq_len) is 64")
 

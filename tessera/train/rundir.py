@@ -166,6 +166,13 @@ def resolved_config_text(config: JobConfig) -> str:
     return config.to_toml()
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` so that a crash leaves the old file or the new one, never half of one."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Keep the metrics.jsonl records up to ``step`` (drop those of a run that died after its last checkpoint).
 
@@ -175,9 +182,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     if not path.is_file():
         return
     keep = [r for r in read_metrics(run_dir) if isinstance(r["step"], int) and r["step"] <= step] if step > 0 else []
-    tmp = path.with_name(f"{METRICS}.tmp")
-    tmp.write_text("".join(json.dumps(json_safe(r)) + "\n" for r in keep), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(json_safe(r)) + "\n" for r in keep))
 
 
 def write_summary(
@@ -200,7 +205,7 @@ def write_summary(
         "final_loss": final_loss,
         "param_sumsq": param_sumsq,
     }
-    path.write_text(json.dumps(json_safe(summary), indent=1), encoding="utf-8")
+    write_text_atomic(path, json.dumps(json_safe(summary), indent=1))
 
 
 def completed_step(resume_from: Path | None, steps: int) -> int | None:

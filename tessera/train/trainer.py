@@ -25,7 +25,7 @@ from tessera.train.metrics import MetricsLogger, plot_loss_curve
 from tessera.train.optim import build_optimizer, build_scheduler, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
-from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary
+from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
 from tessera.parallel import clip_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
@@ -150,7 +150,7 @@ class Trainer:
         return model.to(self.device)
 
     def _write_run_files(self) -> None:
-        (self.run_dir / "config.toml").write_text(resolved_config_text(self.config), encoding="utf-8")
+        write_text_atomic(self.run_dir / "config.toml", resolved_config_text(self.config))
         shutil.copyfile(self.data.tokenizer.path, self.run_dir / "tokenizer.model")
 
     def _autocast(self) -> contextlib.AbstractContextManager:
