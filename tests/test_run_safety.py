@@ -27,7 +27,7 @@ from tessera.train import trainer as trainer_module
 from tessera.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
 from tessera.train.guard import HANG_EXIT_CODE, NonFiniteError
 from tessera.train.optim import lr_multiplier
-from tessera.train.preemption import INTERRUPTED_EXIT_CODE, PREEMPTION_MARKER
+from tessera.train.preemption import INTERRUPTED_EXIT_CODE, PREEMPTION_MARKER, PreemptionGuard
 from tessera.train.trainer import Trainer, train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -294,23 +294,67 @@ def test_a_stalled_rank_makes_every_rank_dump_its_stacks_and_exit(tmp_path, cach
     assert "made no progress" in result.stderr
 
 
+@pytest.mark.slow
+def test_a_finished_run_launched_under_another_layout_says_why_it_trains_nothing(run_copy):
+    summary = (run_copy / "summary.json").read_text()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tessera"]
+    cmd += ["train", str(run_copy / "config.toml"), "parallel.dp_shard=2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("already complete at step 4 (train.steps=4), so this launch trains 0 steps") == 1
+    assert (run_copy / "summary.json").read_text() == summary
+
+
+SLOW_SAVE = textwrap.dedent(
+    """
+    import sys, time
+    from tessera.cli import main
+    from tessera.train.checkpoint import Checkpointer
+
+    original = Checkpointer.save
+    def save(self, *args, **kwargs):
+        time.sleep(3)  # a big model's save: long enough for a second Ctrl-C to land in it
+        return original(self, *args, **kwargs)
+    Checkpointer.save = save
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
 def _signal_run(tiny_config, tmp_path, signals: int) -> tuple[subprocess.Popen, str, Path]:
     run = tmp_path / "run"
     recipe = tmp_path / "job.toml"
     recipe.write_text(tiny_config(*PREEMPT_OVERRIDES, run_dir=run).to_toml())
-    cmd = [sys.executable, "-m", "tessera", "train", str(recipe)]
+    cmd = [sys.executable, "-c", SLOW_SAVE, "train", str(recipe)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_steps(run, 3, proc)
         for _ in range(signals):
             proc.send_signal(signal.SIGINT)
-            time.sleep(0.01)
+            time.sleep(1.0)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     return proc, output, run
+
+
+def test_a_sigint_echo_within_the_window_is_not_a_second_ctrl_c(tmp_path):
+    guard = PreemptionGuard(tmp_path, echo_s=60.0).install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C ...
+        os.kill(os.getpid(), signal.SIGINT)  # ... and torchrun forwarding it: one Ctrl-C
+        assert guard.stop_requested(torch.device("cpu")) and guard.interrupted
+    finally:
+        guard.uninstall()
+    guard = PreemptionGuard(tmp_path).install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        guard.uninstall()
 
 
 @pytest.mark.slow
@@ -325,7 +369,7 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tiny_config, tmp_path):
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_aborts_at_once(tiny_config, tmp_path):
-    proc, output, _ = _signal_run(tiny_config, tmp_path, 2)
+    proc, output, run = _signal_run(tiny_config, tmp_path, 2)
     assert proc.returncode == INTERRUPTED_EXIT_CODE, output
     assert "Traceback" not in output and output.strip().endswith("tessera: interrupted")
-    assert "saved step" not in output
+    assert "saved step" not in output and latest_checkpoint(run) is None

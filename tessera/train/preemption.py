@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -40,10 +41,16 @@ def _is_rank_zero() -> bool:
 class PreemptionGuard:
     """Records a preemption signal while installed; the loop polls :meth:`stop_requested`."""
 
-    def __init__(self, run_dir: str | Path, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+    def __init__(
+        self, run_dir: str | Path, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS, echo_s: float = 0.0
+    ) -> None:
+        """``echo_s``: a second SIGINT this soon after the first is an echo, not a second Ctrl-C (torchrun
+        forwards the terminal's SIGINT to workers that the terminal already signalled)."""
         self.run_dir = Path(run_dir)
         self.signals = signals
+        self.echo_s = echo_s
         self.received: signal.Signals | None = None
+        self._received_at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> "PreemptionGuard":
@@ -63,11 +70,14 @@ class PreemptionGuard:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
+            if time.monotonic() - self._received_at < self.echo_s:
+                return
             raise KeyboardInterrupt  # the second Ctrl-C: abort now, without saving
         if signum == signal.SIGINT and self.received is None and _is_rank_zero():
             # os.write, not print: a handler may run while the main thread is inside a print.
             os.write(2, b"\ntessera: Ctrl-C: finishing this step and saving; Ctrl-C again aborts without saving\n")
-        self.received = self.received or signal.Signals(signum)
+        if self.received is None:
+            self.received, self._received_at = signal.Signals(signum), time.monotonic()
 
     def stop_requested(self, device: torch.device) -> bool:
         """Whether any rank has received a preemption signal (a collective when distributed)."""

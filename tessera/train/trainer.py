@@ -305,7 +305,8 @@ class Trainer:
                 logger.print(changes)
             result = TrainResult(self.run_dir, self.config.train.steps)
             started = time.perf_counter()
-            preemption = PreemptionGuard(self.run_dir).install()
+            echo_s = 1.0 if self.parallel.env.is_distributed else 0.0  # torchrun re-sends the terminal's Ctrl-C
+            preemption = PreemptionGuard(self.run_dir, echo_s=echo_s).install()
             watchdog = HangWatchdog(self.run_dir, self.parallel.env.rank, self.config.train.hang_timeout_s)
             try:
                 with watchdog:
