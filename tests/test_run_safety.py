@@ -343,8 +343,11 @@ def _signal_run(tiny_config, tmp_path, signals: int) -> tuple[subprocess.Popen, 
 def test_a_sigint_echo_within_the_window_is_not_a_second_ctrl_c(tmp_path):
     guard = PreemptionGuard(tmp_path, echo_s=60.0).install()
     try:
-        os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C ...
-        os.kill(os.getpid(), signal.SIGINT)  # ... and torchrun forwarding it: one Ctrl-C
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C ...
+            os.kill(os.getpid(), signal.SIGINT)  # ... and torchrun forwarding it: one Ctrl-C
+        except KeyboardInterrupt:
+            pytest.fail("the echo of one Ctrl-C aborted the run")
         assert guard.stop_requested(torch.device("cpu")) and guard.interrupted
     finally:
         guard.uninstall()
