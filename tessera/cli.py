@@ -251,9 +251,10 @@ COMMANDS = {"launch": _cmd_launch, "slurm": _cmd_slurm, "train": _cmd_train, "to
 
 def _unknown_flags(parser: argparse.ArgumentParser, extra: list[str]) -> None:
     """A ``--flag`` that is neither an option nor a ``--section.key`` override is a typo: say so (with a guess)."""
-    for arg in extra:
+    for i, arg in enumerate(extra):
         name = arg.split("=", 1)[0]
-        if name.startswith("--") and "." not in name:
+        is_value = i > 0 and extra[i - 1].startswith("--") and "." in extra[i - 1] and "=" not in extra[i - 1]
+        if name.startswith("--") and "." not in name and not is_value:
             options = [o for p in _all_parsers(parser) for o in p._option_string_actions if o.startswith("--")]
             close = difflib.get_close_matches(name, options, n=1)
             guess = f" (did you mean '{close[0]}'?)" if close else ""
