@@ -233,7 +233,7 @@ def test_the_hang_watchdog_dumps_stacks_and_exits(tmp_path):
         f"""
         import time
         from tessera.train.guard import HangWatchdog
-        with HangWatchdog({str(tmp_path)!r}, 3, 2.0) as watchdog:
+        with HangWatchdog({str(tmp_path)!r}, 3, 2.0, grace_s=0.0) as watchdog:
             for step in range(1, 6):  # progress within the timeout: nothing happens
                 time.sleep(0.5)
                 watchdog.kick(step)

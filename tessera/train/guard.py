@@ -7,7 +7,7 @@ counts it, and stops after ``train.max_nonfinite_skips`` skipped steps in a row.
 
 Hangs: :class:`HangWatchdog` is a thread that waits for the loop to report progress (a step,
 an evaluation or a checkpoint). When none arrives within ``train.hang_timeout_s`` (a dead peer,
-a stuck collective), it writes every thread's Python stack to ``RUN/hang/rank_K.txt`` and ends
+a stuck collective; three times that before the first step completes), it writes every thread's Python stack to ``RUN/hang/rank_K.txt`` and ends
 the process with :data:`HANG_EXIT_CODE`, so torchrun or SLURM can restart the job. Every rank
 runs one: the ranks waiting on a stalled peer time out too and leave their stacks.
 """
@@ -26,6 +26,7 @@ from tessera.config import ConfigError
 
 HANG_DIR = "hang"
 HANG_EXIT_CODE = 124  # as timeout(1): the process was stopped because it made no progress in time
+FIRST_STEP_FACTOR = 3  # the first step may take this many timeouts
 _LIKELY_CAUSES = (
     "likely causes: optim.lr too high (or optim.grad_clip=0), optim.eps too small, or bad data near this step; "
     "resume from the last checkpoint with a lower optim.lr"
@@ -68,9 +69,12 @@ class NonFiniteGuard:
 class HangWatchdog:
     """Dumps all threads' stacks and exits when :meth:`kick` is not called for ``timeout_s`` (0 disables)."""
 
-    def __init__(self, run_dir: str | Path, rank: int, timeout_s: float) -> None:
+    def __init__(self, run_dir: str | Path, rank: int, timeout_s: float, grace_s: float | None = None) -> None:
+        """``grace_s``: how long a rank that timed out waits before exiting, so that the peers whose deadlines
+        are a moment later dump their stacks too (an exit would break their collectives first)."""
         self.path = Path(run_dir) / HANG_DIR / f"rank_{rank}.txt"
         self.rank, self.timeout_s = rank, timeout_s
+        self.grace_s = min(60.0, max(5.0, timeout_s / 10)) if grace_s is None else grace_s
         self.step = 0
         self._last = time.monotonic()
         self._stop = threading.Event()
@@ -94,9 +98,10 @@ class HangWatchdog:
         self._last = time.monotonic()
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+        while not self._stop.wait(min(0.5, self.timeout_s / 4)):
             idle = time.monotonic() - self._last
-            if idle > self.timeout_s:
+            # The first step compiles, warms up and waits for the slowest rank to arrive: it gets longer.
+            if idle > self.timeout_s * (FIRST_STEP_FACTOR if self.step == 0 else 1):
                 self._fire(idle)
 
     def _fire(self, idle: float) -> None:
@@ -115,4 +120,5 @@ class HangWatchdog:
             "restart the job\n"
         )
         sys.stderr.flush()
+        time.sleep(self.grace_s)
         os._exit(HANG_EXIT_CODE)
