@@ -6,7 +6,7 @@ from pathlib import Path
 
 from torch import nn
 
-from tessera.config import config_from_dict
+from tessera.config import ConfigError, config_from_dict
 from tessera.data.sources import DataError
 from tessera.data.tokenizer import Tokenizer
 from tessera.model import build_model
@@ -55,3 +55,29 @@ def load_with_tokenizer(path: str | Path) -> tuple[nn.Module, Tokenizer]:
     if not tokenizer_path.is_file():
         raise DataError(f"'{tokenizer_path}' is missing; copy the run's tokenizer there")
     return model, Tokenizer(tokenizer_path)
+
+
+def generate_text(
+    path: str | Path,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> str:
+    """``prompt`` and its continuation sampled from a run or checkpoint (``tessera generate``)."""
+    import torch
+
+    from tessera.model import generate
+
+    model, tokenizer = load_with_tokenizer(path)
+    ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(prompt)])
+    if ids.shape[1] >= model.cfg.max_seq_len:
+        raise ConfigError(
+            f"--prompt is {ids.shape[1]} tokens but the model's context (model.max_seq_len) is "
+            f"{model.cfg.max_seq_len}; shorten the prompt"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    out = generate(model, ids, max_new_tokens, temperature, top_k, top_p, tokenizer.eos_id, gen)
+    return prompt + tokenizer.decode(out[0].tolist())

@@ -30,7 +30,7 @@ __all__ = ["ConfigError", "JobConfig", "ModelConfig", "load_config", "model_conf
 class AttentionConfig:
     """[model.attention]: the attention kernel and its options."""
 
-    kernel: Literal["sdpa", "eager", "longformer", "bigbird", "linear", "performer"] = "sdpa"
+    kernel: Literal["sdpa", "eager", "longformer", "bigbird", "linear", "performer"] = "sdpa"  # eager: fp32 softmax
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2, GPT-2, BERT)
     dropout: float = 0.0  # on the attention weights
     scale: float = 0.0  # softmax scale; 0 means 1/sqrt(head_dim) (T5 uses 1)
@@ -46,14 +46,14 @@ class AttentionConfig:
 class PositionConfig:
     """[model.position]: how token positions enter the model."""
 
-    kind: Literal["rope", "learned", "sinusoidal", "t5_bias", "alibi", "none"] = "rope"
-    rope_theta: float = 10000.0
-    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
-    rope_scaling_factor: float = 1.0
+    kind: Literal["rope", "learned", "sinusoidal", "t5_bias", "alibi", "none"] = "rope"  # t5_bias/alibi: score biases
+    rope_theta: float = 10000.0  # RoPE base frequency
+    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"  # context extension of RoPE
+    rope_scaling_factor: float = 1.0  # how many times longer than the original context
     rope_original_max_len: int = 0  # yarn: the pre-extension context (0 = max_seq_len / factor)
     rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
     rel_buckets: int = 32  # T5 relative-position buckets
-    rel_max_distance: int = 128
+    rel_max_distance: int = 128  # T5: distances beyond this share the last bucket
 
 
 @dataclass
@@ -65,9 +65,9 @@ class MoEConfig:
     every: int = 1  # MoE on every n-th layer (layer i is MoE when (i + 1) % every == 0)
     router: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"  # softmax after (renormalized) or before top-k
     capacity_factor: float = 0.0  # 0 = dropless; else tokens over capacity are dropped
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    shared_experts: int = 0
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch / GShard)
+    z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE)
+    shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
     ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
 
 
@@ -76,31 +76,31 @@ class ModelConfig:
     """Architecture of the transformer (the zoo picks components from these names)."""
 
     arch: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"  # causal LM, MLM encoder (BERT), seq2seq (T5)
-    vocab_size: int = 2048
-    dim: int = 128
-    n_layers: int = 4
+    vocab_size: int = 2048  # embedding rows: the tokenizer's vocabulary plus sentinel_tokens
+    dim: int = 128  # hidden size
+    n_layers: int = 4  # transformer blocks (the encoder's, for encoder_decoder)
     n_decoder_layers: int = 0  # encoder_decoder: decoder depth (0 = n_layers)
-    n_heads: int = 4
+    n_heads: int = 4  # attention (query) heads
     n_kv_heads: int = 0  # 0 means n_heads (multi-head); 1 is multi-query; else grouped-query
     head_dim: int = 0  # 0 means dim // n_heads
     ffn_hidden: int = 0  # 0 derives it from ffn_multiplier and multiple_of
     ffn_multiplier: float = 0.0  # 0 means 4x for plain FFNs and 8/3x for gated ones
-    multiple_of: int = 32
-    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    norm_eps: float = 1e-5
+    multiple_of: int = 32  # a derived ffn_hidden is rounded up to a multiple of this
+    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"  # swiglu/geglu are gated
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # the normalization layer everywhere
+    norm_eps: float = 1e-5  # epsilon of every norm
     norm_position: Literal["pre", "post"] = "pre"  # post-norm (BERT) has no final norm
     bias: bool = False  # biases on o_proj and the FFN linears (GPT-2, BERT)
     embed_norm: bool = False  # a norm right after the embeddings (BERT)
     type_vocab_size: int = 0  # BERT token-type embeddings (type 0 is added when none are given)
     output_dim_scale: bool = False  # multiply the final hidden by dim**-0.5 before the head (T5 v1.0)
-    tie_embeddings: bool = False
-    max_seq_len: int = 2048
+    tie_embeddings: bool = False  # the output head shares the token-embedding weight
+    max_seq_len: int = 2048  # longest sequence the position tables and caches allow
     dropout: float = 0.0  # residual and FFN dropout
-    init_std: float = 0.02
+    init_std: float = 0.02  # normal init std (output projections scaled down by depth)
     objective: Literal["auto", "causal_lm", "masked_lm", "span_corruption"] = "auto"  # auto follows arch
     mask_prob: float = 0.15  # masked_lm: fraction masked; span_corruption: noise density
-    mean_span_length: float = 3.0
+    mean_span_length: float = 3.0  # span_corruption: mean noise-span length
     sentinel_tokens: int = 0  # ids reserved at the top of the vocab for [MASK] / T5 sentinels
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     position: PositionConfig = field(default_factory=PositionConfig)
@@ -111,20 +111,20 @@ class ModelConfig:
 class ParallelConfig:
     """Parallel degrees; their product must equal the world size (dp_shard=-1 takes the rest)."""
 
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    pp: int = 1
+    dp_replicate: int = 1  # replicas of the model (DDP, or the replicate dimension of HSDP)
+    dp_shard: int = -1  # ranks sharding params, grads and optimizer state (FSDP); -1 = the processes left
+    tp: int = 1  # tensor-parallel degree (Megatron-style column/row-parallel linears, vocab-parallel head)
+    pp: int = 1  # pipeline stages (the outermost mesh dimension)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"] = "1f1b"  # pipeline schedule (pp > 1)
     microbatches: int = 0  # micro-batches per pipeline step; 0 means pp
     pp_virtual_stages: int = 0  # stages per pp rank; 0 means 2 for interleaved/zero-bubble schedules, else 1
     layers_per_stage: str = ""  # comma-separated block counts per stage, e.g. "3,5"; empty balances by count
-    cp: int = 1
-    ep: int = 1
+    cp: int = 1  # context-parallel degree (not implemented yet: must be 1)
+    ep: int = 1  # expert-parallel degree (not implemented yet: must be 1)
     sequence_parallel: bool = True  # with tp > 1: shard norms/dropout activations along the sequence
     reshard_after_forward: bool = True  # FSDP: true is ZeRO-3, false keeps params gathered until backward (ZeRO-2)
     cpu_offload: bool = False  # FSDP: parameters, gradients and optimizer step on the CPU
-    activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"
+    activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"  # selective = every ac_every-th block
     ac_every: int = 2  # selective: checkpoint every n-th block
     compile: bool = False  # torch.compile each transformer block
     meta_init: bool = False  # build on the meta device, shard, then initialize (for models too big for one host)
@@ -134,15 +134,15 @@ class ParallelConfig:
 class OptimConfig:
     """AdamW and the learning-rate schedule."""
 
-    name: Literal["adamw"] = "adamw"
-    lr: float = 3e-4
+    name: Literal["adamw"] = "adamw"  # the optimizer (no decay on norms, biases, embeddings)
+    lr: float = 3e-4  # peak learning rate, reached after warmup_steps
     min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of lr
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    warmup_steps: int = 100
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"  # decay after warmup; wsd: warmup-stable-decay
+    warmup_steps: int = 100  # linear warmup from 0 to lr
     decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
 
@@ -151,20 +151,21 @@ class OptimConfig:
 class TrainConfig:
     """The training loop: length, batch, precision, evaluation, where outputs go."""
 
-    run_dir: str = "runs/default"
-    steps: int = 1000
+    run_dir: str = "runs/default"  # where config, checkpoints, metrics and plots go
+    steps: int = 1000  # optimizer steps to train
     batch_size: int = 8  # sequences per micro-batch, over all data-parallel ranks together
-    grad_accum: int = 1
-    seq_len: int = 256
-    seed: int = 1234
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    seq_len: int = 256  # tokens per training sequence
+    seed: int = 1234  # seeds weights, data order and sampling
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute precision: autocast (or FSDP mixed precision)
     device: str = "auto"  # auto | cpu | cuda
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # cross-entropy label smoothing
     eval_every: int = 100  # 0 disables periodic evaluation (a final one still runs)
-    eval_batches: int = 8
+    eval_batches: int = 8  # global batches of the validation split per evaluation
     resume: str = "auto"  # auto | none | path to a checkpoint directory
-    sample_prompt: str = "def "
+    sample_prompt: str = "def "  # prompt of the sample generated at the end of training
     sample_tokens: int = 64  # tokens generated at the end of training; 0 disables
+    threads: int = 0  # torch threads per process; 0 = $OMP_NUM_THREADS, else cores / local processes
     overwrite: bool = False  # delete an existing run's outputs in run_dir and start fresh (never written as true)
     on_nonfinite: Literal["stop", "skip"] = "stop"  # NaN/inf loss or grad norm: stop before the update, or skip it
     max_nonfinite_skips: int = 5  # on_nonfinite=skip: stop after this many skipped steps in a row
@@ -196,20 +197,24 @@ class DataConfig:
 class CheckpointConfig:
     """DCP checkpoints in the run directory."""
 
-    enabled: bool = True
+    enabled: bool = True  # save checkpoints at all
     every: int = 500  # steps between saves; the last step always saves
-    keep_last: int = 3
+    keep_last: int = 3  # older checkpoints are deleted
 
 
 @dataclass
 class LogConfig:
-    """Console, metrics.jsonl, TensorBoard and the loss plot."""
+    """Console, metrics.jsonl, TensorBoard, Weights & Biases and the loss plot."""
 
-    every: int = 10
-    progress: Literal["auto", "bar", "lines", "none"] = "auto"
-    tensorboard: bool = True
-    plot: bool = True
-    peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 measures (CPU) or looks up (GPU)
+    every: int = 10  # steps per logged record (loss and grad norm are means over them)
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a terminal, else lines
+    tensorboard: bool = True  # TensorBoard events in RUN_DIR/tensorboard
+    plot: bool = True  # draw RUN_DIR/loss_curve.png at the end
+    peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 measures (CPU, cached per machine) or looks up (GPU)
+    wandb: bool = False  # also log to Weights & Biases (pip install 'tessera[wandb]')
+    wandb_project: str = "tessera"  # W&B project
+    wandb_run_name: str = ""  # W&B run name; "" = the run directory's name
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"  # auto: $WANDB_MODE, else online if logged in
 
 
 @dataclass
@@ -690,6 +695,7 @@ def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
         t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
         f"train.device={t.device!r} must be auto, cpu or cuda",
     )
+    _require(t.threads >= 0, f"train.threads must be >= 0 (0 = auto), got {t.threads}")
     _require(bool(t.run_dir), "train.run_dir must not be empty")
     _require(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32) (numpy and megatron seeds), got {t.seed}")
     _require(t.max_nonfinite_skips >= 1, f"train.max_nonfinite_skips must be >= 1, got {t.max_nonfinite_skips}")

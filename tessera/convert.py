@@ -11,7 +11,8 @@ from tessera.config import ConfigError, JobConfig, resolved_objective, span_coun
 from tessera.model import build_model
 from tessera.model.hf import load_state, read_hf, save_hf
 from tessera.train.checkpoint import Checkpointer
-from tessera.train.rundir import RunLock, remove_run_outputs
+from tessera.status import RunLock
+from tessera.train.rundir import remove_run_outputs
 
 
 def _job_for(cfg, run_dir: Path) -> JobConfig:
@@ -57,7 +58,7 @@ def hf_import(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False) 
     job = _job_for(cfg, out_dir)
     model = build_model(cfg)
     load_state(model, state)
-    lock = RunLock(out_dir)
+    lock = RunLock(out_dir).acquire()
     try:
         if overwrite:
             remove_run_outputs(out_dir)

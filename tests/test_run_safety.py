@@ -62,8 +62,8 @@ def run_copy(finished, tmp_path) -> Path:
     return tmp_path / "run"
 
 
-HOLD_LOCK = "import sys, time; from pathlib import Path; from tessera.train.rundir import RunLock; "
-HOLD_LOCK += "RunLock(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)"
+HOLD_LOCK = "import sys, time; from tessera.status import RunLock; "
+HOLD_LOCK += "RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(600)"
 
 
 def test_a_second_training_in_a_run_dir_is_refused_and_a_dead_holder_blocks_nothing(tiny_config, tmp_path):
@@ -72,7 +72,7 @@ def test_a_second_training_in_a_run_dir_is_refused_and_a_dead_holder_blocks_noth
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run)], stdout=subprocess.PIPE, text=True, env=ENV)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        in_use = rf"train.run_dir '{re.escape(str(run))}' is in use by another training \(pid {holder.pid} on "
+        in_use = rf"train.run_dir '{re.escape(str(run))}' belongs to a training that is still running \(pid {holder.pid} "
         with pytest.raises(ConfigError, match=in_use):
             train(tiny_config("train.steps=2", run_dir=run))
         assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()

@@ -181,6 +181,24 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+class AlibiBias(nn.Module):
+    """ALiBi as a module: the head slopes (a buffer derived from the head count) and the bias."""
+
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Recompute the slopes (after a meta-device build)."""
+        with torch.no_grad():
+            self.slopes.copy_(alibi_slopes(self.n_heads))
+
+    def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Bias (B or 1, H, Tq, Tk); see :func:`alibi_bias`."""
+        return alibi_bias(self.slopes, q_pos, k_pos)
+
+
 def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """Bias (B or 1, H, Tq, Tk) = -slope * |query - key| (linear in distance)."""
     distance = (q_pos[:, :, None] - k_pos[:, None, :]).abs().float()

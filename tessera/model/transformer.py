@@ -22,7 +22,7 @@ from tessera.model.ffn import ACTIVATIONS
 from tessera.model.masks import MaskSpec, attention_mask
 from tessera.model.moe import Experts, MoELog
 from tessera.model.norm import build_norm
-from tessera.model.position import AbsolutePositions, RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
+from tessera.model.position import AbsolutePositions, AlibiBias, RelativePositionBias, RotaryEmbedding
 
 _RESIDUAL_OUT = ("o_proj", "down_proj")
 
@@ -52,15 +52,13 @@ class Stack(nn.Module):
                 cfg.position.rope_original_max_len,
                 cfg.position.rotary_fraction,
             )
-        self.rel_bias = (
-            RelativePositionBias(
-                cfg.n_heads, cfg.position.rel_buckets, cfg.position.rel_max_distance, bidirectional=not causal
-            )
-            if cfg.position.kind == "t5_bias"
-            else None
-        )
-        if cfg.position.kind == "alibi":
-            self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        # A score bias (T5 relative buckets or ALiBi): (B|1, H, Tq, Tk) added to every layer's scores.
+        self.rel_bias: nn.Module | None = None
+        if cfg.position.kind == "t5_bias":
+            pos = cfg.position
+            self.rel_bias = RelativePositionBias(cfg.n_heads, pos.rel_buckets, pos.rel_max_distance, not causal)
+        elif cfg.position.kind == "alibi":
+            self.rel_bias = AlibiBias(cfg.n_heads)
         # A ModuleDict keyed by layer index keeps parameter names stable when stages drop layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, cross) for i in range(n_layers)})
         self.norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cfg.norm_position == "pre" else None
@@ -101,14 +99,10 @@ class Stack(nn.Module):
             )
         if self.rope is not None:
             ctx.cos, ctx.sin = self.rope(start, length, positions)
-        if self.rel_bias is not None or self.cfg.position.kind == "alibi":
+        if self.rel_bias is not None:
             q_pos = positions if positions is not None else torch.arange(start, kv_len, device=device)[None]
             k_pos = positions if positions is not None else torch.arange(kv_len, device=device)[None]
-            ctx.bias = (
-                self.rel_bias(q_pos, k_pos)
-                if self.rel_bias is not None
-                else alibi_bias(self.alibi_slopes, q_pos, k_pos)
-            )
+            ctx.bias = self.rel_bias(q_pos, k_pos)
         return ctx
 
     def embed_positions(self, h: torch.Tensor, start: int, positions: torch.Tensor | None) -> torch.Tensor:
@@ -164,8 +158,6 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
                 nn.init.normal_(p, mean=0.0, std=out_std if pname == "down_proj" else std)
         elif isinstance(module, AbsolutePositions):
             module.reset_parameters(std)
-        elif isinstance(module, Stack) and module.cfg.position.kind == "alibi":
-            module.alibi_slopes.copy_(alibi_slopes(cfg.n_heads))
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()
 

@@ -1,8 +1,8 @@
 """The run directory's integrity: one training at a time, no silent overwrite, a consistent history.
 
-A run directory belongs to one training run. The rank that writes (rank 0) holds an exclusive
-``fcntl`` lock on ``RUN/tessera.lock`` for as long as it trains; the kernel drops the lock when
-the process ends, however it ends, so a crashed run never blocks the next one. A fresh start
+A run directory belongs to one training run. The rank that writes (rank 0) holds the run's
+:class:`tessera.status.RunLock` (an exclusive ``flock`` on ``RUN/run.lock``, dropped by the kernel
+when the process ends, however it ends) for as long as it trains. A fresh start
 (``train.resume=none``, or a checkpoint of another run) is refused where checkpoints already
 exist, unless ``train.overwrite=true`` first deletes what an earlier run wrote.
 """
@@ -10,16 +10,14 @@ exist, unless ``train.overwrite=true`` first deletes what an earlier run wrote.
 from __future__ import annotations
 
 import copy
-import fcntl
 import json
 import os
 import shutil
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 from tessera.config import ConfigError, JobConfig
+from tessera.status import RunLock
 from tessera.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
@@ -29,7 +27,6 @@ from tessera.train.checkpoint import (
 from tessera.train.metrics import json_safe, read_metrics
 from tessera.train.preemption import PREEMPTION_MARKER
 
-LOCK_FILE = "tessera.lock"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 # What a training run writes into its run directory (train.overwrite deletes exactly these).
@@ -47,44 +44,6 @@ RUN_OUTPUTS = (
 # Keys a resumed run cannot change: the saved data position only means something for the same samples.
 FIXED_ON_RESUME = {"train.seq_len": "the sequence length", "train.seed": "the data order"}
 NOT_COMPARED = ("train.run_dir", "train.resume", "train.overwrite")
-
-
-class RunLock:
-    """An exclusive lock on a run directory, released by :meth:`release` or when the process ends."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / LOCK_FILE
-        try:
-            self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise ConfigError(
-                f"train.run_dir '{run_dir}' is not writable ({err.strerror}); pick a directory you can write to"
-            ) from None
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = self._holder()
-            self.release()
-            raise ConfigError(
-                f"train.run_dir '{run_dir}' is in use by another training ({holder}); wait for it to finish, stop "
-                "it, or choose another train.run_dir"
-            ) from None
-        os.ftruncate(self.fd, 0)
-        since = time.strftime("%Y-%m-%d %H:%M:%S")
-        os.write(self.fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": since}).encode())
-
-    def _holder(self) -> str:
-        try:
-            info = json.loads(self.path.read_text(encoding="utf-8"))
-            return f"pid {info['pid']} on {info['host']}, since {info['since']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            return "a process that has not written its id yet"
-
-    def release(self) -> None:
-        """Give the directory up (idempotent)."""
-        if self.fd is not None:
-            os.close(self.fd)  # closing the descriptor drops the flock
-            self.fd = None
 
 
 def make_run_dir(run_dir: Path) -> None:
@@ -105,7 +64,7 @@ def open_run(config: JobConfig, is_main: bool) -> RunLock | None:
     make_run_dir(run_dir)
     if not is_main:
         return None
-    lock = RunLock(run_dir)
+    lock = RunLock(run_dir).acquire()  # joins the claim ``tessera train`` took before building anything
     try:
         if config.train.overwrite:
             _check_overwrite(config, run_dir)

@@ -12,16 +12,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
-from tessera.data.pipeline import DataBundle, Split, build_data
+from tessera.data.inspect import realized_mix
+from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
+from tessera.threads import apply_threads, busy_hint
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
-from tessera.train.metrics import MetricsLogger, plot_loss_curve
+from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
 from tessera.train.optim import build_optimizer, build_scheduler, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
@@ -52,6 +55,8 @@ def lm_loss(
         logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing, reduction="none"
     )
     mask = loss_mask.flatten().float()
+    if isinstance(losses, DTensor):  # loss parallelism: the per-token losses are replicated over tp
+        mask = DTensor.from_local(mask, losses.device_mesh, losses.placements, run_check=False)
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
@@ -90,6 +95,7 @@ class Trainer:
         self.dtype = DTYPES[config.train.dtype]
         self.parallel = setup_parallel(config, self.device)
         self.device = self.parallel.device
+        self.threads = apply_threads(config.train.threads, self.parallel.env.local_world_size)
         self.run_lock = open_run(config, self.parallel.is_main)  # lock (rank 0), refuse mixing two runs
         try:
             self._build(config)
@@ -112,13 +118,16 @@ class Trainer:
         self.flops_per_token = flops_per_token(
             self.n_params - self.n_embedding_params, config.model, config.train.seq_len
         )
-        self.peak = peak_flops(self.device, config.log.peak_flops)
+        self.peak, self.peak_source = peak_flops(
+            self.device, config.log.peak_flops, cache_dir(config.data.cache_dir), self.parallel.env.local_world_size
+        )
         self.nonfinite = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
 
     def close(self) -> None:
         """Release the run directory (the end of :meth:`fit` does it; so does the end of the process)."""
         if self.run_lock is not None:
             self.run_lock.release()
+            self.run_lock = None
 
     def _build_data(self) -> DataBundle:
         # Rank 0 trains the tokenizer and tokenizes the corpus into the cache; the rest reuse it.
@@ -326,9 +335,7 @@ class Trainer:
         if self.parallel.is_main:
             self._write_run_files()
             truncate_metrics(self.run_dir, self.step)
-        return MetricsLogger(
-            self.run_dir, cfg.train.steps, cfg.log.progress, cfg.log.tensorboard, enabled=self.parallel.is_main
-        )
+        return MetricsLogger.for_job(cfg, enabled=self.parallel.is_main)
 
     def _already_complete(self, step: int) -> TrainResult:
         """Nothing left to train: say so, and leave the run's files as they are."""
@@ -349,6 +356,7 @@ class Trainer:
     ) -> None:
         """Steps until ``train.steps`` or a stop signal; every step, evaluation and save reports progress."""
         cfg = self.config
+        window = StepWindow(self.flops_per_token, self.peak * self.parallel.env.world_size)
         if self.step == 0 and self.data.val is not None and len(self.data.val) > 0:
             result.val_losses[0] = self._log_eval(logger, {"step": 0})
         self.model.train()
@@ -357,13 +365,13 @@ class Trainer:
             metrics = self.train_step()
             self.step += 1
             watchdog.kick(self.step)
-            record = self._record(metrics, time.perf_counter() - t0)
+            window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
             result.losses.append(metrics["loss"])
-            if self._should_eval():
-                result.val_losses[self.step] = self._log_eval(logger, record)
+            if self._should_eval():  # logged records hold the logging window's means (StepWindow)
+                result.val_losses[self.step] = self._log_eval(logger, self._record(window))
                 watchdog.kick(self.step)
             elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
-                logger.log(record)
+                logger.log(self._record(window))
             saved = self._should_save()
             if saved:
                 self.save()
@@ -374,12 +382,9 @@ class Trainer:
                 result.preempted = preemption.reason
                 return
 
-    def _record(self, metrics: dict[str, float], seconds: float) -> dict[str, Any]:
-        """The metrics.jsonl record of the step just taken."""
-        tokens_per_s = self.tokens_per_step / seconds
-        world = self.parallel.env.world_size
-        mfu = tokens_per_s * self.flops_per_token / (self.peak * world) if self.peak else 0.0
-        record = {"step": self.step, **metrics, "tokens_per_s": tokens_per_s, "mfu": mfu}
+    def _record(self, window: StepWindow) -> dict[str, Any]:
+        """The metrics.jsonl record of the logging window that ends at this step."""
+        record = {"step": self.step, **window.flush()}
         if self.nonfinite.skipped:
             record["skipped_steps"] = self.nonfinite.skipped
         return record
@@ -397,12 +402,16 @@ class Trainer:
             else "1 process"
         )
         where = f"resuming from {self.resume_from}" if self.resume_from else "starting fresh"
-        return (
+        peak = f"peak {self.peak / 1e9:,.1f} GFLOP/s per process" if self.peak else "MFU off"
+        lines = [
             f"tessera: {n / 1e6:.2f}M parameters, {self.data.tokenizer.vocab_size} tokens in vocab, "
             f"{len(self.data.train.dataset)} train / {len(self.data.val) if self.data.val is not None else 0} val "
             f"sequences of {self.config.train.seq_len}, "
-            f"{self.device.type} {self.config.train.dtype}, {layout}, {where}; run dir {self.run_dir}"
-        )
+            f"{self.device.type} {self.config.train.dtype}, {layout}, {where}; run dir {self.run_dir}",
+            f"tessera: {self.threads.describe()}, {peak} ({self.peak_source})",
+        ]
+        extra = [busy_hint(self.threads.threads) if self.device.type == "cpu" else "", realized_mix(self.data.train)]
+        return "\n".join(lines + [f"tessera: {line}" for line in extra if line])
 
     def _finish(self, result: TrainResult, logger: MetricsLogger) -> None:
         cfg = self.config
