@@ -65,11 +65,13 @@ def generate_text(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
-) -> str:
-    """``prompt`` and its continuation sampled from a run or checkpoint (``tessera generate``)."""
+) -> tuple[str, str]:
+    """``prompt`` and its continuation sampled from a run or checkpoint (``tessera generate``), and
+    a line on the decoding cache's size (bytes per token of context)."""
     import torch
 
     from tessera.model import generate
+    from tessera.model.generate import cache_footprint
 
     model, tokenizer = load_with_tokenizer(path)
     ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(prompt)])
@@ -80,4 +82,6 @@ def generate_text(
         )
     gen = torch.Generator().manual_seed(seed)
     out = generate(model, ids, max_new_tokens, temperature, top_k, top_p, tokenizer.eos_id, gen)
-    return prompt + tokenizer.decode(out[0].tolist())
+    per_token, fixed = cache_footprint(model)
+    cache = f"decoding cache: {per_token:,} bytes per token of context, {fixed:,} bytes fixed"
+    return prompt + tokenizer.decode(out[0].tolist()), cache

@@ -145,6 +145,11 @@ def _add_launch(sub: Subparsers) -> None:
         help="launcher, run by this Python (accelerate: also writes RUN_DIR/accelerate.yaml)",
     )
     launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    launch.add_argument(
+        "--gpu",
+        default="",
+        help="GPU kind of `tessera plan`'s catalog, e.g. h100-80gb: warn if the layout will not fit",
+    )
 
 
 def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -162,6 +167,7 @@ def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
         max_restarts=args.max_restarts,
         via=args.via,
         dry_run=args.dry_run,
+        gpu=args.gpu,
     )
 
 
@@ -231,6 +237,11 @@ def _add_slurm(sub: Subparsers) -> None:
     )
     sl.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     sl.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    sl.add_argument(
+        "--gpu",
+        default="",
+        help="GPU kind of `tessera plan`'s catalog, e.g. h100-80gb: warn if the layout will not fit",
+    )
 
 
 def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -254,6 +265,7 @@ def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
         sbatch_options=args.sbatch,
         setup=args.setup,
         python=args.python or sys.executable,
+        gpu=args.gpu,
     )
     return slurm(args.config, overrides, spec, args.argv, args.submit, args.dry_run)
 
@@ -426,17 +438,12 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--seed must be in [0, 2**63), got {args.seed}")
     from tessera.api import generate_text
 
-    print(
-        generate_text(
-            args.path,
-            args.prompt,
-            args.max_new_tokens,
-            0.0 if args.greedy else args.temperature,
-            args.top_k,
-            args.top_p,
-            args.seed,
-        )
+    temperature = 0.0 if args.greedy else args.temperature
+    text, cache = generate_text(
+        args.path, args.prompt, args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed
     )
+    print(text)
+    print(cache, file=sys.stderr)
     return 0
 
 
@@ -446,14 +453,20 @@ def _add_convert(sub: Subparsers) -> None:
     imp = actions.add_parser(
         "hf-import", help="HF model directory (config.json + safetensors) -> tessera run directory", allow_abbrev=False
     )
-    imp.add_argument("hf_dir", help="HF model directory: llama, mistral, qwen2, gpt2, mixtral, bert or t5")
+    imp.add_argument(
+        "hf_dir",
+        help="HF model directory: llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, "
+        "gpt2, bert, t5, mamba, mamba2 or jamba",
+    )
     imp.add_argument("out_dir", help="tessera run directory to write (one checkpoint, step 0)")
     imp.add_argument("--overwrite", action="store_true", help="replace what an earlier run wrote into OUT_DIR")
     exp = actions.add_parser(
         "hf-export", help="tessera run or checkpoint directory -> HF model directory", allow_abbrev=False
     )
     exp.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
-    exp.add_argument("out_dir", help="HF model directory to write (config.json + model.safetensors)")
+    exp.add_argument(
+        "out_dir", help="HF model directory to write (config, safetensors, tokenizer, generation config, model card)"
+    )
     exp.add_argument("--family", default=None, help="HF family to write (default: detected from the model config)")
     cons = actions.add_parser(
         "consolidate", help="tessera run or checkpoint (any layout) -> one model.safetensors", allow_abbrev=False
@@ -475,6 +488,36 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- plan
+
+
+def _add_plan(sub: Subparsers) -> None:
+    plan = _command(
+        sub,
+        "plan",
+        _cmd_plan,
+        "rank the layouts of N GPUs by predicted speed, with memory per GPU and what does not fit",
+        epilog=OVERRIDES_HELP,
+    )
+    plan.add_argument("config", help="TOML recipe; overrides follow as for train")
+    plan.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    plan.add_argument("--gpu", required=True, help="GPU kind: a100-40gb, a100-80gb, h100-80gb, h200-141gb, b200")
+    plan.add_argument("--nodes-of", type=int, default=8, help="GPUs per node (default 8)")
+    plan.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    plan.add_argument(
+        "--measure",
+        action="store_true",
+        help="also measure the best measurable layout on fake ranks (real parallelize)",
+    )
+
+
+def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.plan.cli import run_plan
+
+    print(run_plan(args.config, overrides, args.gpus, args.gpu, args.nodes_of, args.top, args.measure))
+    return 0
+
+
 # ---------------------------------------------------------------- entry point
 
 COMMANDS = (
@@ -482,6 +525,7 @@ COMMANDS = (
     _add_launch,
     _add_slurm,
     _add_parity,
+    _add_plan,
     _add_status,
     _add_config,
     _add_prepare,

@@ -21,9 +21,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "ep": "expert parallelism is not implemented yet",
     },
     "activation checkpointing": {},
-    "torch.compile": {
-        "pp": "compile is not validated with pipeline stages yet",
-    },
+    "torch.compile": {},
     "bf16": {},
     "fp16": {
         "fsdp": "fp16 needs a sharded grad scaler; use bf16",
@@ -37,9 +35,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "tp": "offload with tensor parallelism is not supported",
         "pp": "offload is not validated with pipeline stages yet",
     },
-    "meta init": {
-        "pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"
-    },
+    "meta init": {},
     "tied embeddings": {
         "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
     },
@@ -52,16 +48,22 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "ALiBi": {},
     "sparse/linear attention kernels": {},
     "mixture of experts": {},
+    "QK-norm over all heads": {
+        "tp": "the norm spans every head's channels, which tensor parallelism splits over ranks",
+    },
+    "Mamba layers": {
+        "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
+        "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
+    },
+    "latent attention": {
+        "tp": "the tensor-parallel plan does not cover latent attention's projections",
+        "cp": "ring attention is written for standard attention's keys and values, not the latent cache",
+    },
 }
 
 
 # Pairs of layouts that do not combine, with the reason.
-UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
-    frozenset({"ddp", "tp"}): "DDP does not take DTensor parameters; use FSDP or HSDP (parallel.dp_shard > 1) with tp",
-    frozenset(
-        {"ddp", "pp"}
-    ): "DDP would all-reduce every micro-batch's gradients; use FSDP or HSDP (parallel.dp_shard > 1) with pp",
-}
+UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {}
 
 
 def job_layouts(parallel: Any, world_size: int | None = None) -> set[str]:
@@ -116,6 +118,12 @@ def job_features(config: Any) -> set[str]:
         features.add("sparse/linear attention kernels")
     if m.moe.experts > 1:
         features.add("mixture of experts")
+    if m.attention.qk_norm and m.attention.qk_norm_scope == "all":
+        features.add("QK-norm over all heads")
+    if "M" in m.layer_pattern:
+        features.add("Mamba layers")
+    if m.mla.kv_rank:
+        features.add("latent attention")
     return features
 
 

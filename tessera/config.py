@@ -32,9 +32,12 @@ class AttentionConfig:
 
     kernel: Literal["sdpa", "eager", "longformer", "bigbird", "linear", "performer"] = "sdpa"  # eager: fp32 softmax
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2, GPT-2, BERT)
+    o_bias: bool = False  # a bias on o_proj also when model.bias is false (Llama attention_bias)
     dropout: float = 0.0  # on the attention weights
     scale: float = 0.0  # softmax scale; 0 means 1/sqrt(head_dim) (T5 uses 1)
+    scale_by_layer: bool = False  # divide the scale by layer index + 1 (GPT-2 scale_attn_by_inverse_layer_idx)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys
+    qk_norm_scope: Literal["head", "all"] = "head"  # qk_norm per head (Qwen3) or over all heads' channels (OLMoE)
     sliding_window: int = 0  # keys within this many positions (Mistral); the local width for longformer
     global_tokens: int = 0  # longformer/bigbird: the first positions attend and are attended everywhere
     block_size: int = 16  # bigbird block
@@ -48,9 +51,12 @@ class PositionConfig:
 
     kind: Literal["rope", "learned", "sinusoidal", "t5_bias", "alibi", "none"] = "rope"  # t5_bias/alibi: score biases
     rope_theta: float = 10000.0  # RoPE base frequency
-    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"  # context extension of RoPE
+    rope_scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"  # context extension of RoPE
     rope_scaling_factor: float = 1.0  # how many times longer than the original context
-    rope_original_max_len: int = 0  # yarn: the pre-extension context (0 = max_seq_len / factor)
+    rope_original_max_len: int = 0  # yarn, llama3: the pre-extension context (0 = max_seq_len / factor)
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by the factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
+    rope_attention_factor: float = 0.0  # yarn: the cos/sin magnitude (0 = 0.1 * ln(factor) + 1)
     rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
     rel_buckets: int = 32  # T5 relative-position buckets
     rel_max_distance: int = 128  # T5: distances beyond this share the last bucket
@@ -69,6 +75,41 @@ class MoEConfig:
     z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE)
     shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
     ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
+    jitter: float = 0.0  # training only: the MoE input times U(1 - jitter, 1 + jitter) (Mixtral router_jitter_noise)
+
+
+@dataclass
+class MambaConfig:
+    """[model.mamba]: the selective state-space mixer of the "M" layers of model.layer_pattern."""
+
+    version: int = 1  # 1 = Mamba (S6, a state per channel), 2 = Mamba-2 (SSD, a scalar decay per head)
+    state: int = 16  # d_state: SSM state size (per channel for Mamba-1, per head for Mamba-2)
+    conv: int = 4  # width of the causal depthwise convolution
+    expand: int = 2  # inner width = expand * dim
+    dt_rank: int = 0  # Mamba-1: rank of the time-step projection (0 = ceil(dim / 16))
+    head_dim: int = 64  # Mamba-2: channels per SSM head (heads = inner width / head_dim)
+    groups: int = 1  # Mamba-2: B/C groups shared by the heads (like grouped-query attention)
+    chunk: int = 64  # the training scan's chunk length (memory vs. parallelism; not the numbers)
+    conv_bias: bool = True  # a bias on the depthwise convolution
+    proj_bias: bool = False  # biases on in_proj and out_proj
+    dt_norm: bool = False  # RMSNorm on the time step, B and C (Jamba)
+    ffn: bool = True  # Mamba layers also get the FFN/MoE sublayer (Jamba); false = the mixer alone (Mamba)
+
+
+@dataclass
+class MLAConfig:
+    """[model.mla]: multi-head latent attention (DeepSeek-V2/V3) in place of standard attention.
+
+    Keys and values are rebuilt from one compressed latent of ``kv_rank`` channels per token plus
+    a ``rope_head_dim`` RoPE key shared by all heads; the KV cache stores only those two.
+    """
+
+    kv_rank: int = 0  # kv_lora_rank; 0 keeps standard attention
+    q_rank: int = 0  # q_lora_rank: low-rank query compression (0 = one full query projection)
+    rope_head_dim: int = 64  # qk_rope_head_dim: the rotated part of each query/key head
+    nope_head_dim: int = 128  # qk_nope_head_dim: the unrotated part of each query/key head
+    v_head_dim: int = 128  # v_head_dim: the width of each value head
+    mscale: float = 0.0  # yarn mscale_all_dim: the softmax scale times (0.1 * mscale * ln(factor) + 1)^2
 
 
 @dataclass
@@ -91,6 +132,7 @@ class ModelConfig:
     norm_eps: float = 1e-5  # epsilon of every norm
     norm_position: Literal["pre", "post"] = "pre"  # post-norm (BERT) has no final norm
     bias: bool = False  # biases on o_proj and the FFN linears (GPT-2, BERT)
+    ffn_bias: bool = False  # biases on the FFN linears also when bias is false (Llama mlp_bias)
     embed_norm: bool = False  # a norm right after the embeddings (BERT)
     type_vocab_size: int = 0  # BERT token-type embeddings (type 0 is added when none are given)
     output_dim_scale: bool = False  # multiply the final hidden by dim**-0.5 before the head (T5 v1.0)
@@ -102,9 +144,14 @@ class ModelConfig:
     mask_prob: float = 0.15  # masked_lm: fraction masked; span_corruption: noise density
     mean_span_length: float = 3.0  # span_corruption: mean noise-span length
     sentinel_tokens: int = 0  # ids reserved at the top of the vocab for [MASK] / T5 sentinels
+    # A = attention ([model.attention], latent if [model.mla] is on), G = global attention (A without the
+    # sliding window), M = Mamba ([model.mamba]); "" = all A.
+    layer_pattern: str = ""  # each layer's mixer, one letter per layer, repeated to n_layers (Jamba: "MMMMAMMM")
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     position: PositionConfig = field(default_factory=PositionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
 
 
 @dataclass
@@ -545,15 +592,12 @@ def validate_model(m: ModelConfig) -> None:
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
     _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
     _require(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
-    _require(
-        m.vocab_size >= 260,
-        f"model.vocab_size={m.vocab_size} is too small for a byte-fallback tokenizer; use at least 260",
-    )
     _require(0.0 < m.mask_prob < 1.0, f"model.mask_prob must be in (0, 1), got {m.mask_prob}")
     _require(m.mean_span_length >= 1.0, f"model.mean_span_length must be >= 1, got {m.mean_span_length}")
     _validate_attention(m)
     _validate_position(m)
     _validate_moe(m.moe)
+    _validate_mixers(m)
 
 
 def _validate_attention(m: ModelConfig) -> None:
@@ -582,7 +626,7 @@ def _validate_position(m: ModelConfig) -> None:
     _require_all("model.position", pos, ("rel_buckets", "rel_max_distance"), positive=True)
     _require_all("model.position", pos, ("rope_original_max_len",), positive=False)
     _require(pos.rope_theta > 0, f"model.position.rope_theta must be positive, got {pos.rope_theta}")
-    head_dim = m.head_dim or m.dim // m.n_heads
+    head_dim = m.mla.rope_head_dim if m.mla.kv_rank else m.head_dim or m.dim // m.n_heads
     rot = int(head_dim * pos.rotary_fraction)
     _require(
         0.0 < pos.rotary_fraction <= 1.0, f"model.position.rotary_fraction must be in (0, 1], got {pos.rotary_fraction}"
@@ -596,6 +640,15 @@ def _validate_position(m: ModelConfig) -> None:
     _require(
         pos.rope_scaling_factor >= 1.0,
         f"model.position.rope_scaling_factor must be >= 1, got {pos.rope_scaling_factor}",
+    )
+    _require(
+        pos.rope_scaling != "llama3" or 0 < pos.rope_low_freq_factor < pos.rope_high_freq_factor,
+        "model.position.rope_low_freq_factor must be positive and below model.position.rope_high_freq_factor, got "
+        f"{pos.rope_low_freq_factor} and {pos.rope_high_freq_factor}",
+    )
+    _require(
+        pos.rope_attention_factor >= 0,
+        f"model.position.rope_attention_factor must be >= 0, got {pos.rope_attention_factor}",
     )
     _require(
         pos.rel_buckets % 2 == 0 and pos.rel_buckets >= 4,
@@ -624,6 +677,64 @@ def _validate_moe(moe: MoEConfig) -> None:
     )
 
 
+LAYER_KINDS = {"A": "attention", "G": "global attention", "M": "Mamba"}
+
+
+def _validate_mixers(m: ModelConfig) -> None:
+    """model.layer_pattern, [model.mamba] and [model.mla]."""
+    pattern = m.layer_pattern
+    bad = sorted(set(pattern) - set(LAYER_KINDS))
+    _require(
+        not bad,
+        f"model.layer_pattern={pattern!r} has {bad[0]!r}; use one letter per layer: "
+        + ", ".join(f"{k} ({v})" for k, v in LAYER_KINDS.items())
+        if bad
+        else "",
+    )
+    _require(
+        not pattern or m.n_layers % len(pattern) == 0,
+        f"model.layer_pattern has {len(pattern)} letters, which do not tile model.n_layers={m.n_layers}; use a "
+        "divisor of n_layers letters",
+    )
+    _require(
+        m.arch == "decoder" or not (set(pattern) - {"A"} or m.mla.kv_rank),
+        f"model.layer_pattern and model.mla are for decoders, not model.arch='{m.arch}'",
+    )
+    _require(
+        "G" not in pattern or (m.attention.sliding_window > 0 and m.attention.kernel in ("sdpa", "eager")),
+        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and the sdpa or "
+        "eager kernel",
+    )
+    if "M" in pattern:
+        _validate_mamba(m)
+    mla = m.mla
+    if mla.kv_rank:
+        _require_all("model.mla", mla, ("rope_head_dim", "v_head_dim"), positive=True)
+        _require_all("model.mla", mla, ("q_rank", "nope_head_dim", "mscale"), positive=False)
+        _require(
+            m.position.kind == "rope" and m.attention.kernel in ("sdpa", "eager"),
+            "model.mla needs model.position.kind='rope' and model.attention.kernel sdpa or eager",
+        )
+    _require(0.0 <= m.moe.jitter < 1.0, f"model.moe.jitter must be in [0, 1), got {m.moe.jitter}")
+
+
+def _validate_mamba(m: ModelConfig) -> None:
+    mamba = m.mamba
+    _require(mamba.version in (1, 2), f"model.mamba.version must be 1 or 2, got {mamba.version}")
+    _require_all("model.mamba", mamba, ("state", "conv", "expand", "head_dim", "groups", "chunk"), positive=True)
+    _require_all("model.mamba", mamba, ("dt_rank",), positive=False)
+    _require(
+        mamba.version == 1 or not mamba.dt_norm, "model.mamba.dt_norm (Jamba) is a Mamba-1 option; set version = 1"
+    )
+    if mamba.version == 2:
+        inner = mamba.expand * m.dim
+        _require(
+            inner % mamba.head_dim == 0 and (inner // mamba.head_dim) % mamba.groups == 0,
+            f"model.mamba: the inner width expand*dim={inner} must split into heads of head_dim={mamba.head_dim}, "
+            f"and the heads into groups={mamba.groups}",
+        )
+
+
 def _validate_objective(m: ModelConfig, t: TrainConfig) -> None:
     """The training objective fits the architecture and has its reserved token ids."""
     objective = resolved_objective(m)
@@ -640,9 +751,8 @@ def _validate_objective(m: ModelConfig, t: TrainConfig) -> None:
         f"reserved at the top of the vocab), got {m.sentinel_tokens}",
     )
     _require(
-        m.vocab_size - m.sentinel_tokens >= 260,
-        f"model.vocab_size - model.sentinel_tokens = {m.vocab_size - m.sentinel_tokens} leaves too few ids for the "
-        "tokenizer; use at least 260",
+        m.vocab_size > m.sentinel_tokens,
+        f"model.sentinel_tokens={m.sentinel_tokens} leaves no ids of model.vocab_size={m.vocab_size} for the tokenizer",
     )
 
 
@@ -679,6 +789,11 @@ def validate(config: JobConfig) -> None:
     _validate_optim(config.optim, config.train)
     check_layout(config)
     _validate_data(config.data)
+    _require(
+        not (config.data.document_mask and "M" in config.model.layer_pattern),
+        "data.document_mask cannot reset Mamba layers' state at document boundaries; set data.document_mask=false "
+        "or use attention layers only",
+    )
     _validate_output(config)
 
 

@@ -80,11 +80,17 @@ def _write_imported(out_dir: Path, hf_dir: Path, job: JobConfig, model: torch.nn
 
 
 def hf_export(checkpoint: str | Path, out_dir: str | Path, family: str | None = None) -> str:
-    """Write the model of a tessera run or checkpoint directory as an HF model directory; returns the family."""
-    from tessera.api import load
+    """Write the model of a tessera run or checkpoint directory as an HF model directory (weights, config,
+    tokenizer, generation config, model card); returns the family."""
+    from tessera.api import find_checkpoint, load
+    from tessera.hf_dir import complete_hf_dir
+    from tessera.model import count_parameters
 
-    model = load(checkpoint)
-    return save_hf(model, output_dir(out_dir, "export directory"), family)
+    ckpt = find_checkpoint(checkpoint)
+    model = load(ckpt)
+    family = save_hf(model, output_dir(out_dir, "export directory"), family)
+    complete_hf_dir(Path(out_dir), ckpt, family, count_parameters(model))
+    return family
 
 
 def consolidate(checkpoint: str | Path, out_dir: str | Path) -> Path:

@@ -10,19 +10,29 @@ a pipeline stage is the same model with the other stages' parts removed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.model.attention import LINEAR_KERNELS, AttnContext, KVCache
-from tessera.model.block import TransformerBlock
+from tessera.model.attention import LINEAR_KERNELS, AttnContext
+from tessera.model.block import LayerCache, TransformerBlock
 from tessera.model.ffn import ACTIVATIONS
+from tessera.model.mamba import Mamba2Mixer, MambaMixer
 from tessera.model.masks import MaskSpec, attention_mask
 from tessera.model.moe import Experts, MoELog
 from tessera.model.norm import build_norm
-from tessera.model.position import AbsolutePositions, AlibiBias, RelativePositionBias, RotaryEmbedding
+from tessera.model.position import (
+    AbsolutePositions,
+    AlibiBias,
+    RelativePositionBias,
+    RotaryEmbedding,
+    rope_scaling_of,
+)
 
 _RESIDUAL_OUT = ("o_proj", "down_proj")
 
@@ -44,12 +54,10 @@ class Stack(nn.Module):
         self.rope = None
         if cfg.position.kind == "rope":
             self.rope = RotaryEmbedding(
-                head_dim,
+                cfg.mla.rope_head_dim if cfg.mla.kv_rank else head_dim,
                 cfg.max_seq_len,
                 cfg.position.rope_theta,
-                cfg.position.rope_scaling,
-                cfg.position.rope_scaling_factor,
-                cfg.position.rope_original_max_len,
+                rope_scaling_of(cfg.position, cfg.max_seq_len),
                 cfg.position.rotary_fraction,
             )
         # A score bias (T5 relative buckets or ALiBi): (B|1, H, Tq, Tk) added to every layer's scores.
@@ -71,6 +79,8 @@ class Stack(nn.Module):
             cfg.attention.random_blocks,
             cfg.max_seq_len,
         )
+        # 'G' layers of model.layer_pattern: the same attention without the sliding window.
+        self.global_mask_spec = dataclasses.replace(self.mask_spec, window=0) if "G" in cfg.layer_pattern else None
 
     def context(
         self,
@@ -105,6 +115,14 @@ class Stack(nn.Module):
             ctx.bias = self.rel_bias(q_pos, k_pos)
         return ctx
 
+    def global_context(
+        self, ctx: AttnContext, length: int, start: int, document_ids: torch.Tensor | None, device: torch.device
+    ) -> AttnContext:
+        """``ctx`` with the mask of the 'G' layers of ``model.layer_pattern`` (no sliding window)."""
+        kv_len = start + length
+        mask = attention_mask(self.global_mask_spec, length, kv_len, device, document_ids)
+        return dataclasses.replace(ctx, mask=mask, is_causal=self.causal and mask is None and length == kv_len)
+
     def embed_positions(self, h: torch.Tensor, start: int, positions: torch.Tensor | None) -> torch.Tensor:
         """Absolute positions, embedding norm and dropout on freshly embedded tokens (first stage only)."""
         if self.pos_embeddings is not None:
@@ -117,7 +135,7 @@ class Stack(nn.Module):
     def hidden_states(
         self,
         h: torch.Tensor,
-        caches: list[KVCache] | None = None,
+        caches: list[LayerCache] | None = None,
         start: int = 0,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
@@ -132,34 +150,65 @@ class Stack(nn.Module):
         h = self.embed_positions(h, start, positions)
         ctx = self.context(b, t, start, positions, document_ids, h.device)
         ctx.moe_log = moe_log
+        global_ctx = (
+            self.global_context(ctx, t, start, document_ids, h.device) if self.global_mask_spec is not None else ctx
+        )
         for i, layer in enumerate(self.layers.values()):
-            h = layer(h, ctx, caches[i] if caches is not None else None, start, memory)
+            layer_ctx = global_ctx if layer.kind == "G" else ctx
+            h = layer(h, layer_ctx, caches[i] if caches is not None else None, start, memory)
         return self.norm(h) if self.norm is not None else h
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
-        """One empty self-attention KV cache per layer, sized for ``max_len`` positions."""
-        attn = next(iter(self.layers.values())).attention
-        return [KVCache(batch, attn.n_kv_heads, attn.head_dim, max_len, dtype, device) for _ in self.layers]
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[LayerCache]:
+        """One empty decoding cache per layer (KV, latent K/V or Mamba state), sized for ``max_len`` positions."""
+        return [layer.new_cache(batch, max_len, dtype, device) for layer in self.layers.values()]
 
 
-def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
-    """Normal(0, init_std) weights; residual-output projections scaled by 1/sqrt(2 n_layers)."""
+ModuleSeed = Callable[[str, nn.Module], int]  # (module name, module) -> seed of its random draws
+
+
+def module_seed(base: int) -> ModuleSeed:
+    """Seeds that depend only on the base seed and a module's name: a module's initial weights are
+    then the same whatever else the model holds (a pipeline stage, a pruned model) or how it was
+    built."""
+    return lambda name, _module: zlib.crc32(f"{base}/{name}".encode())
+
+
+def init_weights(model: nn.Module, cfg: ModelConfig, seed_of: ModuleSeed | None = None) -> None:
+    """Normal(0, init_std) weights; residual-output projections scaled by 1/sqrt(2 n_layers).
+
+    Each module draws from the global RNG reseeded by ``seed_of(name, module)`` (default: from the
+    last ``torch.manual_seed`` and the module's name), so weights do not depend on module order;
+    the caller's RNG state is left as it was. A sharding layer passes seeds that also name the
+    shard, so the shards of one tensor are not copies of each other.
+    """
+    seed_of = seed_of or module_seed(torch.initial_seed())
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        for name, module in model.named_modules():
+            torch.manual_seed(seed_of(name, module))
+            _init_module(name, module, cfg)
+        for name, module in model.named_modules():  # after their linears: the SSM's A, D and time step
+            if isinstance(module, (MambaMixer, Mamba2Mixer)):
+                torch.manual_seed(seed_of(name, module) + 1)
+                module.reset_parameters()
+
+
+def _init_module(name: str, module: nn.Module, cfg: ModelConfig) -> None:
     std = cfg.init_std
     out_std = std / math.sqrt(2 * cfg.n_layers)
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=out_std if name.endswith(_RESIDUAL_OUT) else std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, Experts):
-            for pname, p in module.named_parameters(recurse=False):
-                nn.init.normal_(p, mean=0.0, std=out_std if pname == "down_proj" else std)
-        elif isinstance(module, AbsolutePositions):
-            module.reset_parameters(std)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=out_std if name.endswith(_RESIDUAL_OUT) else std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    elif isinstance(module, Experts):
+        for pname, p in module.named_parameters(recurse=False):
+            nn.init.normal_(p, mean=0.0, std=out_std if pname == "down_proj" else std)
+    elif isinstance(module, AbsolutePositions):
+        module.reset_parameters(std)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
 
 
 class Decoder(Stack):
@@ -173,14 +222,14 @@ class Decoder(Stack):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    def init_weights(self) -> None:
+    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
         """See :func:`init_weights`."""
-        init_weights(self, self.cfg)
+        init_weights(self, self.cfg, seed_of)
 
     def forward(
         self,
         tokens: torch.Tensor,
-        caches: list[KVCache] | None = None,
+        caches: list[LayerCache] | None = None,
         start: int = 0,
         *,
         positions: torch.Tensor | None = None,
@@ -195,7 +244,7 @@ class Decoder(Stack):
         h = self.hidden_states(h, caches, start, positions, document_ids, moe_log=moe_log)
         return self.output(h) if self.output is not None else h
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
         """One empty KV cache per layer, sized for ``max_len`` positions."""
         weight = self.output.weight
         return super().new_caches(batch, max_len, dtype or weight.dtype, weight.device)
@@ -228,9 +277,9 @@ class Encoder(Stack):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    def init_weights(self) -> None:
+    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
         """See :func:`init_weights`."""
-        init_weights(self, self.cfg)
+        init_weights(self, self.cfg, seed_of)
 
     def embed(self, tokens: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token (+ token-type) embeddings (B, T, dim)."""
@@ -280,9 +329,9 @@ class EncoderDecoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    def init_weights(self) -> None:
+    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
         """See :func:`init_weights`."""
-        init_weights(self, self.cfg)
+        init_weights(self, self.cfg, seed_of)
 
     def encode(self, input_ids: torch.Tensor, moe_log: MoELog | None = None) -> torch.Tensor:
         """Encoder output (B, S, dim), the decoder's cross-attention memory."""
@@ -292,7 +341,7 @@ class EncoderDecoder(nn.Module):
         self,
         decoder_input_ids: torch.Tensor,
         memory: torch.Tensor,
-        caches: list[KVCache] | None = None,
+        caches: list[LayerCache] | None = None,
         start: int = 0,
         moe_log: MoELog | None = None,
     ) -> torch.Tensor:
@@ -310,7 +359,7 @@ class EncoderDecoder(nn.Module):
         """Logits (B, T, vocab) of ``decoder_input_ids`` conditioned on ``input_ids``."""
         return self.decode(decoder_input_ids, self.encode(input_ids, moe_log), moe_log=moe_log)
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
         """Decoder self-attention caches."""
         weight = self.output.weight
         return self.decoder.new_caches(batch, max_len, dtype or weight.dtype, weight.device)

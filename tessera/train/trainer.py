@@ -31,6 +31,7 @@ from tessera.train.rundir import check_resumable, completed_step, config_changes
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
 from tessera.parallel import clip_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
+from tessera.parallel.init import shard_seeds
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,13 +150,15 @@ class Trainer:
         self.pipeline = None
         if cfg.parallel.pp > 1:  # this rank's stages; self.model holds their modules under full-model names
             self.pipeline = self.parallel.pipeline(model, cfg, lm_loss)
-            return self.pipeline.model
-        model = self.parallel.parallelize(model, cfg)
+            model, roots = self.pipeline.model, self.pipeline.stage_models
+        else:
+            model = self.parallel.parallelize(model, cfg)
+            roots = [model]
         if cfg.parallel.meta_init:
-            model.to_empty(device=self.device)
-            torch.manual_seed(cfg.train.seed)
+            for root in roots:  # on the FSDP roots, which then re-point their shards
+                root.to_empty(device=self.device)
             with torch.no_grad():
-                model.init_weights()
+                model.init_weights(shard_seeds(cfg.train.seed))
         return model.to(self.device)
 
     def _write_run_files(self) -> None:
@@ -212,9 +215,9 @@ class Trainer:
         for _ in range(cfg.train.grad_accum):
             batch = self.data.train.next_batch().to(self.device)
             args, kwargs, labels, loss_mask = self.objective(batch)
-            if self.pipeline is not None:  # kwargs are empty: document masks are refused with pp
+            if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
-                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum)
+                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum, kwargs)
                 continue
             moe_logs.append(MoELog())
             with self.parallel.loss_context():
@@ -266,7 +269,7 @@ class Trainer:
             weight = labels.numel() if loss_mask is None else int(loss_mask.sum())
             if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
-                    total += self.pipeline.eval_loss(args, labels, loss_mask)
+                    total += self.pipeline.eval_loss(args, labels, loss_mask, kwargs)
                 count += weight
                 continue
             with self.parallel.loss_context():
