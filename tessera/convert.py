@@ -10,8 +10,8 @@ import torch
 from tessera.config import ConfigError, JobConfig, resolved_objective, span_count, validate
 from tessera.model import build_model
 from tessera.model.hf import load_state, read_hf, save_hf
-from tessera.train.checkpoint import Checkpointer
 from tessera.status import RunLock
+from tessera.train.checkpoint import Checkpointer
 from tessera.train.rundir import remove_run_outputs
 
 
