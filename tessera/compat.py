@@ -23,12 +23,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "activation checkpointing": {},
     "torch.compile": {},
     "bf16": {},
-    "fp16": {
-        "fsdp": "fp16 needs a sharded grad scaler; use bf16",
-        "hsdp": "fp16 needs a sharded grad scaler; use bf16",
-        "tp": "fp16 with DTensor gradients is not supported; use bf16",
-        "pp": "the pipeline schedule runs backward itself, without the fp16 loss scaler; use bf16",
-    },
+    "fp16": {},
     "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "ddp": "offload is an FSDP feature; shard with parallel.dp_shard > 1",

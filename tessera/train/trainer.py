@@ -32,6 +32,7 @@ from tessera.train.rundir import resolved_config_text, truncate_metrics, write_s
 from tessera.parallel import clip_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.parallel.init import shard_seeds
+from tessera.parallel.scaler import build_grad_scaler
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -112,7 +113,7 @@ class Trainer:
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+        self.scaler = build_grad_scaler(self.device, self.dtype == torch.float16, self.parallel.env.is_distributed)
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.parallel.is_main)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
@@ -207,6 +208,13 @@ class Trainer:
         }
         return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
 
+    def _pipeline_loss_scale(self) -> float:
+        """The fp16 loss scale for a pipeline step (whose schedule runs backward itself), else 1."""
+        if not self.scaler.is_enabled():
+            return 1.0
+        self.scaler.scale(torch.zeros((), device=self.device))  # initializes the scaler's state on first use
+        return float(self.scaler.get_scale())
+
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``grad_accum`` micro-batches; returns its metrics."""
         cfg = self.config
@@ -217,7 +225,8 @@ class Trainer:
             args, kwargs, labels, loss_mask = self.objective(batch)
             if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
-                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum, kwargs)
+                    scale = self._pipeline_loss_scale()
+                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum, kwargs, scale)
                 continue
             moe_logs.append(MoELog())
             with self.parallel.loss_context():
