@@ -31,18 +31,13 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "pp": "offload is not validated with pipeline stages yet",
     },
     "meta init": {},
-    "tied embeddings": {
-        "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
-    },
+    "tied embeddings": {},
     "encoder (masked LM)": {},
     "encoder-decoder": {
         "pp": "a pipeline would have to carry the encoder output to every decoder stage; set parallel.pp=1",
     },
     "absolute positions (learned, sinusoidal)": {},
-    "T5 relative-position bias": {
-        "pp": "the bias table is shared by the blocks of every stage and would need its gradients summed "
-        "across stages; use rope, alibi or learned positions",
-    },
+    "T5 relative-position bias": {},
     "ALiBi": {},
     "sparse/linear attention kernels": {},
     "mixture of experts": {},

@@ -73,6 +73,11 @@ class ParallelDims:
         self._mesh = mesh
         return mesh
 
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The whole mesh (None before :meth:`build_mesh`)."""
+        return self._mesh
+
     def submesh(self, name: str) -> DeviceMesh | None:
         """A named sub-mesh ("dp", "fsdp", "hsdp", "tp", "cp", "pp"); None when trivial or before ``build_mesh``."""
         return self._named.get(name)

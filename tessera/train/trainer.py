@@ -239,7 +239,11 @@ class Trainer:
             total_loss += scalar(loss)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.parallel.pp_mesh)
+        skip = ()
+        if self.pipeline is not None:  # parameters used on several pp ranks: gradients summed, counted once
+            self.pipeline.reduce_shared_grads()
+            skip = self.pipeline.norm_duplicates()
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.parallel.pp_mesh, skip)
         lr = self.scheduler.get_last_lr()[0]
         loss = self.parallel.mean_over_dp(total_loss)
         self._update(loss, grad_norm, lr)
