@@ -18,7 +18,6 @@ LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "training": {
         "cp": "context parallelism is not implemented yet",
-        "ep": "expert parallelism is not implemented yet",
     },
     "activation checkpointing": {},
     "torch.compile": {
@@ -31,12 +30,14 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "hsdp": "fp16 needs a sharded grad scaler; use bf16",
         "tp": "fp16 with DTensor gradients is not supported; use bf16",
         "pp": "the pipeline schedule runs backward itself, without the fp16 loss scaler; use bf16",
+        "ep": "fp16 with DTensor expert gradients is not supported; use bf16",
     },
     "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "ddp": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "tp": "offload with tensor parallelism is not supported",
         "pp": "offload is not validated with pipeline stages yet",
+        "ep": "offload is not validated with expert parallelism yet",
     },
     "meta init": {
         "pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"
@@ -64,6 +65,8 @@ UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
     frozenset(
         {"ddp", "pp"}
     ): "DDP would all-reduce every micro-batch's gradients; use FSDP or HSDP (parallel.dp_shard > 1) with pp",
+    frozenset({"ddp", "ep"}): "ep is carved out of dp_shard x cp x tp ranks; shard with parallel.dp_shard > 1 (FSDP/HSDP)",
+    frozenset({"cp", "ep"}): "expert parallelism over context-parallel ranks is not validated yet",
 }
 
 

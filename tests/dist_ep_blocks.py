@@ -106,9 +106,9 @@ def main() -> None:
             (tp_pairs["tp"], tp_pairs["tp"], tp_pairs["dp"].get_group(), rank // 2, 2),
             (dp_tp, tp_pairs["tp"], None, rank // 2, 2),
         ]
-        for ep_mesh, tp_mesh, replicas, data_rank, n_data in layouts:
-            for name in VARIANTS:
-                check(name, torch.float32, ep_mesh, tp_mesh, replicas, data_rank, n_data)
+        for i, layout in enumerate(layouts):  # every variant where ranks differ most, top-2 everywhere
+            for name in VARIANTS if i in (1, 3) else ["top2"]:
+                check(name, torch.float32, *layout)
         check("bf16_grouped", torch.bfloat16, *layouts[1])
         if rank == 0:
             print("all expert-parallel blocks match", file=sys.stderr)

@@ -310,18 +310,17 @@ def moe_layer_names(model: nn.Module) -> dict[nn.Module, str]:
     return names
 
 
-def expert_counts(logs: list[MoELog], names: dict[nn.Module, str], order: list[str]) -> torch.Tensor:
+def expert_counts(
+    logs: list[MoELog], names: dict[nn.Module, str], order: list[str], n_experts: int, device: torch.device
+) -> torch.Tensor:
     """(layers, 2, E) routed and dropped assignments per expert, summed over ``logs``; layers follow
     ``order`` (every MoE layer of the full model), zero for layers this process does not hold."""
-    stats = [(names[layer], s) for log in logs for layer, s in log.layers.items()]
-    if not stats:
-        return torch.zeros(0)
-    first = stats[0][1].counts
-    out = torch.zeros(len(order), 2, first.numel(), device=first.device)
+    out = torch.zeros(len(order), 2, n_experts, device=device)
     index = {name: i for i, name in enumerate(order)}
-    for name, s in stats:
-        out[index[name], 0] += s.counts
-        out[index[name], 1] += s.dropped_counts
+    for log in logs:
+        for layer, s in log.layers.items():
+            out[index[names[layer]], 0] += s.counts
+            out[index[names[layer]], 1] += s.dropped_counts
     return out
 
 
@@ -338,3 +337,18 @@ def update_expert_bias(names: dict[nn.Module, str], order: list[str], counts: to
             continue
         load = counts[index[name], 0].to(layer.expert_bias.device)
         layer.expert_bias.add_(rate * torch.sign(load.mean() - load))
+
+
+def expert_load_report(order: list[str], counts: torch.Tensor, width: int = 40) -> str:
+    """Per-layer expert load of (layers, 2, E) :func:`expert_counts`: a bar per expert, dropped
+    fraction and imbalance (max / mean load), like ``tessera data inspect``."""
+    lines = []
+    for name, (routed, dropped) in zip(order, counts.tolist()):
+        total = sum(routed) or 1.0
+        load = [c / total for c in routed]
+        imbalance = max(load) * len(load)
+        lines.append(f"{name}: {int(sum(routed)):,} assignments, dropped {sum(dropped) / total:.2%}, imbalance {imbalance:.2f}")
+        peak = max(load) or 1.0
+        for e, share in enumerate(load):
+            lines.append(f"  expert {e:>3}  {share:6.2%}  {'#' * round(width * share / peak)}")
+    return "\n".join(lines)

@@ -132,7 +132,9 @@ def shard_experts(
 
     FSDP would divide the experts' gradient by the efsdp size, but it sums the tokens of all
     ``data_parallel_degree`` ranks: divide by that. gloo has no PREMUL_SUM, so reduce with SUM
-    and divide afterwards (the same numbers on NCCL).
+    and divide afterwards (the same numbers on NCCL). Over a single shard rank no reduce-scatter
+    runs and torch 2.13 would then divide twice with forced SUM (copy and post-divide), so it is
+    only forced there when the shard dimension has several ranks.
     """
     for module in block.modules():
         if isinstance(module, ExpertParallelExperts):
@@ -140,4 +142,4 @@ def shard_experts(
                 module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
             )
             module.set_gradient_divide_factor(float(data_parallel_degree))
-            module.set_force_sum_reduction_for_comms(True)
+            module.set_force_sum_reduction_for_comms(mesh.size(mesh.ndim - 1) > 1)

@@ -87,6 +87,7 @@ class StageHooks:
     sp_mesh: DeviceMesh | None = None
     aux_scale: float = 0.0
     aux_losses: list[torch.Tensor] = field(default_factory=list)  # this step's scaled MoE losses (detached)
+    logs: list[MoELog] = field(default_factory=list)  # this step's training forwards' MoE stats
     _log: MoELog = field(default_factory=MoELog)
 
     def install(self, stage: nn.Module) -> None:
@@ -102,10 +103,12 @@ class StageHooks:
         return (x, *args[1:]), {**kwargs, "moe_log": self._log}
 
     def _after(self, _module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-        aux, self._log = moe_loss(self._log), MoELog()
+        log, self._log = self._log, MoELog()
+        aux = moe_loss(log)
         if not self.last and isinstance(out, DTensor):
             out = out.to_local()
         if aux is not None and torch.is_grad_enabled():
+            self.logs.append(log)
             self.aux_losses.append(aux.detach() * self.aux_scale)
             out = _AttachAux.apply(out, aux, self.aux_scale)
         return out
@@ -201,7 +204,7 @@ class Pipeline:
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
         losses: list[torch.Tensor] = []
         for hooks in self.hooks:
-            hooks.aux_losses = []
+            hooks.aux_losses, hooks.logs = [], []
         inputs = args if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         (self.schedule.step if train else self.schedule.eval)(*inputs, **kwargs)
@@ -211,6 +214,10 @@ class Pipeline:
         total = torch.tensor([local], dtype=torch.float64, device=labels.device)
         dist.all_reduce(total, group=self.pp_group)
         return total.item()
+
+    def moe_logs(self) -> list[MoELog]:
+        """The MoE stats of the last step's training forwards on this rank's stages."""
+        return [log for hooks in self.hooks for log in hooks.logs[-self.microbatches :]]
 
     def step(
         self, args: tuple[torch.Tensor, ...], labels: torch.Tensor, loss_mask: torch.Tensor | None, grad_accum: int

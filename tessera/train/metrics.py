@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+
 
 def _human(n: float) -> str:
     for unit in ("", "k", "M", "G"):
@@ -71,6 +73,9 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, record["step"])
+                elif isinstance(value, list) and value and isinstance(value[0], list):  # e.g. load per layer, expert
+                    for i, row in enumerate(value):
+                        self.tb.add_histogram(f"{key}/{i}", torch.tensor(row), record["step"])
         self._show(record)
 
     def _eta(self, step: int) -> float | None:

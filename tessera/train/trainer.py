@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
 from tessera.data.pipeline import DataBundle, Split, build_data
-from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
+from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.train.metrics import MetricsLogger, plot_loss_curve
+from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.optim import build_optimizer, build_scheduler
 from tessera.train.preemption import PreemptionGuard
 from tessera.parallel import clip_grad_norm
@@ -92,6 +93,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
+        self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
@@ -196,8 +198,9 @@ class Trainer:
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = moe_metrics(moe_logs)  # tensors: read them with one sync
-        moe = dict(zip(stats, torch.stack(list(stats.values())).tolist())) if stats else {}
+        if self.pipeline is not None:
+            moe_logs = self.pipeline.moe_logs()
+        moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}  # all ranks' load; aux-free bias
         return {"loss": self.parallel.mean_over_dp(total_loss), "lr": lr, "grad_norm": grad_norm, **moe}
 
     @torch.no_grad()
@@ -343,6 +346,8 @@ class Trainer:
         ):  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
+        if self.moe_tracker is not None:
+            logger.print(self.moe_tracker.finish(self.run_dir, write=self.parallel.is_main))
         if not self.parallel.is_main:
             return
         summary = {
