@@ -111,11 +111,11 @@ def expert_ffn(
     """
     ends = counts.cumsum(0)
     if uses_grouped_mm(x):
-        y = _grouped_ffn(x, ends.to(torch.int32), (gate, up, down), act)
-        valid = torch.arange(x.shape[0], device=x.device) < ends[-1]
-        # Rows past the last group are left uninitialized by grouped_mm: zero them (this also gives
-        # grouped_mm's backward a dense gradient, which it needs).
-        return torch.where(valid[:, None], y, 0.0).to(_compute_dtype(x))
+        # grouped_mm leaves rows past the last group uninitialized, in its output and in its input's
+        # gradient: mask both (the output mask also hands its backward the dense gradient it needs).
+        valid = (torch.arange(x.shape[0], device=x.device) < ends[-1])[:, None]
+        y = _grouped_ffn(torch.where(valid, x, 0.0), ends.to(torch.int32), (gate, up, down), act)
+        return torch.where(valid, y, 0.0).to(_compute_dtype(x))
     if sizes is None:
         sizes = counts.tolist()  # the loop needs the group sizes on the host
     parts = x[: sum(sizes)].split(sizes)
