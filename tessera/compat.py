@@ -20,6 +20,10 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "cp": "context parallelism is not implemented yet",
     },
     "activation checkpointing": {},
+    "op-level selective checkpointing": {
+        "ep": "the recompute replays FSDP's hooks of the sharded experts inside the block, which op-level "
+        "checkpointing rejects; use parallel.activation_checkpoint=full or selective",
+    },
     "torch.compile": {
         "tp": "compile is not validated with tensor parallelism yet",
         "pp": "compile is not validated with pipeline stages yet",
@@ -100,6 +104,8 @@ def job_features(config: Any) -> set[str]:
     features = {"training"}
     if p.activation_checkpoint != "none":
         features.add("activation checkpointing")
+    if p.activation_checkpoint == "op":
+        features.add("op-level selective checkpointing")
     if p.compile:
         features.add("torch.compile")
     if config.train.dtype in ("bf16", "fp16"):

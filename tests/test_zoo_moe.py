@@ -128,11 +128,12 @@ def test_sigmoid_group_limited_routing_matches_a_per_token_reference():
 
 def test_grouped_matmul_and_loop_paths_agree_in_bf16(monkeypatch):
     results = []
+    cases = [("swiglu", 0.0), ("swiglu", 0.75), ("gelu", 0.75)]  # gated and plain experts, dropless and dropping
     for grouped in (True, False):
         monkeypatch.setattr("tessera.model.moe.uses_grouped_mm", lambda x, g=grouped: g and x.shape[0] > 0)
-        for activation in ("swiglu", "gelu"):  # gated and plain experts
+        for activation, capacity in cases:
             torch.manual_seed(0)
-            cfg = model_config(vocab_size=300, dim=16, n_heads=2, activation=activation, moe_experts=4, moe_ffn_hidden=24, moe_capacity_factor=0.75)
+            cfg = model_config(vocab_size=300, dim=16, n_heads=2, activation=activation, moe_experts=4, moe_ffn_hidden=24, moe_capacity_factor=capacity)
             moe = MoE(cfg).to(torch.bfloat16)
             for p in moe.parameters():
                 torch.nn.init.normal_(p, std=0.3)
@@ -140,9 +141,9 @@ def test_grouped_matmul_and_loop_paths_agree_in_bf16(monkeypatch):
             log = MoELog()
             out = moe(x, log)
             (out.float().pow(2).sum() + moe_loss(log)).backward()
-            assert log.layers[moe].dropped.item() > 0  # some rows are dropped: they must come back as zeros
+            assert (log.layers[moe].dropped.item() > 0) == (capacity > 0)  # dropped rows must come back as zeros
             results.append([out, x.grad, *(p.grad for p in moe.parameters())])
-    for grouped, loop in zip(results[:2], results[2:]):
+    for grouped, loop in zip(results[: len(cases)], results[len(cases) :]):
         for a, b in zip(grouped, loop):
             torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 

@@ -101,6 +101,7 @@ def expert_ffn(
     down: torch.Tensor,
     act,
     sizes: list[int] | None = None,
+    padded: bool = True,
 ) -> torch.Tensor:
     """Experts ``(gate, up, down)[e]`` applied to rows ``x`` (M, dim) grouped by expert.
 
@@ -108,9 +109,12 @@ def expert_ffn(
     after ``counts.sum()`` (dropped assignments) come back as zeros. Every expert's weights take
     part in the graph, so an expert without rows gets a zero gradient (not None). ``sizes``:
     ``counts`` as a list when the caller has it (the loop path then needs no host sync).
+    ``padded=False`` promises that every row belongs to an expert (no dropped rows).
     """
     ends = counts.cumsum(0)
     if uses_grouped_mm(x):
+        if not padded:
+            return _grouped_ffn(x, ends.to(torch.int32), (gate, up, down), act).to(_compute_dtype(x))
         # grouped_mm leaves rows past the last group uninitialized, in its output and in its input's
         # gradient: mask both (the output mask also hands its backward the dense gradient it needs).
         valid = (torch.arange(x.shape[0], device=x.device) < ends[-1])[:, None]
@@ -143,9 +147,10 @@ class Experts(nn.Module):
         h = self.act(x @ self.gate_proj[e]) * (x @ self.up_proj[e]) if self.gated else self.act(x @ self.up_proj[e])
         return h @ self.down_proj[e]
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows ``x`` (M, dim) sorted by expert, ``counts`` (E,) rows per expert -> outputs (M, dim)."""
-        return expert_ffn(x, counts, self.gate_proj, self.up_proj, self.down_proj, self.act)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, padded: bool = True) -> torch.Tensor:
+        """Rows ``x`` (M, dim) sorted by expert, ``counts`` (E,) rows per expert -> outputs (M, dim);
+        ``padded``: rows past ``counts.sum()`` (dropped assignments) may follow, returned as zeros."""
+        return expert_ffn(x, counts, self.gate_proj, self.up_proj, self.down_proj, self.act, padded=padded)
 
 
 @dataclass
@@ -227,7 +232,7 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_experts + 1, dtype=torch.long, device=x.device)
         counts = counts.scatter_add(0, flat, torch.ones_like(flat))[: self.n_experts]
         token = order // self.top_k
-        y = self.experts(x[token], counts)
+        y = self.experts(x[token], counts, padded=self.capacity_factor > 0)
         w = (r.weights * r.keep).flatten()[order]
         return torch.zeros_like(x).index_add(0, token, (y * w[:, None].to(y.dtype)).to(x.dtype))
 

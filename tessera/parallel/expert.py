@@ -65,8 +65,10 @@ class ExpertParallelExperts(Experts):
     def _local_weights(self) -> list[torch.Tensor | None]:
         return [p.to_local() if isinstance(p, DTensor) else p for p in (self.gate_proj, self.up_proj, self.down_proj)]
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows ``x`` (M, dim) sorted by (global) expert with ``counts`` (E,) per expert -> outputs (M, dim)."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, padded: bool = True) -> torch.Tensor:
+        """Rows ``x`` (M, dim) sorted by (global) expert with ``counts`` (E,) per expert -> outputs (M, dim).
+
+        Dropped rows (past ``counts.sum()``) are not sent, so ``padded`` needs no special case."""
         rows, own = self._share_over_tp(x, counts)
         out = self._dispatch_and_combine(rows, own)
         return self._gather_over_tp(out, x.shape)
@@ -105,9 +107,8 @@ class ExpertParallelExperts(Experts):
         expert_of_row = local_ids.repeat_interleave(received_counts, output_size=sum(out_splits))
         perm = expert_of_row.argsort(stable=True)
         per_expert = [sum(received[r * n_local + e] for r in range(ep)) for e in range(n_local)]
-        y = expert_ffn(
-            routed[perm], received_counts.view(ep, n_local).sum(0), *self._local_weights(), self.act, per_expert
-        )
+        local_counts = received_counts.view(ep, n_local).sum(0)
+        y = expert_ffn(routed[perm], local_counts, *self._local_weights(), self.act, per_expert, padded=False)
         y = y[perm.argsort()]
         back = funcol.wait_tensor(funcol.all_to_all_single_autograd(y, in_splits, out_splits, group))
         return F.pad(back, (0, 0, 0, rows.shape[0] - back.shape[0]))
