@@ -38,8 +38,13 @@ from tessera.model.moe import MoE
 
 def _tessera(args: argparse.Namespace, capacity: float = 0.0) -> MoE:
     cfg = model_config(
-        vocab_size=300, dim=args.dim, n_heads=4, moe_experts=args.experts, moe_top_k=args.top_k,
-        moe_ffn_hidden=args.hidden, moe_capacity_factor=capacity,
+        vocab_size=300,
+        dim=args.dim,
+        n_heads=4,
+        moe_experts=args.experts,
+        moe_top_k=args.top_k,
+        moe_ffn_hidden=args.hidden,
+        moe_capacity_factor=capacity,
     )
     torch.manual_seed(0)
     moe = MoE(cfg)
@@ -54,8 +59,11 @@ def _hf(args: argparse.Namespace, ours: MoE, implementation: str | None) -> torc
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     cfg = MixtralConfig(
-        hidden_size=args.dim, intermediate_size=args.hidden, num_local_experts=args.experts,
-        num_experts_per_tok=args.top_k, router_jitter_noise=0.0,
+        hidden_size=args.dim,
+        intermediate_size=args.hidden,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        router_jitter_noise=0.0,
     )
     if implementation is not None:
         cfg._experts_implementation = implementation
@@ -122,9 +130,10 @@ class _AllToAllBytes(TorchDispatchMode):
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None):
-        if func.namespace == "_c10d_functional" and func._overloadpacket.__name__ == "all_to_all_single":
-            if args[0].is_floating_point():  # the token rows (the per-expert counts are integers)
-                self.bytes += args[0].numel() * args[0].element_size()
+        name = func._overloadpacket.__name__
+        # Only the token rows: the per-expert counts are integers.
+        if func.namespace == "_c10d_functional" and name == "all_to_all_single" and args[0].is_floating_point():
+            self.bytes += args[0].numel() * args[0].element_size()
         return func(*args, **(kwargs or {}))
 
 

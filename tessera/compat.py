@@ -69,7 +69,9 @@ UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
     frozenset(
         {"ddp", "pp"}
     ): "DDP would all-reduce every micro-batch's gradients; use FSDP or HSDP (parallel.dp_shard > 1) with pp",
-    frozenset({"ddp", "ep"}): "ep is carved out of dp_shard x cp x tp ranks; shard with parallel.dp_shard > 1 (FSDP/HSDP)",
+    frozenset(
+        {"ddp", "ep"}
+    ): "ep is carved out of dp_shard x cp x tp ranks; shard with parallel.dp_shard > 1 (FSDP/HSDP)",
     frozenset({"cp", "ep"}): "expert parallelism over context-parallel ranks is not validated yet",
 }
 

@@ -1,15 +1,15 @@
 """Expert parallelism: per-block equality, whole-run parity (fp32, 1e-5 relative on loss AND grad norm, 5
 steps) with the single-process run, and checkpoints that reshard across ep sizes.
 
-Two torchrun worlds train every layout (tests/dist_variants.py): on 2 processes ep=2 with the
-router variants (top-2; switch with capacity dropping; DeepSeek-V3 routing with the aux-free bias,
-a per-sequence aux loss and a gated shared expert) and ep=2 over the tp ranks with sequence
-parallelism, an encoder-decoder, and bf16 (close, not equal); on 4 processes ep=4 (compiled
-blocks), ep=2 x efsdp=2, ep=2 x HSDP (activation checkpointing), pp=2 x ep=2 and ep=4 over
-2 fsdp x 2 tp ranks without sequence parallelism. Checkpoints saved at ep=2 resume at ep=4 and on
-one process, and a single-process checkpoint resumes at ep=4. The MoE
-auxiliary losses (and capacity) are computed on each data-parallel rank's tokens, so a reference
-accumulates ``dp`` micro-batches of the per-rank size (tests/test_parallel_parity.py).
+Two torchrun worlds train every layout (tests/dist_variants.py). On 2 processes: ep=2 with the
+router variants (top-2 with compiled blocks; switch with capacity dropping; DeepSeek-V3 routing
+with the aux-free bias, a per-sequence aux loss and a gated shared expert), an encoder-decoder,
+ep=2 over the tp ranks with sequence parallelism, and bf16 (close, not equal). On 4 processes:
+ep=4, ep=2 x efsdp=2, ep=2 x HSDP (activation checkpointing), pp=2 x ep=2 and ep=4 over 2 fsdp x
+2 tp ranks without sequence parallelism. Checkpoints saved at ep=2 resume at ep=4 and on one
+process, and a single-process checkpoint resumes at ep=4. The MoE auxiliary losses (and
+capacity) are computed on each data-parallel rank's tokens, so a reference accumulates ``dp``
+micro-batches of the per-rank size (tests/test_parallel_parity.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import json
 import shutil
 
 import pytest
+from conftest import assert_losses_close, torchrun, write_tiny_recipe
 
 from tessera.config import load_config
 from tessera.train.metrics import read_metrics
 from tessera.train.trainer import train
-
-from conftest import assert_losses_close, torchrun, write_tiny_recipe
 
 STEPS = 5
 BASE = [
@@ -46,11 +45,12 @@ MOE = {
 EP2 = ["parallel.dp_shard=2", "parallel.ep=2"]
 WORLD2 = {
     **{f"ep2_{name}": [*EP2, *overrides] for name, overrides in MOE.items()},
+    "ep2_top2": [*EP2, "parallel.compile=true"],
     "ep2_tp2_sp": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"],
     "ep2_bf16": [*EP2, "train.dtype=bf16"],  # grouped matmuls, FSDP mixed precision: close to fp32, not equal
 }
 WORLD4 = {
-    "ep4": ["parallel.dp_shard=4", "parallel.ep=4", "parallel.compile=true"],
+    "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
     "ep2_efsdp2": ["parallel.dp_shard=4", "parallel.ep=2"],
     "ep2_hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpoint=full"],
     "pp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.microbatches=2"],

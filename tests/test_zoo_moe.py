@@ -151,7 +151,10 @@ def test_grouped_matmul_and_loop_paths_agree_in_bf16(monkeypatch):
 def test_no_host_sync_in_the_bf16_forward_and_backward():
     """Under FakeTensorMode any read of a tensor's values (``.item()``, ``.tolist()``, data-dependent
     shapes) raises: the bf16 (grouped) path passes, the fp32 loop path reads the group sizes."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        FakeTensorMode,
+    )
 
     for dtype in (torch.bfloat16, torch.float32):
         default = torch.get_default_dtype()
@@ -211,7 +214,7 @@ def test_aux_free_bias_steers_choices_not_weights_and_moves_towards_balance(tmp_
     assert all(moe.expert_bias[e].item() == pytest.approx(0.05) for e in range(4) if load[e] < 0.25)  # below: up
     with torch.no_grad():
         moe.expert_bias.copy_(torch.tensor([5.0, 0.0, 0.0, 0.0]))
-    weights, ids, scores = moe.route(torch.randn(6, 4))
+    weights, ids, _ = moe.route(torch.randn(6, 4))
     assert (ids[:, 0] == 0).all() and torch.allclose(weights[:, 0], torch.ones(6))  # chosen by the bias, weight unbiased
     report = tracker.finish(tmp_path, write=True)
     assert "layers.0.moe" in report and "imbalance" in report

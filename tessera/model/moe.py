@@ -352,7 +352,9 @@ def expert_load_report(order: list[str], counts: torch.Tensor, width: int = 40) 
         total = sum(routed) or 1.0
         load = [c / total for c in routed]
         imbalance = max(load) * len(load)
-        lines.append(f"{name}: {int(sum(routed)):,} assignments, dropped {sum(dropped) / total:.2%}, imbalance {imbalance:.2f}")
+        lines.append(
+            f"{name}: {int(sum(routed)):,} assignments, dropped {sum(dropped) / total:.2%}, imbalance {imbalance:.2f}"
+        )
         peak = max(load) or 1.0
         for e, share in enumerate(load):
             lines.append(f"  expert {e:>3}  {share:6.2%}  {'#' * round(width * share / peak)}")

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tessera.model.moe import MoE, Experts, expert_ffn
+from tessera.model.moe import Experts, MoE, expert_ffn
 
 _WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 

@@ -19,7 +19,12 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.model import MoELog, build_model, moe_metrics
-from tessera.model.moe import expert_counts, expert_load_report, moe_layer_names, update_expert_bias
+from tessera.model.moe import (
+    expert_counts,
+    expert_load_report,
+    moe_layer_names,
+    update_expert_bias,
+)
 
 
 def _sum_over_processes(t: torch.Tensor) -> torch.Tensor:
@@ -42,7 +47,7 @@ class ExpertLoadTracker:
     @classmethod
     def for_model(
         cls, cfg: ModelConfig, model: nn.Module, device: torch.device, replicas: int = 1
-    ) -> "ExpertLoadTracker | None":
+    ) -> ExpertLoadTracker | None:
         """A tracker when the model has MoE layers, else None."""
         return cls(cfg, model, device, replicas) if cfg.moe.experts else None
 
@@ -56,7 +61,9 @@ class ExpertLoadTracker:
             update_expert_bias(self.names, self.order, counts, self.rate)
         routed, dropped = counts[:, 0], counts[:, 1]
         load = routed / routed.sum(-1, keepdim=True).clamp(min=1.0)
-        summary = torch.stack([dropped.sum() / routed.sum().clamp(min=1.0), load.max(-1).values.mean() * self.n_experts])
+        summary = torch.stack(
+            [dropped.sum() / routed.sum().clamp(min=1.0), load.max(-1).values.mean() * self.n_experts]
+        )
         local = {k: v for k, v in moe_metrics(logs).items() if k in ("moe_aux_loss", "moe_z_loss")}
         values = torch.stack([*summary, *local.values()]).tolist()
         metrics = dict(zip(["moe_dropped", "moe_imbalance", *local], values))
