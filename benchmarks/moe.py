@@ -1,7 +1,7 @@
 """MoE layer: tokens/s of tessera's MoE against HF transformers' MixtralSparseMoeBlock, and all-to-all bytes.
 
-    python benchmarks/moe.py                      # dim 512, expert hidden 1024, 8 experts, top-2, 4096 tokens
-    python benchmarks/moe.py --dim 256 --hidden 512 --tokens 2048 --rounds 3   # quicker
+    python benchmarks/moe.py        # Mixtral-like (8 experts of 1024, top-2) and fine-grained (64 of 256, top-6)
+    python benchmarks/moe.py --shapes 256x512x8x2 --tokens 2048 --rounds 3   # quicker: DIMxHIDDENxEXPERTSxTOPK
 
 Throughput: both layers get the same router and expert weights (outputs checked equal first) and
 the same tokens; a step is forward + backward of ``sum(out^2)``. Rounds alternate between the two
@@ -9,9 +9,11 @@ so machine noise hits both alike; the table shows the median tokens/s over round
 spread (max/min), in fp32 (tessera loops over experts) and in bf16 weights and activations
 (tessera's grouped matmul, ``torch._grouped_mm``). HF runs its default (eager) experts, and, where
 this transformers has it, its own grouped_mm implementation as a second peer. Prints
-``ratio=<tessera/HF eager>`` per precision (above 1 means tessera is faster).
+``ratio=<tessera/HF eager>`` per shape and precision (above 1 means tessera is faster). With few
+wide experts both sides are matmul-bound on a CPU; with many narrow ones HF's per-expert loop
+and its per-expert gradient accumulation dominate.
 
-All-to-all bytes: the same layer under expert parallelism on ``ep`` gloo processes (2 and 4);
+All-to-all bytes: the (last) layer shape under expert parallelism on ``ep`` gloo processes (2 and 4);
 every element an ``all_to_all_single`` of the forward and of the backward sends is counted, next
 to the formula ``2 x tokens x top_k x dim x bytes`` per direction (dispatch and combine; tokens
 over all ranks) and with capacity dropping, which sends only the kept rows. Not a test:
@@ -191,24 +193,26 @@ def all_to_all_bytes(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=1024, help="expert FFN width")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument(
+        "--shapes", default="512x1024x8x2,512x256x64x6", help="DIMxHIDDENxEXPERTSxTOPK, comma-separated"
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per throughput step")
     parser.add_argument("--a2a-tokens", type=int, default=1024, help="tokens over all ranks for the byte count")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=3, help="steps per round")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    print("| dtype | layer | tokens/s (median) | spread (max/min) |")
-    print("|---|---|---|---|")
+    print("| shape (dim x hidden x experts x top-k) | dtype | layer | tokens/s (median) | spread (max/min) |")
+    print("|---|---|---|---|---|")
     ratios = []
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        rates = throughput(args, dtype)
-        for layer, values in rates.items():
-            print(f"| {name} | {layer} | {statistics.median(values):,.0f} | {max(values) / min(values):.2f} |")
-        ratios.append(f"{name}: ratio={statistics.median(rates['tessera']) / statistics.median(rates['hf eager']):.3f}")
+    for shape in args.shapes.split(","):
+        args.dim, args.hidden, args.experts, args.top_k = map(int, shape.split("x"))
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            rates = throughput(args, dtype)
+            for layer, values in rates.items():
+                median, spread = statistics.median(values), max(values) / min(values)
+                print(f"| {shape} | {name} | {layer} | {median:,.0f} | {spread:.2f} |")
+            ratio = statistics.median(rates["tessera"]) / statistics.median(rates["hf eager"])
+            ratios.append(f"{shape} {name}: ratio={ratio:.3f}")
     print("\n" + "\n".join(ratios))
     all_to_all_bytes(args)
 

@@ -123,10 +123,13 @@ def expert_ffn(
     if sizes is None:
         sizes = counts.tolist()  # the loop needs the group sizes on the host
     parts = x[: sum(sizes)].split(sizes)
+    # unbind once: indexing w[e] per expert would make backward add E full-size gradients (O(E^2) memory)
+    ups, downs = up.unbind(0), down.unbind(0)
+    gates = gate.unbind(0) if gate is not None else [None] * len(sizes)
     outs = []
-    for e, part in enumerate(parts):
-        h = act(part @ gate[e]) * (part @ up[e]) if gate is not None else act(part @ up[e])
-        outs.append(h @ down[e])
+    for part, g, u, d in zip(parts, gates, ups, downs):
+        h = act(part @ g) * (part @ u) if g is not None else act(part @ u)
+        outs.append(h @ d)
     y = torch.cat(outs) if outs else x[:0]
     return F.pad(y, (0, 0, 0, x.shape[0] - y.shape[0]))
 
