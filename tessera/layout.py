@@ -125,7 +125,10 @@ def _check_tensor_parallel(config: JobConfig) -> None:
 
 
 def check_expert_degree(ep: int, dp_shard: int, cp: int, tp: int) -> None:
-    """ep is carved out of ``dp_shard x cp x tp``: a multiple of ``cp x tp`` that divides it (``dp_shard=-1``: unknown)."""
+    """ep is carved out of ``dp_shard x cp x tp``: a multiple of ``cp x tp`` that divides it.
+
+    ``dp_shard = -1`` (not resolved yet) skips the second check.
+    """
     _require(
         ep % (cp * tp) == 0,
         f"parallel.ep={ep} must be a multiple of cp*tp={cp * tp} (expert parallelism takes every cp and tp rank "
@@ -145,7 +148,8 @@ def _check_expert_parallel(config: JobConfig, dp_shard: int) -> None:
     _require(moe.experts > 0, f"parallel.ep={p.ep} shards experts, but the model has none; set model.moe.experts > 0")
     _require(
         moe.experts % p.ep == 0,
-        f"model.moe.experts={moe.experts} is not divisible by parallel.ep={p.ep}; every ep rank holds experts/ep experts",
+        f"model.moe.experts={moe.experts} is not divisible by parallel.ep={p.ep}; "
+        "every ep rank holds experts/ep experts",
     )
     check_expert_degree(p.ep, dp_shard, p.cp, p.tp)
 

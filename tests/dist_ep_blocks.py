@@ -39,7 +39,9 @@ B, T, DIM = 2, 8, 32
 
 
 def _block(dtype: torch.dtype, **moe) -> TransformerBlock:
-    cfg = model_config(vocab_size=300, dim=DIM, n_heads=4, moe_experts=8, moe_ffn_hidden=24, moe_aux_loss_coef=0.1, **moe)
+    cfg = model_config(
+        vocab_size=300, dim=DIM, n_heads=4, moe_experts=8, moe_ffn_hidden=24, moe_aux_loss_coef=0.1, **moe
+    )
     torch.manual_seed(0)
     block = TransformerBlock(cfg)
     for p in block.parameters():

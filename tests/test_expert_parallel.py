@@ -39,7 +39,8 @@ MOE = {
         "model.moe.shared_gate=true",
     ],
     "t5": [  # an encoder-decoder: both stacks' MoE layers
-        "model.arch=encoder_decoder", "model.objective=span_corruption", "model.vocab_size=520", "model.sentinel_tokens=8",
+        "model.arch=encoder_decoder", "model.objective=span_corruption", "model.vocab_size=520",
+        "model.sentinel_tokens=8",
     ],
 }
 EP2 = ["parallel.dp_shard=2", "parallel.ep=2"]
@@ -52,7 +53,9 @@ WORLD2 = {
 WORLD4 = {
     "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
     "ep2_efsdp2": ["parallel.dp_shard=4", "parallel.ep=2"],
-    "ep2_hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpoint=full"],
+    "ep2_hsdp": [
+        "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpoint=full",
+    ],
     "pp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.microbatches=2"],
     "ep4_tp2_fsdp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4", "parallel.sequence_parallel=false"],
 }
@@ -67,7 +70,10 @@ REFERENCE_OF = {
     "ep4_tp2_fsdp2": ("top2", 2),
 }
 # Resharding: no aux losses and no dropping, so the losses do not depend on how the batch is split.
-RESHARD = ["train.steps=8", "checkpoint.enabled=true", "checkpoint.every=4", "model.moe.aux_loss_coef=0", "model.moe.z_loss_coef=0"]
+RESHARD = [
+    "train.steps=8", "checkpoint.enabled=true", "checkpoint.every=4", "model.moe.aux_loss_coef=0",
+    "model.moe.z_loss_coef=0",
+]
 
 
 def _curves(run_dir) -> tuple[list[float], list[float]]:
@@ -102,6 +108,7 @@ def references(recipe, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_expert_parallel_blocks_match_the_single_device_block():
     result = torchrun(4, "tests/dist_ep_blocks.py")
     assert "all expert-parallel blocks match" in result.stderr
