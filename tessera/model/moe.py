@@ -212,9 +212,12 @@ class MoE(nn.Module):
         router = self.cfg.router
         scores = logits.sigmoid() if router == "sigmoid" else logits.softmax(dim=-1)
         ids = self._choice_scores(scores).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if router == "topk_softmax" or (router == "sigmoid" and self.cfg.norm_topk):
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if router == "topk_softmax":  # the softmax renormalized over the chosen experts
+            weights = logits.gather(1, ids).softmax(dim=-1)
+        else:
+            weights = scores.gather(1, ids)
+            if router == "sigmoid" and self.cfg.norm_topk:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.cfg.route_scale, ids, scores
 
     def _keep(self, ids: torch.Tensor) -> torch.Tensor:

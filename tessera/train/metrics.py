@@ -57,6 +57,14 @@ def _bar_text(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def _add(a: Any, b: Any) -> Any:
+    return [_add(x, y) for x, y in zip(a, b, strict=True)] if isinstance(a, list) else a + b
+
+
+def _scale(a: Any, factor: float) -> Any:
+    return [_scale(x, factor) for x in a] if isinstance(a, list) else a * factor
+
+
 class StepWindow:
     """The steps since the last logged one, reduced to what is logged.
 
@@ -75,9 +83,10 @@ class StepWindow:
         self.steps, self.tokens, self.seconds = 0, 0, 0.0
 
     def add(self, metrics: dict[str, float], tokens: int, seconds: float) -> None:
-        """One optimizer step's metrics, tokens and wall seconds."""
+        """One optimizer step's metrics, tokens and wall seconds (tables, e.g. MoE load per layer and
+        expert, are averaged element by element)."""
         for key, value in metrics.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value
+            self.sums[key] = _add(self.sums[key], value) if key in self.sums else value
         self.last = dict(metrics)
         self.steps, self.tokens, self.seconds = self.steps + 1, self.tokens + tokens, self.seconds + seconds
 
@@ -85,7 +94,7 @@ class StepWindow:
         """The window's record fields (empty when no step was added); starts a new window."""
         if not self.steps:
             return {}
-        record = {key: total / self.steps for key, total in self.sums.items()}
+        record = {key: _scale(total, 1.0 / self.steps) for key, total in self.sums.items()}
         record["lr"] = self.last.get("lr", 0.0)
         tokens_per_s = self.tokens / max(self.seconds, 1e-12)
         mfu = min(1.0, tokens_per_s * self.flops_per_token / self.peak) if self.peak else 0.0
