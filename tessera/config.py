@@ -72,7 +72,7 @@ class MoEConfig:
     # Routing scores and weights: "topk_softmax" renormalizes the softmax over the k chosen experts
     # (Mixtral), "softmax_topk" keeps their raw softmax probabilities (Switch, OLMoE, Qwen2-MoE without
     # norm_topk_prob), "sigmoid" scores each expert independently (DeepSeek-V3; see norm_topk).
-    router: Literal["topk_softmax", "softmax_topk", "sigmoid"] = "topk_softmax"
+    router: Literal["topk_softmax", "softmax_topk", "sigmoid"] = "topk_softmax"  # Mixtral | Switch, OLMoE | DeepSeek-V3
     norm_topk: bool = True  # sigmoid router: divide the k chosen scores by their sum (HF norm_topk_prob)
     route_scale: float = 1.0  # multiplies the routing weights (DeepSeek routed_scaling_factor)
     groups: int = 1  # group-limited routing: experts split into this many groups (DeepSeek-V3 n_group)
@@ -83,8 +83,8 @@ class MoEConfig:
     z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE)
     # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k choice
     # only; after every step bias += bias_update_rate * sign(mean load - expert load). A rate > 0 implies it.
-    expert_bias: bool = False  # keep the bias (e.g. imported as e_score_correction_bias) even at rate 0
-    bias_update_rate: float = 0.0  # aux-free balancing step per optimizer step (DeepSeek-V3: 0.001); 0 = frozen
+    expert_bias: bool = False  # a per-expert bias for the top-k choice only (HF e_score_correction_bias)
+    bias_update_rate: float = 0.0  # aux-free balancing: bias += rate * sign(mean - load) per step (V3: 0.001)
     shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
     shared_ffn_hidden: int = 0  # hidden width of the shared experts together (0 = shared_experts x ffn_hidden)
     shared_gate: bool = False  # scale the shared experts' output by sigmoid(w . x) (Qwen2-MoE shared_expert_gate)
