@@ -24,9 +24,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "ep": "the recompute replays FSDP's hooks of the sharded experts inside the block, which op-level "
         "checkpointing rejects; use parallel.activation_checkpoint=full or selective",
     },
-    "torch.compile": {
-        "pp": "compile is not validated with pipeline stages yet",
-    },
+    "torch.compile": {},
     "bf16": {},
     "fp16": {
         "fsdp": "fp16 needs a sharded grad scaler; use bf16",
@@ -42,9 +40,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "pp": "offload is not validated with pipeline stages yet",
         "ep": "offload is not validated with expert parallelism yet",
     },
-    "meta init": {
-        "pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"
-    },
+    "meta init": {},
     "tied embeddings": {
         "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
     },
@@ -73,13 +69,8 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 
 # Pairs of layouts that do not combine, with the reason.
 UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
-    frozenset({"ddp", "tp"}): "DDP does not take DTensor parameters; use FSDP or HSDP (parallel.dp_shard > 1) with tp",
-    frozenset(
-        {"ddp", "pp"}
-    ): "DDP would all-reduce every micro-batch's gradients; use FSDP or HSDP (parallel.dp_shard > 1) with pp",
-    frozenset(
-        {"ddp", "ep"}
-    ): "ep is carved out of dp_shard x cp x tp ranks; shard with parallel.dp_shard > 1 (FSDP/HSDP)",
+    frozenset({"ddp", "ep"}): "expert parallelism beside plain data replicas (dp_shard=1) is not validated yet; "
+    "use parallel.dp_shard > 1 (HSDP)",
     frozenset({"cp", "ep"}): "expert parallelism over context-parallel ranks is not validated yet",
 }
 

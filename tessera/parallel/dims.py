@@ -65,16 +65,20 @@ class ParallelDims:
         """The job's DeviceMesh (built once); call after the process group exists."""
         if self._mesh is not None:
             return self._mesh
-        # Size-1 dimensions are left out, except efsdp: the experts are FSDP-wrapped even over one rank.
-        dims = [(n, d) for n, d in self._mesh_dims() if d > 1 or n == "efsdp"]
+        # Size-1 dimensions are left out, except the shard dimension of data parallelism beside TP/PP
+        # (FSDP2 replicates on a (replicate, shard=1) mesh) and efsdp (experts are FSDP-wrapped even over one rank).
+        shard_dim = "efsdp" if self.ep > 1 else "dp_shard"
+        beside = {shard_dim} if self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1) else set()
+        dims = [(n, d) for n, d in self._mesh_dims() if d > 1 or n in beside or n == "efsdp"]
         names = tuple(n for n, _ in dims) or ("dp_shard",)
         sizes = tuple(d for _, d in dims) or (1,)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
         self._named = {name: mesh[name] for name in names if name in ("pp", "tp", "cp")}
         real = {n for n, d in dims if d > 1}
+        viewable = real | beside
         shard_dims = ("efsdp", "dp_shard_in_ep") if self.ep > 1 else ("dp_shard",)
-        self._add_view(mesh, "dp", tuple(n for n in ("dp_replicate", *shard_dims) if n in real))
-        shard = tuple(n for n in (*shard_dims, "cp") if n in real)
+        self._add_view(mesh, "dp", tuple(n for n in ("dp_replicate", *shard_dims) if n in viewable))
+        shard = tuple(n for n in (*shard_dims, "cp") if n in viewable)
         if self._add_view(mesh, "fsdp", shard) and "dp_replicate" in names:
             # HSDP: replicate across the first dim, shard across the second
             self._named["hsdp"] = mesh[("dp_replicate", "fsdp" if len(shard) > 1 else shard[0])]
