@@ -69,8 +69,6 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 
 # Pairs of layouts that do not combine, with the reason.
 UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
-    frozenset({"ddp", "ep"}): "expert parallelism beside plain data replicas (dp_shard=1) is not validated yet; "
-    "use parallel.dp_shard > 1 (HSDP)",
     frozenset({"cp", "ep"}): "expert parallelism over context-parallel ranks is not validated yet",
 }
 

@@ -1,15 +1,16 @@
 """Expert parallelism: per-block equality, whole-run parity (fp32, 1e-5 relative on loss AND grad norm, 5
-steps) with the single-process run, and checkpoints that reshard across ep sizes.
+steps, and the final parameters) with the single-process run, and checkpoints that reshard across ep sizes.
 
 Two torchrun worlds train every layout (tests/dist_variants.py). On 2 processes: ep=2 with the
 router variants (top-2 with compiled blocks; switch with capacity dropping; DeepSeek-V3 routing
 with the aux-free bias, a per-sequence aux loss and a gated shared expert), an encoder-decoder,
 ep=2 over the tp ranks with sequence parallelism, and bf16 (close, not equal). On 4 processes:
-ep=4, ep=2 x efsdp=2, ep=2 x HSDP (activation checkpointing), pp=2 x ep=2 and ep=4 over 2 fsdp x
-2 tp ranks without sequence parallelism. Checkpoints saved at ep=2 resume at ep=4 and on one
-process, and a single-process checkpoint resumes at ep=4. The MoE auxiliary losses (and
-capacity) are computed on each data-parallel rank's tokens, so a reference accumulates ``dp``
-micro-batches of the per-rank size (tests/test_parallel_parity.py).
+ep=4, ep=2 x efsdp=2, ep=2 x HSDP (activation checkpointing), pp=2 x ep=2, ep=4 over 2 fsdp x
+2 tp ranks without sequence parallelism, and ep=2 over the tp ranks beside 2 data replicas.
+Checkpoints saved at ep=2 resume at ep=4 and on one process, and a single-process checkpoint
+resumes at ep=4. The MoE auxiliary losses (and capacity) are computed on each data-parallel
+rank's tokens, so a reference accumulates ``dp`` micro-batches of the per-rank size
+(tests/test_parallel_parity.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import shutil
 
 import pytest
-from conftest import assert_losses_close, torchrun, write_tiny_recipe
+from conftest import assert_losses_close, assert_runs_match, torchrun, write_tiny_recipe
 
 from tessera.config import load_config
 from tessera.train.metrics import read_metrics
@@ -58,6 +59,7 @@ WORLD4 = {
     ],
     "pp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.microbatches=2"],
     "ep4_tp2_fsdp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4", "parallel.sequence_parallel=false"],
+    "ddp2_tp2_ep2": ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"],
 }
 # run -> (router variant, per-rank micro-batches of the reference)
 REFERENCE_OF = {
@@ -68,6 +70,7 @@ REFERENCE_OF = {
     "ep2_hsdp": ("top2", 4),
     "pp2_ep2": ("top2", 4),  # 2 data ranks x 2 pipeline micro-batches
     "ep4_tp2_fsdp2": ("top2", 2),
+    "ddp2_tp2_ep2": ("top2", 2),
 }
 # Resharding: no aux losses and no dropping, so the losses do not depend on how the batch is split.
 RESHARD = [
@@ -79,12 +82,6 @@ RESHARD = [
 def _curves(run_dir) -> tuple[list[float], list[float]]:
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     return [r["loss"] for r in records], [r["grad_norm"] for r in records]
-
-
-def _assert_parity(run_dir, reference_dir) -> None:
-    (losses, norms), (want_losses, want_norms) = _curves(run_dir), _curves(reference_dir)
-    assert_losses_close(losses, want_losses)
-    assert_losses_close(norms, want_norms)
 
 
 def _resume_copy(src, dst) -> None:
@@ -126,9 +123,9 @@ def test_expert_parallel_layouts_match_one_process_and_reshard(recipe, reference
     train(load_config(recipe, [*RESHARD, f"train.run_dir={tmp_path}/ep2_to_single"]))
 
     for run, (name, micro) in REFERENCE_OF.items():
-        _assert_parity(tmp_path / run, references / f"{name}_{micro}")
+        assert_runs_match(tmp_path / run, references / f"{name}_{micro}")
     for run in ("ep2_reshard", "ep2_to_ep4", "single_to_ep4", "ep2_to_single"):
-        _assert_parity(tmp_path / run, references / "reshard")
+        assert_runs_match(tmp_path / run, references / "reshard")
     assert_losses_close(_curves(tmp_path / "ep2_bf16")[0], _curves(references / "top2_2")[0], rtol=2e-2)
     dropped = [r["moe_dropped"] for r in read_metrics(tmp_path / "ep2_switch_capacity") if "loss" in r]
     assert max(dropped) > 0.01, f"the capacity variant dropped nothing: {dropped}"

@@ -233,7 +233,6 @@ def test_aux_free_bias_steers_choices_not_weights_and_moves_towards_balance(tmp_
         (["model.moe.experts=6", "parallel.ep=4"], "not divisible by parallel.ep=4"),
         (["model.moe.experts=4", "parallel.ep=2", "parallel.tp=4", "model.n_heads=4", "model.n_kv_heads=4"], r"multiple of cp\*tp=4"),
         (["model.moe.experts=4", "parallel.ep=4", "parallel.dp_shard=2"], r"must divide dp_shard\*cp\*tp=2"),
-        (["model.moe.experts=4", "parallel.ep=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.tp=2"], "ddp"),
     ],
 )
 def test_moe_and_expert_parallel_config_errors(tiny_config, overrides, message):
