@@ -100,6 +100,7 @@ class StageHooks:
     aux_scale: float = 0.0  # the MoE losses' weight in the step's loss: 1 / (grad_accum * micro-batches)
     grad_scale: float = 1.0  # the fp16 loss scale, applied to their gradient like to the main loss's
     aux_losses: list[torch.Tensor] = field(default_factory=list)  # this step's weighted MoE losses (detached)
+    logs: list[MoELog] = field(default_factory=list)  # this step's training forwards' MoE stats
     _log: MoELog = field(default_factory=MoELog)
     _extras: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) of the micro-batch in flight
 
@@ -123,10 +124,12 @@ class StageHooks:
         return (x,), {**kwargs, "moe_log": self._log}
 
     def _after(self, _module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> Any:
-        aux, self._log = moe_loss(self._log), MoELog()
+        log, self._log = self._log, MoELog()
+        aux = moe_loss(log)
         if not self.last and isinstance(out, DTensor):
             out = out.to_local()
         if aux is not None and torch.is_grad_enabled():
+            self.logs.append(log)
             self.aux_losses.append(aux.detach() * self.aux_scale)
             out = _AttachAux.apply(out, aux, self.aux_scale * self.grad_scale)
         return (out, *self._extras) if self._extras and not self.last else out
@@ -246,7 +249,7 @@ class Pipeline:
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
         losses: list[torch.Tensor] = []
         for hooks in self.hooks:
-            hooks.aux_losses = []
+            hooks.aux_losses, hooks.logs = [], []
         inputs = args if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         if self.has_first:  # split into micro-batches by the schedule, like the inputs
@@ -261,6 +264,10 @@ class Pipeline:
         total = torch.tensor([local], dtype=torch.float64, device=labels.device)
         dist.all_reduce(total, group=self.pp_group)
         return total.item()
+
+    def moe_logs(self) -> list[MoELog]:
+        """The MoE stats of the last step's training forwards on this rank's stages."""
+        return [log for hooks in self.hooks for log in hooks.logs[-self.microbatches :]]
 
     def step(
         self,

@@ -19,12 +19,13 @@ from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
-from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
+from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
+from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.optim import build_optimizer, build_scheduler, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
@@ -110,6 +111,7 @@ class Trainer:
         self.resume_from = resolve_resume(config)
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
+        self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
@@ -247,8 +249,9 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         loss = self.parallel.mean_over_dp(total_loss)
         self._update(loss, grad_norm, lr)
-        stats = moe_metrics(moe_logs)  # tensors: read them with one sync
-        moe = dict(zip(stats, torch.stack(list(stats.values())).tolist())) if stats else {}
+        if self.pipeline is not None:
+            moe_logs = self.pipeline.moe_logs()
+        moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}  # all ranks' load; aux-free bias
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe}
 
     def _update(self, loss: float, grad_norm: float, lr: float) -> None:
@@ -440,6 +443,8 @@ class Trainer:
         ):  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
+        if self.moe_tracker is not None:
+            logger.print(self.moe_tracker.finish(self.run_dir, write=self.parallel.is_main))
         param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
         if not self.parallel.is_main:
             return
