@@ -1,9 +1,10 @@
-"""The seam between the training loop and its engine: backward, optimizer step, checkpoint state.
+"""The seam between the training loop and a non-torch engine: backward, optimizer step, checkpoint state.
 
-The trainer computes losses the same way for every engine and hands them here. ``TorchEngine``
-is torch.distributed (FSDP2/DDP/TP/PP, GradScaler, global-norm clipping, AdamW);
-``DeepSpeedEngine`` is DeepSpeed ZeRO-1/2/3 with offload. Both save and load tessera's own DCP
-checkpoint layout, so a run started under one engine resumes under the other, at any world size.
+The trainer computes losses the same way for every engine. Under ``parallel.engine = "torch"``
+(FSDP2/DDP/TP/PP/CP/EP, GradScaler, global-norm clipping, AdamW) it steps itself and
+:func:`build_engine` returns None; under ``"deepspeed"`` it hands backward, step, save and load
+to :class:`DeepSpeedEngine` (ZeRO-1/2/3 with offload). Both write tessera's own DCP checkpoint
+layout, so a run started under one engine resumes under the other, at any world size.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import JobConfig
-from tessera.parallel import clip_grad_norm
 from tessera.parallel import deepspeed as ds
-from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.train.checkpoint import (
     Checkpointer,
     load_rng_state,
@@ -32,48 +31,10 @@ from tessera.train.optim import build_optimizer, build_scheduler, parameter_grou
 _LOAD_CHUNK_BYTES = 1 << 30  # full tensors every rank holds at once while loading into DeepSpeed
 
 
-class TorchEngine:
-    """torch's engine: the model as parallelized, AdamW, GradScaler (fp16), clipping over any mesh."""
-
-    def __init__(self, config: JobConfig, model: nn.Module, parallel: ParallelContext, dtype: torch.dtype) -> None:
-        self.model = model
-        self.optimizer = build_optimizer(model, config.optim)
-        self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
-        self.scaler = torch.amp.GradScaler(parallel.device.type, enabled=dtype == torch.float16)
-        self.max_norm = config.optim.grad_clip if config.optim.grad_clip > 0 else float("inf")
-        self.pp_mesh = parallel.pp_mesh
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss (already divided by the accumulation steps)."""
-        self.scaler.scale(loss).backward()
-
-    def step(self) -> float:
-        """Clip, step the optimizer and the LR schedule, zero the gradients; returns the grad norm before clipping."""
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.max_norm, self.pp_mesh)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-
-    def save(self, checkpointer: Checkpointer, step: int, extra: dict[str, Any]) -> Path:
-        """Checkpoint weights, optimizer state and RNG (collective)."""
-        return checkpointer.save(step, self.model, self.optimizer, extra)
-
-    def load(self, checkpointer: Checkpointer, path: Path) -> dict[str, Any]:
-        """Restore weights, optimizer state and RNG from ``path``; returns its JSON part."""
-        return checkpointer.load(path, self.model, self.optimizer)
-
-    def parameter_sums_of_squares(self) -> dict[str, float]:
-        """Per-parameter sums of squares of the whole model (collective; the parity tests' final check)."""
-        return parameter_sums_of_squares(self.model)
-
-
 class DeepSpeedEngine:
     """DeepSpeed ZeRO over tessera's model, AdamW groups (CPU Adam when offloaded) and LR schedule."""
 
-    def __init__(self, config: JobConfig, model: nn.Module, parallel: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, config: JobConfig, model: nn.Module, parallel: ParallelContext) -> None:
         o = config.optim
         if config.parallel.offload_optimizer == "none":
             self.optimizer = build_optimizer(model, o)
@@ -140,7 +101,7 @@ class DeepSpeedEngine:
             groups.append({**template, **{k: group[k] for k in keys if k in group}, "params": list(names)})
         return groups
 
-    def load(self, checkpointer: Checkpointer, path: Path) -> dict[str, Any]:
+    def load(self, path: Path) -> dict[str, Any]:
         """Restore full weights and Adam state from a tessera checkpoint written by any engine and layout."""
         meta = read_meta(path)
         first = self.group_names[0][0] if self.group_names[0] else self.group_names[1][0]
@@ -183,9 +144,6 @@ class DeepSpeedEngine:
                 ds.set_full(param, model[key], optim[key])
 
 
-def build_engine(
-    config: JobConfig, model: nn.Module, parallel: ParallelContext, dtype: torch.dtype
-) -> TorchEngine | DeepSpeedEngine:
-    """The engine ``parallel.engine`` names, around the already parallelized ``model``."""
-    engine = DeepSpeedEngine if config.parallel.engine == "deepspeed" else TorchEngine
-    return engine(config, model, parallel, dtype)
+def build_engine(config: JobConfig, model: nn.Module, parallel: ParallelContext) -> DeepSpeedEngine | None:
+    """The DeepSpeed engine around ``model`` under ``parallel.engine = "deepspeed"``; None under torch's."""
+    return DeepSpeedEngine(config, model, parallel) if config.parallel.engine == "deepspeed" else None
