@@ -175,9 +175,11 @@ def deepspeed_import(ds_path: str | Path, out_dir: str | Path, config: str | Non
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from tessera.train.ds_checkpoint import find_deepspeed_checkpoint, read_deepspeed
-    from tessera.train.optim import build_optimizer
+    from tessera.train.optim import build_optimizer, build_scheduler
 
-    ds_path, out_dir = Path(ds_path), Path(out_dir)
+    ds_path, out_dir = Path(ds_path), output_dir(out_dir, "output directory")
+    if any(out_dir.iterdir()):
+        raise ConfigError(f"'{out_dir}' is not empty (an existing run?); give a new directory to import into")
     state = read_deepspeed(ds_path)
     job, weights, moments, source = _ds_model_and_job(find_deepspeed_checkpoint(ds_path), state, config, out_dir)
     model = build_model(job.model)
@@ -191,11 +193,13 @@ def deepspeed_import(ds_path: str | Path, out_dir: str | Path, config: str | Non
             shaped = _shaped({m: moments[name][m] for m in MOMENTS}, {m: params[name].shape for m in MOMENTS}, name)
             entry.update(step=torch.tensor(float(state.step)), **shaped)
     set_state_dict(model, optimizer, model_state_dict=model.state_dict(), optim_state_dict=optim_sd)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.toml").write_text(job.to_toml())
+    (out_dir / "config.toml").write_text(job.to_toml(), encoding="utf-8")
+    scheduler = build_scheduler(optimizer, job.optim, job.train.steps)
+    scheduler.last_epoch = state.global_steps  # training continues the schedule (tessera train OUT_DIR)
     extra = {
         "config": job.to_dict(),
         "model": job.to_dict()["model"],
+        "scheduler": scheduler.state_dict(),
         "imported_from": {"path": str(ds_path), "family": f"DeepSpeed {state.kind} ({source} names)"},
     }
     return Checkpointer(out_dir, keep_last=1).save(state.global_steps, model, optimizer, extra)

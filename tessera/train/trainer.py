@@ -186,14 +186,17 @@ class Trainer:
         The config's optimizer hyper-parameters and schedule win over the checkpoint's; returns a line
         naming the resolved keys that changed since the checkpoint ("" when none did).
         """
-        saved = read_meta(path, required=("step", "model", "config", "scheduler", "loader", "optim_param_groups"))
+        imported = "imported_from" in read_meta(path)  # convert deepspeed-import: a schedule but no data position
+        keys = ("step", "model", "config", "scheduler", "optim_param_groups") + (() if imported else ("loader",))
+        saved = read_meta(path, required=keys)
         if saved["model"] != self.config.to_dict()["model"]:
             raise CheckpointError(
                 f"checkpoint '{path}' was trained with a different [model] section; resume with the same model config "
                 "or start a new train.run_dir"
             )
         changes = config_changes(saved["config"], self.config)
-        check_resumable(changes, path)
+        if not imported:
+            check_resumable(changes, path)
         fresh_groups = [dict(group) for group in self.optimizer.param_groups]
         if self.engine is not None:
             meta = self.engine.load(path)
@@ -202,7 +205,8 @@ class Trainer:
         self.scheduler.load_state_dict(meta["scheduler"])
         keep_config_hyperparameters(self.optimizer, self.scheduler, fresh_groups)
         try:
-            self.data.train.load_state_dict(meta["loader"])
+            if not imported:
+                self.data.train.load_state_dict(meta["loader"])
         except DataError as err:
             changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items() if k.startswith("data."))
             raise DataError(f"{err}{f' (changed: {changed})' if changed else ''}") from None
