@@ -21,7 +21,7 @@ from tessera.config import ConfigError, load_config
 from tessera.parallel.deepspeed import deepspeed_config, generated_config
 from tessera.train.trainer import train
 
-from conftest import assert_runs_match, run_cli, torchrun, write_tiny_recipe
+from conftest import assert_runs_match, run_cli, step_records, torchrun, write_tiny_recipe
 
 BASE = [
     "train.steps=6",
@@ -137,24 +137,41 @@ def test_zero_stages_match_torch_and_checkpoints_cross_engines(tmp_path, cache_d
 
 
 def _check_imports(tmp_path: Path, recipe: Path, reference: Path) -> None:
-    """DeepSpeed's native step-6 checkpoints -> tessera runs with the reference's weights and Adam moments."""
+    """DeepSpeed's native step-6 checkpoints (ZeRO-1, ZeRO-3, ZeRO-3 made universal) -> tessera runs with the
+    reference's weights and Adam moments; one trains on; the DeepSpeed engine's own run is read by generate."""
+    import subprocess
+    import sys
+
     from tessera.train.checkpoint import read_meta
 
-    ref_ckpt = reference / "checkpoints" / "step_00000006"
-    for name in ("z1", "z3"):
+    universal = tmp_path / "z3_universal"
+    native = tmp_path / "z3" / "native" / "global_step6"
+    flags = ["--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    command = ["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(native), "--output_folder"]
+    subprocess.run([sys.executable, *command, str(universal), *flags], check=True, capture_output=True)
+    ref = _state(reference / "checkpoints" / "step_00000006")
+    for name, source, kind in (
+        ("z1", "z1/native", "zero-1"),
+        ("z3", "z3/native", "zero-3"),
+        ("u", "z3_universal", "universal"),
+    ):
         out = tmp_path / f"imported_{name}"
-        result = run_cli(
-            "convert", "deepspeed-import", str(tmp_path / name / "native"), str(out), "--config", str(recipe)
-        )
+        result = run_cli("convert", "deepspeed-import", str(tmp_path / source), str(out), "--config", str(recipe))
         assert result.returncode == 0, result.stderr[-2000:]
         ckpt = out / "checkpoints" / "step_00000006"
-        assert read_meta(ckpt)["imported_from"]["family"].startswith(f"DeepSpeed zero-{name[1]}")
-        mine, ref = _state(ckpt), _state(ref_ckpt)
+        assert read_meta(ckpt)["imported_from"]["family"].startswith(f"DeepSpeed {kind}")
+        mine = _state(ckpt)
         assert mine.keys() == ref.keys()
         for key, value in ref.items():
-            torch.testing.assert_close(mine[key], value, rtol=1e-4, atol=2e-6, msg=lambda m, k=key: f"{name} {k}: {m}")
+            torch.testing.assert_close(
+                mine[key], value, rtol=1e-4, atol=2e-6, msg=lambda m, k=key, n=name: f"{n} {k}: {m}"
+            )
     result = run_cli("convert", "deepspeed-import", str(tmp_path / "z1" / "native"), str(tmp_path / "imported_z1"))
     assert result.returncode == 2 and "is not empty" in result.stderr
+    train(load_config(recipe, [f"train.run_dir={tmp_path}/imported_z3", "train.steps=8"]))  # Adam and schedule go on
+    assert [r["step"] for r in step_records(tmp_path / "imported_z3")] == [7, 8]
+    result = run_cli("generate", str(tmp_path / "z3"), "--prompt", "def ", "--max-new-tokens", "4", "--greedy")
+    assert result.returncode == 0 and result.stdout.startswith("def "), result.stderr[-2000:]
 
 
 def _state(ckpt: Path) -> dict[str, torch.Tensor]:
