@@ -113,7 +113,7 @@ def test_deepspeed_keys_need_the_deepspeed_engine(tiny_config):
 
 @pytest.mark.slow
 def test_zero_stages_match_torch_and_checkpoints_cross_engines(tmp_path, cache_dir):
-    """ZeRO-1/2/3 on 2 ranks vs one process; resumes torch -> ZeRO-1, ZeRO-3 -> ZeRO-2, ZeRO-3 -> FSDP2,
+    """ZeRO-1/2/3 on 2 ranks vs one process; resumes torch -> ZeRO-1, ZeRO-3 -> ZeRO-2, ZeRO-1 -> ZeRO-3, ZeRO-3 -> FSDP2,
     ZeRO-1 -> one torch process; DeepSpeed's own ZeRO-1/3 checkpoints imported and trained on."""
     recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, *BASE)
     z3 = [*DS, "parallel.zero_stage=3", f"parallel.deepspeed_config={_ds_json(tmp_path)}"]
@@ -124,12 +124,13 @@ def test_zero_stages_match_torch_and_checkpoints_cross_engines(tmp_path, cache_d
         "z3": z3,
         "z1_from_torch": [*DS, "parallel.zero_stage=1", _resume(tmp_path, "ref", 3)],
         "z2_from_z3": [*DS, "parallel.zero_stage=2", _resume(tmp_path, "z3", 3)],
+        "z3_from_z1": [*z3, _resume(tmp_path, "z1", 3)],
         "fsdp_from_z3": ["parallel.dp_shard=2", _resume(tmp_path, "z3", 3)],
     }
     torchrun(2, "tests/dist_deepspeed.py", str(recipe), str(tmp_path), json.dumps(variants), '["z1", "z3"]')
     for name in ("z1", "z2", "z3"):
         assert assert_runs_match(tmp_path / name, reference) == 6
-    for name in ("z1_from_torch", "z2_from_z3", "fsdp_from_z3"):
+    for name in ("z1_from_torch", "z2_from_z3", "z3_from_z1", "fsdp_from_z3"):
         assert assert_runs_match(tmp_path / name, reference, after=3) == 3
     train(load_config(recipe, [f"train.run_dir={tmp_path}/single_from_z1", _resume(tmp_path, "z1", 3)]))
     assert assert_runs_match(tmp_path / "single_from_z1", reference, after=3) == 3
