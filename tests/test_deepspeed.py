@@ -229,3 +229,38 @@ def test_offloaded_zero_matches_torch(tmp_path, cache_dir):
     train(load_config(recipe, [f"train.run_dir={tmp_path}/single_from_nvme", _resume(tmp_path, "z3_nvme", 3)]))
     assert assert_runs_match(tmp_path / "single_from_nvme", reference, after=3) == 3
     shutil.rmtree(nvme, ignore_errors=True)
+
+
+def test_import_of_hf_named_universal_checkpoint(tmp_path):
+    """An HF Trainer + DeepSpeed run (HF names, config.json beside it): weights and Adam moments map to tessera's
+    names and shapes (the mapping moves, transposes and splits, so x -> x^2 commutes with it)."""
+    from safetensors.torch import load_file
+
+    from tessera.config import model_config
+    from tessera.convert import deepspeed_import
+    from tessera.model import build_model
+    from tessera.model.hf import save_hf
+
+    torch.manual_seed(0)
+    model = build_model(model_config(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64))
+    folder = tmp_path / "global_step7"
+    save_hf(model, folder)
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        (folder / "zero" / name).mkdir(parents=True)
+        torch.save({"param": tensor}, folder / "zero" / name / "fp32.pt")
+        torch.save(tensor * 0.5, folder / "zero" / name / "exp_avg.pt")
+        torch.save(tensor.square(), folder / "zero" / name / "exp_avg_sq.pt")
+        torch.save(torch.tensor(7.0), folder / "zero" / name / "step.pt")
+    (folder / "model.safetensors").unlink()
+    (tmp_path / "latest").write_text("global_step7")  # the parent folder names its newest tag, as DeepSpeed writes
+    ckpt = deepspeed_import(tmp_path, tmp_path / "run")
+    assert ckpt.name == "step_00000007"
+    state = _state(ckpt)
+    for name, weight in model.state_dict().items():
+        if f"model.{name}" not in state:
+            continue  # a tied output weight is stored once
+        torch.testing.assert_close(state[f"model.{name}"], weight)
+        if f"optim.{name}.exp_avg" in state:
+            torch.testing.assert_close(state[f"optim.{name}.exp_avg"], weight * 0.5)
+            torch.testing.assert_close(state[f"optim.{name}.exp_avg_sq"], weight.square())
+    assert sum(k.startswith("optim.") for k in state) == 2 * len(dict(model.named_parameters()))
