@@ -68,8 +68,6 @@ def sliced_state(model: nn.Module, keep: dict[int, list[int]]) -> dict[str, torc
         g, d = attn.n_heads // attn.n_kv_heads, attn.head_dim
         q_rows, kv_rows = _rows([j * g + r for j in groups for r in range(g)], d), _rows(groups, d)
         parts = [("q_proj", q_rows, 0), ("k_proj", kv_rows, 0), ("v_proj", kv_rows, 0), ("o_proj", q_rows, 1)]
-        if attn.q_norm is not None and attn.qk_norm_all:  # one norm over all heads' channels
-            parts += [("q_norm", q_rows, 0), ("k_norm", kv_rows, 0)]
         for part, rows, dim in parts:
             for kind in ("weight", "bias"):
                 key = f"layers.{i}.attention.{part}.{kind}"
@@ -164,6 +162,11 @@ def check_prunable(cfg: ModelConfig) -> None:
         validate_model(probe)
     except ConfigError as err:
         raise ConfigError(f"tessera prune heads cannot prune this model: {err}") from None
+    if cfg.attention.qk_norm and cfg.attention.qk_norm_scope == "all":
+        raise ConfigError(
+            "tessera prune heads cannot prune this model: model.attention.qk_norm_scope='all' normalizes all heads' "
+            "queries and keys together, so removing heads would change the others (per-head qk_norm is fine)"
+        )
 
 
 def prune_heads(
