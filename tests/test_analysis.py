@@ -195,7 +195,7 @@ def test_the_head_that_matters_is_ranked_last_by_both_metrics():
     assert without[0] > loss + 1.0 and max(without[1:]) < loss + 0.05  # head 0 is the one that matters
     for metric in ("entropy", "gradient"):
         scores = head_importance(model, batches, metric)[0]
-        assert scores.argmax().item() == 0, (metric, scores)
+        assert scores[0] > scores[1:].max(), (metric, scores)
         assert plan_global({0: scores}, 0.75, normalize=metric == "gradient") == {0: [1, 2, 3]}
 
 
