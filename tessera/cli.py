@@ -20,6 +20,12 @@ OVERRIDES_HELP = (
     "`tessera config keys [SECTION]` lists every key with its type, default, allowed values and meaning."
 )
 
+UPTRAIN_HELP = (
+    "The new run's recipe is the source's with --uptrain-fraction of its steps (warmup: a tenth of them); dotted "
+    "overrides after the flags change it (optim.lr=1e-3 train.steps=40), [model] excepted. Then: tessera train "
+    "OUT/config.toml."
+)
+
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from tessera.data.sources import DataError
@@ -453,7 +459,10 @@ def _add_convert(sub: Subparsers) -> None:
     cons.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
     cons.add_argument("out_dir", help="directory to write model.safetensors (and config.toml) into")
     gqa = actions.add_parser(
-        "gqa", help="pool KV heads (MHA -> GQA/MQA, Ainslie et al. 2023) into a new run to up-train", allow_abbrev=False
+        "gqa",
+        help="pool KV heads (MHA -> GQA/MQA, Ainslie et al. 2023) into a new run to up-train",
+        allow_abbrev=False,
+        epilog=UPTRAIN_HELP,
     )
     gqa.add_argument("run", help="run directory (newest checkpoint) or checkpoint directory")
     gqa.add_argument("--kv-heads", type=int, required=True, help="KV heads after pooling (1 = multi-query)")
@@ -465,14 +474,15 @@ def _add_convert(sub: Subparsers) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.convert_command == "gqa":  # overrides: the new run's up-training recipe
+        from tessera.analysis.gqa import convert_gqa
+
+        convert_gqa(args.run, args.kv_heads, args.out, args.uptrain_fraction, args.batches, overrides, print)
+        return 0
     _no_overrides("convert", overrides)
     from tessera.convert import consolidate, hf_export, hf_import
 
-    if args.convert_command == "gqa":
-        from tessera.analysis.gqa import convert_gqa
-
-        convert_gqa(args.run, args.kv_heads, args.out, args.uptrain_fraction, args.batches, print)
-    elif args.convert_command == "hf-import":
+    if args.convert_command == "hf-import":
         print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir)}")
     elif args.convert_command == "consolidate":
         print(f"consolidated {args.checkpoint} -> {consolidate(args.checkpoint, args.out_dir)}")
@@ -517,6 +527,7 @@ def _add_prune(sub: Subparsers) -> None:
         "heads",
         help="remove the least important attention heads (whole KV groups) and write the smaller model as a new run",
         allow_abbrev=False,
+        epilog=UPTRAIN_HELP,
     )
     heads.add_argument("run", help="run directory (newest checkpoint) or checkpoint directory")
     heads.add_argument("--metric", choices=("entropy", "gradient"), default="gradient", help="head importance")
@@ -532,11 +543,18 @@ def _add_prune(sub: Subparsers) -> None:
 
 
 def _cmd_prune(args: argparse.Namespace, overrides: list[str]) -> int:
-    _no_overrides(f"prune {args.prune_command}", overrides)
     from tessera.analysis.prune import prune_heads
 
     prune_heads(
-        args.run, args.out, args.metric, args.fraction, args.layerwise, args.uptrain_fraction, args.batches, print
+        args.run,
+        args.out,
+        args.metric,
+        args.fraction,
+        args.layerwise,
+        args.uptrain_fraction,
+        args.batches,
+        overrides,  # the new run's up-training recipe
+        print,
     )
     return 0
 

@@ -517,6 +517,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
+def apply_overrides(config: JobConfig, overrides: list[str]) -> JobConfig:
+    """``config`` with dotted ``overrides`` (as on the command line) applied, then validated."""
+    for key, value in parse_overrides(overrides):
+        _set(config, key, value)
+    validate(config)
+    return config
+
+
 def config_from_dict(data: dict[str, Any], where: str = "config") -> JobConfig:
     """Build and validate a JobConfig from nested plain data (e.g. a checkpoint's config.json)."""
     config = JobConfig()

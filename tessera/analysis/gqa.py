@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from tessera.analysis.runs import (
+    check_new_run_dir,
     count_kv_bytes,
     load_run,
     uptrain_config,
@@ -78,15 +78,17 @@ def convert_gqa(
     out: str,
     uptrain_fraction: float = 0.05,
     batches: int = 0,
+    overrides: list[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Pool the KV heads of the run at ``run`` into ``kv_heads`` and write the run ``out`` that up-trains it
-    (``uptrain_fraction`` of the source's steps); returns the record (losses, KV-cache bytes per token)."""
+    (``uptrain_fraction`` of the source's steps, then ``overrides``); returns the record (losses, KV-cache bytes
+    per token)."""
     source = load_run(run)
     model = source.model
     pooled = pool_kv_heads(model, kv_heads)
+    job = uptrain_config(source.config, pooled.cfg, check_new_run_dir(out), uptrain_fraction, overrides)
     val, loader_state = validation_batches(source.config, batches)
-    job = uptrain_config(source.config, pooled.cfg, Path(out), uptrain_fraction)
     kv_before, kv_after = count_kv_bytes(model), count_kv_bytes(pooled)
     record = {
         "operation": "convert gqa",

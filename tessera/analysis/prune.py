@@ -25,6 +25,7 @@ from torch import nn
 from tessera.analysis.importance import group_scores, head_importance, self_attention_layers
 from tessera.analysis.runs import (
     Batch,
+    check_new_run_dir,
     count_kv_bytes,
     load_run,
     uptrain_config,
@@ -177,14 +178,17 @@ def prune_heads(
     layerwise: bool = False,
     uptrain_fraction: float = 0.05,
     batches: int = 0,
+    overrides: list[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Prune ``fraction`` of the heads of the run at ``run`` by ``metric`` and write the smaller model as the run
-    ``out`` (with an up-training schedule of ``uptrain_fraction`` of the source's steps); returns the record."""
+    ``out`` (with an up-training schedule of ``uptrain_fraction`` of the source's steps, then ``overrides``);
+    returns the record."""
     if not 0 < fraction < 1:
         raise ConfigError(f"--fraction must be in (0, 1), got {fraction}")
     source = load_run(run)
     check_prunable(source.config.model)
+    uptrain_config(source.config, source.config.model, check_new_run_dir(out), uptrain_fraction, overrides)
     val, loader_state = validation_batches(source.config, batches)
     model = source.model
     before = {"val_loss": validation_loss(model, val), "parameters": count_parameters(model)}
@@ -192,7 +196,7 @@ def prune_heads(
     pruner = prune_layerwise if layerwise else prune_global
     pruned, heads = pruner(model, val, metric, fraction, log)
     after = {"val_loss": validation_loss(pruned, val), "parameters": count_parameters(pruned)}
-    job = uptrain_config(source.config, pruned.cfg, Path(out), uptrain_fraction)
+    job = uptrain_config(source.config, pruned.cfg, Path(out), uptrain_fraction, overrides)
     record = {
         "operation": "prune heads",
         "metric": metric,

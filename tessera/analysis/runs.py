@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.config import ConfigError, JobConfig, ModelConfig, config_from_dict, validate
+from tessera.config import ConfigError, JobConfig, ModelConfig, apply_overrides, config_from_dict, parse_overrides
 from tessera.data.objectives import Objective
 from tessera.train.checkpoint import Checkpointer, CheckpointError, read_meta
 
@@ -93,11 +93,17 @@ def validation_loss(model: nn.Module, batches: list[Batch]) -> float:
     return total / max(count, 1)
 
 
-def uptrain_config(source: JobConfig, model: ModelConfig, out: Path, fraction: float) -> JobConfig:
+def uptrain_config(
+    source: JobConfig, model: ModelConfig, out: Path, fraction: float, overrides: list[str] | None = None
+) -> JobConfig:
     """The source recipe with ``model``, ``out`` as run directory and ``fraction`` of its steps (at least 1),
-    warming up over a tenth of them: the up-training recipe of Ainslie et al. (2023), who use 5%."""
+    warming up over a tenth of them (the up-training of Ainslie et al. 2023, who use 5%), then ``overrides``
+    (dotted keys, not of [model]: the weights fix it)."""
     if not 0 < fraction <= 1:
         raise ConfigError(f"--uptrain-fraction must be in (0, 1], got {fraction}")
+    touched = [key for key, _ in parse_overrides(overrides or []) if key.startswith("model.")]
+    if touched:
+        raise ConfigError(f"override '{touched[0]}' would change the model the weights were made for; drop it")
     job = copy.deepcopy(source)
     job.model = copy.deepcopy(model)
     job.train.run_dir = str(out)
@@ -105,8 +111,15 @@ def uptrain_config(source: JobConfig, model: ModelConfig, out: Path, fraction: f
     job.train.steps = max(1, math.ceil(fraction * source.train.steps))
     job.optim.warmup_steps = min(job.optim.warmup_steps, max(1, job.train.steps // 10))
     job.checkpoint.every = min(job.checkpoint.every, job.train.steps)
-    validate(job)
-    return job
+    return apply_overrides(job, overrides or [])
+
+
+def check_new_run_dir(out: str | Path) -> Path:
+    """``out`` as a path, refusing a directory that already holds a run (nothing is overwritten)."""
+    out = Path(out)
+    if (out / "config.toml").exists() or (out / "checkpoints").exists():
+        raise ConfigError(f"--out '{out}' already holds a run; choose a new directory (or delete that one)")
+    return out
 
 
 def write_run(
@@ -116,9 +129,7 @@ def write_run(
     checkpoint. ``record`` (what was done, with numbers) goes into the checkpoint and ``derived.json``."""
     from tessera.train.optim import build_optimizer, build_scheduler
 
-    out = Path(job.train.run_dir)
-    if (out / "config.toml").exists() or (out / "checkpoints").exists():
-        raise ConfigError(f"--out '{out}' already holds a run; choose a new directory (or delete that one)")
+    out = check_new_run_dir(job.train.run_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(job.to_toml())
     if (source.run_dir / "tokenizer.model").is_file():
