@@ -115,6 +115,34 @@ def test_generation_steps_record_the_rows_of_a_full_forward():
         torch.testing.assert_close(maps[name], m, atol=1e-6, rtol=1e-5)
 
 
+def _letters_codec():
+    from tessera.analysis.text import Codec
+
+    return Codec(lambda t: [4 + ord(c) % (V - 4) for c in t], lambda i: f"t{i}", lambda ids: "".join(map(str, ids)), 1)
+
+
+@pytest.mark.parametrize("arch", ["encoder", "encoder_decoder"])
+def test_inspect_records_and_draws_encoders_and_cross_attention(arch, tmp_path):
+    """Encoder and encoder-decoder maps have the right axes (cross: decoder steps x source tokens), sum to 1 per
+    row, and a text longer than --window is drawn in windows (a causal map's empty upper windows skipped)."""
+    from tessera.analysis.inspect import draw_module, record
+
+    model = _model(arch=arch, sentinel_tokens=1)
+    maps, tokens = record(model, _letters_codec(), "abcdefghij", 3 if arch == "encoder_decoder" else 0)
+    names = [n for n, _ in attention_layers(model)]
+    assert sorted(maps) == sorted(names) and len(tokens.source) == 10
+    for name, m in maps.items():
+        rows = 3 if name.startswith("decoder.") else 10
+        assert m.shape[1:] == (rows, 10 if name.endswith("cross_attention") else rows), name
+        torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:-1]))
+    files = draw_module(names[0], maps[names[0]], [0, 1], tokens, tmp_path, window=4)
+    assert len(files) == 9 and all(f.stat().st_size > 1000 for f in files)  # 10 tokens, windows of 4: 3 x 3
+    if arch == "encoder_decoder":  # the decoder's causal self-attention: the upper windows hold no weight
+        dec = next(n for n in names if n.startswith("decoder.") and not n.endswith("cross_attention"))
+        steps = maps[dec].shape[1]
+        assert steps == 3 and len(draw_module(dec, maps[dec], [0], tokens, tmp_path / "w", window=2)) == 3
+
+
 def _batches(seed: int = 0, n: int = 2, length: int = 12) -> list:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -312,9 +340,21 @@ def test_inspect_prune_and_convert_a_trained_run(tiny_config, tmp_path, capsys):
     ]
     res = run_cli("convert", "hf-export", str(tmp_path / "uniform"), str(tmp_path / "hf"))
     assert res.returncode == 0 and "llama" in res.stdout, res.stderr
+    res = run_cli("inspect", "attention", str(tmp_path / "hf"), "--text", "def f(x):", "--out", str(tmp_path / "hfa"))
+    assert res.returncode == 0 and sorted(p.name for p in (tmp_path / "hfa").glob("*.png")) == [
+        "layer00.png",
+        "layer01.png",
+    ], res.stderr
 
-    res = run_cli("convert", "gqa", str(run), "--kv-heads", "1", "--out", str(tmp_path / "mqa"))
+    res = run_cli("convert", "gqa", str(run), "--kv-heads", "1", "--out", str(tmp_path / "mqa"), "model.dim=64")
+    assert (
+        res.returncode == 2 and "'model.dim' would change the model" in res.stderr and not (tmp_path / "mqa").exists()
+    )
+    res = run_cli("convert", "gqa", str(run), "--kv-heads", "1", "--out", str(tmp_path / "mqa"), "optim.lr=1e-4")
     assert res.returncode == 0, res.stderr
+    assert load_config(tmp_path / "mqa" / "config.toml").optim.lr == 1e-4  # the up-training recipe's override
+    res = run_cli("convert", "gqa", str(run), "--kv-heads", "1", "--out", str(tmp_path / "mqa"))
+    assert res.returncode == 2 and "already holds a run" in res.stderr
     record = json.loads((tmp_path / "mqa" / "derived.json").read_text())
     assert record["kv_cache_bytes_per_token"] == [2 * 2 * 2 * 16 * 4, 2 * 2 * 1 * 16 * 4]
     uptrained = train(load_config(tmp_path / "mqa" / "config.toml"))
