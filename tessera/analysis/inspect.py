@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from tessera.analysis.capture import is_cross, layer_index, layer_label, layer_stem, observe_attention
+from tessera.analysis.capture import (
+    is_cross,
+    layer_index,
+    layer_label,
+    layer_stem,
+    observe_attention,
+)
 from tessera.analysis.plot import display_tokens, draw_layer
 from tessera.analysis.stats import HeadStats, format_table, head_stats
 from tessera.analysis.text import Codec, load_codec

@@ -22,7 +22,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tessera.analysis.importance import group_scores, head_importance, self_attention_layers
+from tessera.analysis.importance import (
+    group_scores,
+    head_importance,
+    self_attention_layers,
+)
 from tessera.analysis.runs import (
     Batch,
     check_new_run_dir,

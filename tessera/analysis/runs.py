@@ -20,7 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.config import ConfigError, JobConfig, ModelConfig, apply_overrides, config_from_dict, parse_overrides
+from tessera.config import (
+    ConfigError,
+    JobConfig,
+    ModelConfig,
+    apply_overrides,
+    config_from_dict,
+    parse_overrides,
+)
 from tessera.data.objectives import Objective
 from tessera.train.checkpoint import Checkpointer, CheckpointError, read_meta
 
