@@ -346,6 +346,15 @@ def test_inspect_prune_and_convert_a_trained_run(tiny_config, tmp_path, capsys):
         "layer01.png",
     ], res.stderr
 
+    _convert_to_mqa_and_uptrain(run_cli, run, tmp_path)
+
+
+def _convert_to_mqa_and_uptrain(run_cli, run, tmp_path) -> None:
+    """convert gqa: [model] overrides refused before anything is written, others shape the up-training recipe,
+    an existing --out refused; the KV cache halves per pooling step and the new run up-trains from the pooled
+    model's validation loss."""
+    from tessera.train.trainer import train
+
     res = run_cli("convert", "gqa", str(run), "--kv-heads", "1", "--out", str(tmp_path / "mqa"), "model.dim=64")
     assert (
         res.returncode == 2 and "'model.dim' would change the model" in res.stderr and not (tmp_path / "mqa").exists()
