@@ -165,6 +165,7 @@ def _zero_heads(model, heads: dict[int, list[int]]) -> None:
     [
         (dict(), {0: [1, 3], 1: [0]}, {0: [0, 2], 1: [1, 2, 3]}, "2,3"),  # multi-head: a group is one head
         (dict(n_kv_heads=2), {0: [2, 3]}, {0: [0]}, "2,4"),  # GQA: heads 2-3 share KV head 1
+        (dict(arch="encoder", sentinel_tokens=1, position={"kind": "learned"}), {1: [1]}, {1: [0, 2, 3]}, "4,3"),
         (
             dict(n_kv_heads=2, bias=True, attention={"qkv_bias": True, "qk_norm": True}),
             {0: [0, 1], 1: [2, 3]},
@@ -278,6 +279,19 @@ def test_kv_pooling_is_the_group_mean_and_exact_for_identical_heads():
         assert (_layer_out(pooled, x, 1) - _layer_out(model, x, 1)).abs().max().item() > 1e-4
     with pytest.raises(ConfigError, match="--kv-heads 3 must divide"):
         pool_kv_heads(model, 3)
+
+
+def test_kv_pooling_of_an_encoder_decoder_pools_self_and_cross_attention():
+    model = _model(arch="encoder_decoder", n_kv_heads=4, position={"kind": "t5_bias"})
+    pooled = pool_kv_heads(model, 1)
+    names = [n for n, _ in attention_layers(model)]
+    assert any(n.endswith("cross_attention") for n in names)
+    for (name, old), (_, new) in zip(attention_layers(model), attention_layers(pooled)):
+        assert new.n_kv_heads == 1, name
+        torch.testing.assert_close(new.v_proj.weight, old.v_proj.weight.view(4, 8, 32).mean(0), msg=name)
+    assert count_kv_bytes(pooled) * 4 == count_kv_bytes(model)
+    x = torch.randint(4, V, (2, 12))
+    assert torch.isfinite(_call(pooled, x)).all()
 
 
 def _layer_out(model, x, layer: int) -> torch.Tensor:
