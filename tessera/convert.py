@@ -177,10 +177,11 @@ def deepspeed_import(ds_path: str | Path, out_dir: str | Path, config: str | Non
     from tessera.train.ds_checkpoint import find_deepspeed_checkpoint, read_deepspeed
     from tessera.train.optim import build_optimizer, build_scheduler
 
-    ds_path, out_dir = Path(ds_path), output_dir(out_dir, "output directory")
+    ds_path = Path(ds_path)
+    state = read_deepspeed(ds_path)
+    out_dir = output_dir(out_dir, "output directory")
     if any(out_dir.iterdir()):
         raise ConfigError(f"'{out_dir}' is not empty (an existing run?); give a new directory to import into")
-    state = read_deepspeed(ds_path)
     job, weights, moments, source = _ds_model_and_job(find_deepspeed_checkpoint(ds_path), state, config, out_dir)
     model = build_model(job.model)
     params = dict(model.named_parameters())
