@@ -113,8 +113,8 @@ def test_deepspeed_keys_need_the_deepspeed_engine(tiny_config):
 
 @pytest.mark.slow
 def test_zero_stages_match_torch_and_checkpoints_cross_engines(tmp_path, cache_dir):
-    """ZeRO-1/2/3 on 2 ranks vs one process; resumes torch -> ZeRO-1, ZeRO-3 -> ZeRO-2, ZeRO-1 -> ZeRO-3, ZeRO-3 -> FSDP2,
-    ZeRO-1 -> one torch process; DeepSpeed's own ZeRO-1/3 checkpoints imported and trained on."""
+    """ZeRO-1/2/3 on 2 ranks vs one process; resumes torch -> ZeRO-1, ZeRO-3 -> ZeRO-2, ZeRO-1 -> ZeRO-3,
+    ZeRO-3 -> FSDP2, ZeRO-1 -> one torch process; DeepSpeed's own ZeRO-1/3 checkpoints imported and trained on."""
     recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, *BASE)
     z3 = [*DS, "parallel.zero_stage=3", f"parallel.deepspeed_config={_ds_json(tmp_path)}"]
     reference = train(load_config(recipe, [f"train.run_dir={tmp_path}/ref"])).run_dir
