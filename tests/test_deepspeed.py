@@ -122,6 +122,7 @@ def test_zero_stages_match_torch_and_checkpoints_cross_engines(tmp_path, cache_d
         "z1": [*DS, "parallel.zero_stage=1"],
         "z2": [*DS, "parallel.zero_stage=2"],
         "z3": z3,
+        "z2_bf16": [*DS, "parallel.zero_stage=2", "train.dtype=bf16"],
         "z1_from_torch": [*DS, "parallel.zero_stage=1", _resume(tmp_path, "ref", 3)],
         "z2_from_z3": [*DS, "parallel.zero_stage=2", _resume(tmp_path, "z3", 3)],
         "z3_from_z1": [*z3, _resume(tmp_path, "z1", 3)],
@@ -130,6 +131,9 @@ def test_zero_stages_match_torch_and_checkpoints_cross_engines(tmp_path, cache_d
     torchrun(2, "tests/dist_deepspeed.py", str(recipe), str(tmp_path), json.dumps(variants), '["z1", "z3"]')
     for name in ("z1", "z2", "z3"):
         assert assert_runs_match(tmp_path / name, reference) == 6
+    # bf16 against the fp32 run: measured 7.9e-5 on the loss, 2.7e-3 on the grad norm (torch's FSDP2 bf16:
+    # 7.2e-5, 2.3e-3), so the bound is bf16 rounding's, not parity's
+    assert assert_runs_match(tmp_path / "z2_bf16", reference, rtol=1e-2) == 6
     for name in ("z1_from_torch", "z2_from_z3", "z3_from_z1", "fsdp_from_z3"):
         assert assert_runs_match(tmp_path / name, reference, after=3) == 3
     train(load_config(recipe, [f"train.run_dir={tmp_path}/single_from_z1", _resume(tmp_path, "z1", 3)]))
