@@ -34,6 +34,13 @@ BASE = [
     "log.every=1",
 ]
 DS = ["parallel.engine=deepspeed"]
+MOE = ["model.moe.experts=4", "model.moe.top_k=2"]
+T5 = [
+    "model.arch=encoder_decoder",
+    "model.n_decoder_layers=2",
+    "model.position.kind=t5_bias",
+    "model.sentinel_tokens=4",
+]
 
 
 def _ds_json(tmp_path: Path) -> Path:
@@ -113,8 +120,9 @@ def test_deepspeed_keys_need_the_deepspeed_engine(tiny_config):
 
 @pytest.mark.slow
 def test_zero_stages_match_torch_and_checkpoints_cross_engines(tmp_path, cache_dir):
-    """ZeRO-1/2/3 on 2 ranks vs one process; resumes torch -> ZeRO-1, ZeRO-3 -> ZeRO-2, ZeRO-1 -> ZeRO-3,
-    ZeRO-3 -> FSDP2, ZeRO-1 -> one torch process; DeepSpeed's own ZeRO-1/3 checkpoints imported and trained on."""
+    """ZeRO-1/2/3 on 2 ranks vs one process (MoE and T5 vs FSDP2); resumes torch -> ZeRO-1, ZeRO-3 -> ZeRO-2,
+    ZeRO-1 -> ZeRO-3, ZeRO-3 -> FSDP2, ZeRO-1 -> one torch process; DeepSpeed's own ZeRO-1/3 checkpoints imported
+    and trained on."""
     recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, *BASE)
     z3 = [*DS, "parallel.zero_stage=3", f"parallel.deepspeed_config={_ds_json(tmp_path)}"]
     reference = train(load_config(recipe, [f"train.run_dir={tmp_path}/ref"])).run_dir
@@ -127,6 +135,12 @@ def test_zero_stages_match_torch_and_checkpoints_cross_engines(tmp_path, cache_d
         "z2_from_z3": [*DS, "parallel.zero_stage=2", _resume(tmp_path, "z3", 3)],
         "z3_from_z1": [*z3, _resume(tmp_path, "z1", 3)],
         "fsdp_from_z3": ["parallel.dp_shard=2", _resume(tmp_path, "z3", 3)],
+        # MoE (balance losses per rank) and span corruption (noise per rank) train differently on 2 ranks than
+        # on one: their reference is FSDP2 on the same 2 ranks.
+        "fsdp_moe": ["parallel.dp_shard=2", *MOE],
+        "z3_moe": [*z3, *MOE],
+        "fsdp_t5": ["parallel.dp_shard=2", *T5],
+        "z2_t5": [*DS, "parallel.zero_stage=2", *T5],
     }
     torchrun(2, "tests/dist_deepspeed.py", str(recipe), str(tmp_path), json.dumps(variants), '["z1", "z3"]')
     for name in ("z1", "z2", "z3"):
@@ -134,6 +148,8 @@ def test_zero_stages_match_torch_and_checkpoints_cross_engines(tmp_path, cache_d
     # bf16 against the fp32 run: measured 7.9e-5 on the loss, 2.7e-3 on the grad norm (torch's FSDP2 bf16:
     # 7.2e-5, 2.3e-3), so the bound is bf16 rounding's, not parity's
     assert assert_runs_match(tmp_path / "z2_bf16", reference, rtol=1e-2) == 6
+    assert assert_runs_match(tmp_path / "z3_moe", tmp_path / "fsdp_moe") == 6
+    assert assert_runs_match(tmp_path / "z2_t5", tmp_path / "fsdp_t5") == 6
     for name in ("z1_from_torch", "z2_from_z3", "z3_from_z1", "fsdp_from_z3"):
         assert assert_runs_match(tmp_path / name, reference, after=3) == 3
     train(load_config(recipe, [f"train.run_dir={tmp_path}/single_from_z1", _resume(tmp_path, "z1", 3)]))
