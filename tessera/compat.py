@@ -32,6 +32,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "bf16": {},
     "fp16": {
         "ep": "fp16 with expert parallelism is not validated yet; use bf16",
+        "deepspeed": "fp16 with the DeepSpeed engine is not validated yet (its CPU accelerator refuses fp16); use bf16",
     },
     "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",

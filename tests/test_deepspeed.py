@@ -101,6 +101,7 @@ def test_user_ds_json_is_merged_and_contradictions_are_named(tiny_config, tmp_pa
         (["parallel.dp_replicate=2"], "data parallel only; set parallel.dp_replicate=1"),
         (["parallel.meta_init=true"], "partitions a built model"),
         (["parallel.compile=true"], "compile is not validated with the DeepSpeed engine"),
+        (["train.dtype=fp16"], "fp16 with the DeepSpeed engine is not validated"),
         (["train.on_nonfinite=skip"], "cannot hold back a DeepSpeed step"),
         (["parallel.offload_params=cpu"], "needs parallel.zero_stage=3"),
         (["parallel.zero_stage=3", "parallel.offload_params=nvme"], "needs parallel.nvme_path"),
