@@ -173,12 +173,13 @@ def stage_model(
     where ``keep`` names them). An encoder-decoder's keys count the encoder's blocks, then the decoder's."""
     with torch.device("meta"):
         part = build_model(config.model)
+    stacks = {name: getattr(part, name) for name in ("encoder", "decoder") if hasattr(part, name)}
     for name, child in full.named_children():
         setattr(part, name, child)
     for name, buf in full.named_buffers(recurse=False):
         setattr(part, name, buf)
     if config.model.arch == "encoder_decoder":
-        return _encoder_decoder_stage(full, part, config.model.n_layers, keys, keep)
+        return _encoder_decoder_stage(full, part, stacks, config.model.n_layers, keys, keep)
     part.layers = nn.ModuleDict({k: full.layers[k] for k in keys})
     absent = (_FIRST_STAGE_PARTS if not first else ()) + (_LAST_STAGE_PARTS if not last else ())
     for name in absent:
@@ -188,17 +189,17 @@ def stage_model(
 
 
 def _encoder_decoder_stage(
-    full: nn.Module, part: nn.Module, n_encoder: int, keys: list[str], keep: frozenset[str]
+    full: nn.Module, part: nn.Module, stacks: dict[str, nn.Module], n_encoder: int, keys: list[str], keep: frozenset[str]
 ) -> nn.Module:
-    """``part`` (built on meta) as the stage of ``full`` running blocks ``keys``: its encoder and
+    """``part`` (holding ``full``'s children; ``stacks``: its own encoder and decoder, built on meta) as the stage of ``full`` running blocks ``keys``: its encoder and
     decoder hold only their blocks of the stage (None without any), each stack's embedding parts
     where its first block is and its final norm where its last is; the shared token embedding
     wherever a stack starts, the head with the decoder's last block."""
     blocks = [int(k) for k in keys]
     encoder = [str(i) for i in blocks if i < n_encoder]
     decoder = [str(i - n_encoder) for i in blocks if i >= n_encoder]
-    part.encoder = _stack_part(full.encoder, part.encoder, encoder)
-    part.decoder = _stack_part(full.decoder, part.decoder, decoder)
+    part.encoder = _stack_part(full.encoder, stacks["encoder"], encoder)
+    part.decoder = _stack_part(full.decoder, stacks["decoder"], decoder)
     starts = "0" in encoder or "0" in decoder
     ends = str(len(full.decoder.layers) - 1) in decoder
     if not starts and "tok_embeddings" not in keep:
