@@ -358,24 +358,16 @@ class EncoderDecoder(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, vocab) of ``decoder_input_ids`` conditioned on ``input_ids``.
 
-        A pipeline stage lacks parts (see :meth:`stage_forward`) and returns what the next stage reads.
+        Parts may be absent (a pipeline stage); floating inputs are then hidden states, integer
+        ones token ids. With encoder blocks, ``input_ids`` (token ids or the encoder's hidden
+        states) runs through them (and the encoder's final norm where present, making it the
+        memory); without, ``input_ids`` is the memory. Without decoder blocks the result is
+        ``(encoder hidden states or memory, decoder_input_ids)``; with them,
+        ``decoder_input_ids`` (token ids or the decoder's hidden states) runs through them,
+        cross-attending to the memory, and the result is ``(memory, hidden states)``, or the
+        logits where the head is present.
         """
-        if self.encoder is None or self.decoder is None or self.output is None:
-            return self.stage_forward(input_ids, decoder_input_ids, moe_log)
-        return self.decode(decoder_input_ids, self.encode(input_ids, moe_log), moe_log=moe_log)
-
-    def stage_forward(
-        self, source: torch.Tensor, target: torch.Tensor, moe_log: MoELog | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """A model with parts absent (a pipeline stage): floating inputs are hidden states, integer ones token ids.
-
-        With encoder blocks, ``source`` (token ids or the encoder's hidden states) runs through them
-        (and the encoder's final norm where present, making it the memory); without, ``source`` is
-        the memory. Without decoder blocks the result is ``(source, target)`` with ``target`` the
-        decoder token ids; with them, ``target`` (token ids or the decoder's hidden states) runs
-        through them, cross-attending to the memory, and the result is ``(memory, hidden states)``,
-        or the logits where the head is present.
-        """
+        source, target = input_ids, decoder_input_ids
         if self.encoder is not None:
             h = source if source.is_floating_point() else self.tok_embeddings(source)
             source = self.encoder.hidden_states(h, moe_log=moe_log)
