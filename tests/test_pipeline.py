@@ -59,7 +59,7 @@ def test_stages_chain_to_the_full_model(overrides):
     assert isinstance(local0, type(full)) and isinstance(stages1[-1], type(full))  # same type, stage forward
 
 
-T5 = ["model.arch=encoder_decoder", "model.sentinel_tokens=8", "model.position.kind=t5_bias", "model.tie_embeddings=true"]
+T5 = ["model.arch=encoder_decoder", "model.sentinel_tokens=8", "model.position.kind=t5_bias"]
 
 
 @pytest.mark.parametrize(

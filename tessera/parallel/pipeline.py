@@ -189,7 +189,12 @@ def stage_model(
 
 
 def _encoder_decoder_stage(
-    full: nn.Module, part: nn.Module, stacks: dict[str, nn.Module], n_encoder: int, keys: list[str], keep: frozenset[str]
+    full: nn.Module,
+    part: nn.Module,
+    stacks: dict[str, nn.Module],
+    n_encoder: int,
+    keys: list[str],
+    keep: frozenset[str],
 ) -> nn.Module:
     """``part`` (holding ``full``'s children; ``stacks``: its own encoder and decoder, built on meta) as the stage of ``full`` running blocks ``keys``: its encoder and
     decoder hold only their blocks of the stage (None without any), each stack's embedding parts
