@@ -73,7 +73,7 @@ T5 = ["model.arch=encoder_decoder", "model.sentinel_tokens=8", "model.position.k
 def test_encoder_decoder_stages_carry_decoder_ids_and_memory(overrides):
     """Stages take the encoder blocks, then the decoder's: (hidden, decoder ids) flow through the
     encoder stages, (memory, decoder hidden) through the decoder stages; chained, they give the logits."""
-    cfg = _config("parallel.pp=2", *T5, *overrides)
+    cfg = _config("parallel.pp=2", *T5, "model.tie_embeddings=true", *overrides)
     torch.manual_seed(0)
     full = build_model(cfg.model).eval()
     enc, dec = torch.randint(0, 500, (2, 16)), torch.randint(0, 500, (2, 12))

@@ -196,10 +196,11 @@ def _encoder_decoder_stage(
     keys: list[str],
     keep: frozenset[str],
 ) -> nn.Module:
-    """``part`` (holding ``full``'s children; ``stacks``: its own encoder and decoder, built on meta) as the stage of ``full`` running blocks ``keys``: its encoder and
-    decoder hold only their blocks of the stage (None without any), each stack's embedding parts
-    where its first block is and its final norm where its last is; the shared token embedding
-    wherever a stack starts, the head with the decoder's last block."""
+    """``part`` (holding ``full``'s children; ``stacks``: its own encoder and decoder, built on meta)
+    as the stage of ``full`` running blocks ``keys``: its encoder and decoder hold only their blocks
+    of the stage (None without any), each stack's embedding parts where its first block is and its
+    final norm where its last is; the shared token embedding wherever a stack starts, the head
+    with the decoder's last block."""
     blocks = [int(k) for k in keys]
     encoder = [str(i) for i in blocks if i < n_encoder]
     decoder = [str(i - n_encoder) for i in blocks if i >= n_encoder]
