@@ -153,8 +153,8 @@ def split_model(full: nn.Module, config: JobConfig, stage_ids: list[int]) -> tup
     return local, stages
 
 
-def _scalar(t: torch.Tensor) -> float:
-    return float((t.full_tensor() if isinstance(t, DTensor) else t).detach())
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double()
 
 
 @dataclass
@@ -162,7 +162,7 @@ class _Targets:
     """What the loss function needs for one pipeline step."""
 
     masked: bool
-    denominator: float
+    denominator: float | torch.Tensor
     label_smoothing: float
 
 
@@ -198,7 +198,7 @@ class Pipeline:
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         labels, mask = (target[..., 0], target[..., 1].bool()) if self._targets.masked else (target, None)
-        count = labels.numel() if mask is None else int(mask.sum())
+        count = labels.numel() if mask is None else mask.sum().double()  # a tensor: no host sync
         loss = self._loss_fn(output, labels, self._targets.label_smoothing, mask)
         return loss * (count / self._targets.denominator)
 
@@ -210,7 +210,7 @@ class Pipeline:
         denominator: float,
         train: bool,
         model_kwargs: dict[str, torch.Tensor] | None = None,
-    ) -> float:
+    ) -> torch.Tensor:
         self._targets = _Targets(loss_mask is not None, denominator, self.label_smoothing if train else 0.0)
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
         losses: list[torch.Tensor] = []
@@ -226,10 +226,11 @@ class Pipeline:
             self.schedule.eval(*inputs, **kwargs)
         # The first step's shape inference runs one extra forward per stage: count the schedule's own.
         aux = [a for hooks in self.hooks for a in hooks.aux_losses[-self.microbatches :]]
-        local = sum(_scalar(loss) for loss in losses) + sum(float(a) for a in aux)
-        total = torch.tensor([local], dtype=torch.float64, device=labels.device)
-        dist.all_reduce(total, group=self.pp_group)
-        return total.item()
+        parts = [_local(loss) for loss in losses] + [a.detach().double() for a in aux]
+        total = torch.stack(parts).sum().reshape(1) if parts else torch.zeros(1, dtype=torch.float64)
+        total = total.to(labels.device)
+        dist.all_reduce(total, group=self.pp_group)  # a tensor: the trainer reads it with the step's one sync
+        return total[0]
 
     def step(
         self,
@@ -238,16 +239,16 @@ class Pipeline:
         loss_mask: torch.Tensor | None,
         grad_accum: int,
         model_kwargs: dict[str, torch.Tensor] | None = None,
-    ) -> float:
+    ) -> torch.Tensor:
         """Forward and backward of one local batch through the pipeline; returns its loss / grad_accum.
 
-        The number is the same on every pp rank (the last stage's losses plus every stage's
-        MoE losses, summed over the pp group).
+        The number (a float64 scalar tensor, not read here) is the same on every pp rank (the last
+        stage's losses plus every stage's MoE losses, summed over the pp group).
         """
         for hooks in self.hooks:
             hooks.aux_scale = 1.0 / (grad_accum * self.microbatches)
-        tokens = labels.numel() if loss_mask is None else int(loss_mask.sum())
-        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, True, model_kwargs)
+        tokens = labels.numel() if loss_mask is None else loss_mask.sum().clamp(min=1)
+        return self._run(args, labels, loss_mask, tokens * grad_accum, True, model_kwargs)
 
     def eval_loss(
         self,
@@ -262,7 +263,7 @@ class Pipeline:
                 f"an evaluation batch of {labels.shape[0]} sequences per rank is not divisible by "
                 f"parallel.microbatches={self.microbatches}; raise train.eval_batches or the validation split"
             )
-        return self._run(args, labels, loss_mask, 1.0, False, model_kwargs)
+        return self._run(args, labels, loss_mask, 1.0, False, model_kwargs).item()
 
 
 def build_pipeline(

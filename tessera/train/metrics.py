@@ -84,18 +84,28 @@ class StepWindow:
         self.last: dict[str, float] = {}
         self.steps, self.tokens, self.seconds = 0, 0, 0.0
 
-    def add(self, metrics: dict[str, float], tokens: int, seconds: float) -> None:
-        """One optimizer step's metrics, tokens and wall seconds."""
+    def add(self, metrics: dict[str, Any], tokens: int, seconds: float) -> None:
+        """One optimizer step's metrics (floats, or scalar tensors read at :meth:`flush`), tokens and wall seconds."""
         for key, value in metrics.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
         self.last = dict(metrics)
         self.steps, self.tokens, self.seconds = self.steps + 1, self.tokens + tokens, self.seconds + seconds
 
     def flush(self) -> dict[str, float]:
-        """The window's record fields (empty when no step was added); starts a new window."""
+        """The window's record fields (empty when no step was added); starts a new window.
+
+        Metrics given as tensors (MoE statistics) were summed on the device; they are read here,
+        together, once per logged step.
+        """
         if not self.steps:
             return {}
         record = {key: total / self.steps for key, total in self.sums.items()}
+        tensors = [key for key, value in record.items() if not isinstance(value, (int, float))]
+        if tensors:
+            import torch
+
+            values = torch.stack([record[key].detach().double().reshape(()) for key in tensors]).tolist()
+            record.update(zip(tensors, values))
         record["lr"] = self.last.get("lr", 0.0)
         tokens_per_s = self.tokens / max(self.seconds, 1e-12)
         mfu = min(1.0, tokens_per_s * self.flops_per_token / self.peak) if self.peak else 0.0
