@@ -47,7 +47,9 @@ def check(cfg, sp: bool, mesh, smoothing: float, masked: bool) -> None:
     tp_params = dict(tp.named_parameters())
     for name, p in ref.named_parameters():
         grad = _full(tp_params[name].grad)
-        torch.testing.assert_close(grad, p.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {name}: {m}")
+        torch.testing.assert_close(
+            grad, p.grad, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{where} grad {name}: {m}"
+        )
 
 
 def main() -> None:

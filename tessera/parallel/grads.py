@@ -27,20 +27,27 @@ def _grouped(parameters: Iterable[torch.nn.Parameter]) -> dict[tuple, list[torch
 
 
 @torch.no_grad()
-def global_grad_norm(parameters: Iterable[torch.nn.Parameter], pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+def global_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], pp_mesh: DeviceMesh | None = None, skip: Iterable[torch.Tensor] = ()
+) -> torch.Tensor:
     """The global L2 norm of the gradients as a float64 device tensor (no host sync).
 
     torch's ``clip_grad_norm_`` needs all gradients of one kind; tensor parallelism leaves some
     plain (modules outside the TP plan) and FSDP puts others on different meshes. Each group's
     norm is computed by torch (a DTensor norm reduces over its mesh), then combined. With
     pipeline parallelism each rank holds only its stages' parameters: the squared norms are
-    summed over ``pp_mesh`` so every stage clips by the same global norm.
+    summed over ``pp_mesh`` so every stage clips by the same global norm; ``skip`` names copies
+    of a parameter another pp rank also holds (counted there).
     """
     groups = _grouped(parameters)
+    skipped = {id(p) for p in skip}
     device = next((p.device for params in groups.values() for p in params), torch.device("cpu"))
     squares = torch.zeros(1, dtype=torch.float64, device=device)
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        counted = [p.grad for p in params if id(p) not in skipped]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, 2.0)
         norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(device, torch.float64)
         squares += norm * norm
     if pp_mesh is not None:
@@ -57,11 +64,14 @@ def clip_grads(parameters: Iterable[torch.nn.Parameter], max_norm: float, total:
 
 
 def clip_grad_norm(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    pp_mesh: DeviceMesh | None = None,
+    skip: Iterable[torch.Tensor] = (),
 ) -> float:
     """Clip gradients to a global L2 norm ``max_norm`` and return the norm before clipping (see
-    :func:`global_grad_norm`; reads the norm on the host)."""
+    :func:`global_grad_norm`; reads the norm on the host). Skipped copies are still clipped."""
     parameters = list(parameters)
-    total = global_grad_norm(parameters, pp_mesh).item()
+    total = global_grad_norm(parameters, pp_mesh, skip).item()
     clip_grads(parameters, max_norm, total)
     return total

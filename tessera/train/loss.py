@@ -75,8 +75,10 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
 
 
 def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type) else (
-        contextlib.nullcontext()
+    return (
+        torch.autocast(device.type, enabled=False)
+        if torch.is_autocast_enabled(device.type)
+        else (contextlib.nullcontext())
     )
 
 
@@ -111,8 +113,13 @@ def _chunk_loss(z: torch.Tensor, y: torch.Tensor, shard: _Shard, smoothing: floa
 
 
 def _logits_grad_(
-    z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, hit: torch.Tensor, weights: torch.Tensor,
-    smoothing: float, vocab: int,
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    target: torch.Tensor,
+    hit: torch.Tensor,
+    weights: torch.Tensor,
+    smoothing: float,
+    vocab: int,
 ) -> torch.Tensor:
     """In place on float32 logits ``z``: d loss / d z = w * (softmax - (1 - eps) * onehot - eps / V)."""
     z.sub_(lse[:, None]).exp_()
@@ -208,7 +215,9 @@ def linear_cross_entropy(
     size = chunk_tokens(shard.vocab, flat.shape[0], chunk)
     weights = token_weights(labels, loss_mask)
     with _no_autocast(flat.device):
-        return _LinearCrossEntropy.apply(flat, w, b, labels.flatten(), weights, float(label_smoothing), size, dtype, shard)
+        return _LinearCrossEntropy.apply(
+            flat, w, b, labels.flatten(), weights, float(label_smoothing), size, dtype, shard
+        )
 
 
 class FusedHeadLoss:

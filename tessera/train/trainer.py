@@ -17,12 +17,13 @@ from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
-from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
+from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
+from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.optim import build_optimizer, build_scheduler, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
@@ -30,6 +31,7 @@ from tessera.train.rundir import resolved_config_text, truncate_metrics, write_s
 from tessera.parallel.grads import clip_grads, global_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.parallel.init import shard_seeds
+from tessera.parallel.scaler import build_grad_scaler
 from tessera.train.distributed import add_replicated, local_value, scalar, setup_parallel, teardown_parallel
 from tessera.train.loss import FusedHeadLoss, lm_loss
 
@@ -103,10 +105,11 @@ class Trainer:
         self.resume_from = resolve_resume(config)
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
+        self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+        self.scaler = build_grad_scaler(self.device, self.dtype == torch.float16, self.parallel.env.is_distributed)
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.parallel.is_main)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
@@ -201,12 +204,18 @@ class Trainer:
         }
         return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
 
+    def _pipeline_loss_scale(self) -> float:
+        """The fp16 loss scale for a pipeline step (whose schedule runs backward itself), else 1."""
+        if not self.scaler.is_enabled():
+            return 1.0
+        self.scaler.scale(torch.zeros((), device=self.device))  # initializes the scaler's state on first use
+        return float(self.scaler.get_scale())
+
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum`` micro-batches; returns its metrics.
 
-        The host waits for the device once per optimizer step: the loss and the gradient norm are
-        read together for the non-finite guard and clipping. MoE statistics stay tensors until the
-        logging step reads them (:class:`StepWindow`).
+        Without MoE the host waits for the device once per optimizer step: the loss and the gradient
+        norm are read together for the non-finite guard and clipping.
         """
         cfg = self.config
         accum = cfg.train.grad_accum
@@ -216,7 +225,8 @@ class Trainer:
             args, kwargs, labels, loss_mask = self._micro_batch()
             if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
-                    losses.append(self.pipeline.step(args, labels, loss_mask, accum, kwargs))
+                    scale = self._pipeline_loss_scale()
+                    losses.append(self.pipeline.step(args, labels, loss_mask, accum, kwargs, scale))
                 continue
             moe_logs.append(MoELog())
             with self._loss_context():
@@ -224,12 +234,19 @@ class Trainer:
                 self.scaler.scale(loss).backward()
             losses.append(local_value(loss.detach()))
         self.scaler.unscale_(self.optimizer)
-        grad_norm = global_grad_norm(self.model.parameters(), self.parallel.pp_mesh)
+        skip = ()
+        if self.pipeline is not None:  # parameters used on several pp ranks: gradients summed, counted once
+            self.pipeline.reduce_shared_grads()
+            skip = self.pipeline.norm_duplicates()
+        grad_norm = global_grad_norm(self.model.parameters(), self.parallel.pp_mesh, skip)
         loss = self.parallel.mean_over_dp(torch.stack([x.double() for x in losses]).sum())
         loss_value, norm_value = torch.stack([loss, grad_norm.double()]).tolist()  # the step's one host sync
         lr = self.scheduler.get_last_lr()[0]
         self._update(loss_value, norm_value, lr)
-        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, **moe_metrics(moe_logs)}
+        if self.pipeline is not None:
+            moe_logs = self.pipeline.moe_logs()
+        moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}  # all ranks' load; aux-free bias
+        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, **moe}
 
     def _micro_batch(self) -> MicroBatch:
         """The next micro-batch through the objective (on the host: no device syncs), then on the device."""
@@ -448,6 +465,8 @@ class Trainer:
         ):  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
+        if self.moe_tracker is not None:
+            logger.print(self.moe_tracker.finish(self.run_dir, write=self.parallel.is_main))
         param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
         if not self.parallel.is_main:
             return
