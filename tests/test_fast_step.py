@@ -1,7 +1,7 @@
 """The fast training step: the fused chunked head + loss equals the plain loss, and a step reads the
 device once.
 
-Speed itself is measured in benchmarks/ (throughput.py, step_memory.py), never asserted here.
+Speed itself is measured in benchmarks/ (throughput.py, memory_head.py), never asserted here.
 """
 
 from __future__ import annotations
