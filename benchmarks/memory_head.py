@@ -23,7 +23,6 @@ import warnings
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 MIB = 2**20
 
