@@ -13,7 +13,7 @@ from tessera.compat import incompatibilities
 from tessera.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tessera.config import JobConfig, ParallelConfig
+    from tessera.config import JobConfig, ModelConfig, ParallelConfig
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
 
@@ -55,6 +55,11 @@ def stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage: str = "")
     if layers_per_stage:
         return [int(c) for c in layers_per_stage.split(",")]
     return [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]
+
+
+def pipeline_blocks(m: ModelConfig) -> int:
+    """The blocks a pipeline splits into stages: the encoder's then the decoder's for an encoder-decoder."""
+    return m.n_layers + ((m.n_decoder_layers or m.n_layers) if m.arch == "encoder_decoder" else 0)
 
 
 def local_stage_ids(rank: int, pp: int, v: int) -> list[int]:
@@ -112,6 +117,7 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         kv % p.tp == 0,
         f"model.n_kv_heads={kv} is not divisible by parallel.tp={p.tp}; use tp <= n_kv_heads that divides it",
     )
+    _check_layer_heads(m, p.tp)
     _require(
         m.vocab_size % p.tp == 0,
         f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
@@ -122,6 +128,21 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallelism splits it); "
         "change seq_len or set parallel.sequence_parallel=false",
     )
+
+
+def _check_layer_heads(m: ModelConfig, tp: int) -> None:
+    """Every layer's query and KV heads split evenly over tp ranks (``model.attention.heads_per_layer``)."""
+    from tessera.config import layer_heads  # tessera.config imports this module
+
+    if not m.attention.heads_per_layer:
+        return
+    kv = m.n_kv_heads or m.n_heads
+    for i, heads in enumerate(layer_heads(m)):
+        _require(
+            heads % tp == 0 and heads * kv // m.n_heads % tp == 0,
+            f"layer {i} of model.attention.heads_per_layer={m.attention.heads_per_layer!r} has {heads} query and "
+            f"{heads * kv // m.n_heads} KV heads, not divisible by parallel.tp={tp}; use a tp that divides them",
+        )
 
 
 def check_expert_degree(ep: int, dp_shard: int, cp: int, tp: int) -> None:
@@ -181,7 +202,7 @@ def _check_pipeline_plan(config: JobConfig) -> None:
         f"parallel.pp_schedule='{schedule}' runs one stage per rank; "
         "set parallel.pp_virtual_stages=1 or use interleaved_1f1b / interleaved_zb",
     )
-    _check_stage_split(p, m.n_layers, p.pp * v)
+    _check_stage_split(p, pipeline_blocks(m), p.pp * v, m.arch == "encoder_decoder")
     _require(
         schedule != "1f1b" or mb >= p.pp,
         f"parallel.pp_schedule='1f1b' needs microbatches >= pp, got parallel.microbatches={mb} with pp={p.pp}",
@@ -197,11 +218,12 @@ def _check_pipeline_plan(config: JobConfig) -> None:
     )
 
 
-def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int) -> None:
+def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int, enc_dec: bool = False) -> None:
+    blocks = "model.n_layers + n_decoder_layers" if enc_dec else "model.n_layers"
     if not p.layers_per_stage:
         _require(
             n_stages <= n_layers,
-            f"{n_stages} pipeline stages (pp={p.pp} x {n_stages // p.pp} per rank) but model.n_layers={n_layers}; "
+            f"{n_stages} pipeline stages (pp={p.pp} x {n_stages // p.pp} per rank) but {blocks}={n_layers}; "
             "every stage needs a block, lower parallel.pp or pp_virtual_stages",
         )
         return
@@ -213,5 +235,5 @@ def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int) -> None:
     _require(
         len(counts) == n_stages and sum(map(int, counts)) == n_layers,
         f"parallel.layers_per_stage={p.layers_per_stage!r} must list {n_stages} stages (pp * virtual stages) "
-        f"summing to model.n_layers={n_layers}",
+        f"summing to {blocks}={n_layers}",
     )
