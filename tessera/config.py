@@ -239,6 +239,8 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"  # NaN/inf loss or grad norm: stop before the update, or skip it
     max_nonfinite_skips: int = 5  # on_nonfinite=skip: stop after this many skipped steps in a row
     hang_timeout_s: float = 1800.0  # no step, eval or save completes this long: dump stacks to RUN/hang/, exit; 0 off
+    fused_loss: bool = True  # head + cross-entropy in chunks: no whole (tokens x vocab) logits (torch engine)
+    loss_chunk_tokens: int = 0  # tokens per chunk of the fused head + loss; 0 = 64 MiB of fp32 logits per chunk
 
 
 @dataclass
@@ -893,7 +895,7 @@ def validate(config: JobConfig) -> None:
 
 def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _require_all("train", t, ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"), positive=True)
-    _require_all("train", t, ("eval_every", "sample_tokens"), positive=False)
+    _require_all("train", t, ("eval_every", "sample_tokens", "loss_chunk_tokens"), positive=False)
     _require(
         t.seq_len <= m.max_seq_len,
         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len or shorten "
