@@ -105,6 +105,11 @@ def generate_text(
         raise ConfigError(f"--draft-tokens must be >= 1, got {draft_tokens}")
     model, tokenizer = load_with_tokenizer(path)
     ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(prompt)])
+    if ids.shape[1] >= model.cfg.max_seq_len:
+        raise ConfigError(
+            f"--prompt is {ids.shape[1]} tokens but the model's context (model.max_seq_len) is "
+            f"{model.cfg.max_seq_len}; shorten the prompt"
+        )
     gen = torch.Generator().manual_seed(seed)
     started = time.perf_counter()
     lines = []

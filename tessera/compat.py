@@ -23,12 +23,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "activation checkpointing": {},
     "torch.compile": {},
     "bf16": {},
-    "fp16": {
-        "fsdp": "fp16 needs a sharded grad scaler; use bf16",
-        "hsdp": "fp16 needs a sharded grad scaler; use bf16",
-        "tp": "fp16 with DTensor gradients is not supported; use bf16",
-        "pp": "the pipeline schedule runs backward itself, without the fp16 loss scaler; use bf16",
-    },
+    "fp16": {},
     "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "ddp": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
@@ -39,7 +34,10 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "tied embeddings": {
         "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
     },
-    "encoder / encoder-decoder": {},
+    "encoder (masked LM)": {},
+    "encoder-decoder": {
+        "pp": "a pipeline would have to carry the encoder output to every decoder stage; set parallel.pp=1",
+    },
     "absolute positions (learned, sinusoidal)": {},
     "T5 relative-position bias": {
         "pp": "the bias table is shared by the blocks of every stage and would need its gradients summed "
@@ -106,8 +104,10 @@ def job_features(config: Any) -> set[str]:
         features.add("meta init")
     if m.tie_embeddings:
         features.add("tied embeddings")
-    if m.arch != "decoder":
-        features.add("encoder / encoder-decoder")
+    if m.arch == "encoder":
+        features.add("encoder (masked LM)")
+    if m.arch == "encoder_decoder":
+        features.add("encoder-decoder")
     if m.position.kind in ("learned", "sinusoidal"):
         features.add("absolute positions (learned, sinusoidal)")
     if m.position.kind == "t5_bias":

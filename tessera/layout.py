@@ -139,11 +139,6 @@ def _check_pipeline_plan(config: JobConfig) -> None:
     if p.pp == 1:
         return
     schedule, v, mb = p.pp_schedule, virtual_stages(p), microbatches(p)
-    _require(
-        m.arch != "encoder_decoder",
-        "parallel.pp > 1 splits decoder and encoder models; model.arch='encoder_decoder' is not supported, "
-        "set parallel.pp=1",
-    )
     multi = schedule in MULTI_STAGE_SCHEDULES
     _require(
         not multi or v >= 2,

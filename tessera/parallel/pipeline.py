@@ -89,8 +89,9 @@ class StageHooks:
     last: bool
     max_len: int  # model.max_seq_len: the position tables' length
     sp_mesh: DeviceMesh | None = None
-    aux_scale: float = 0.0
-    aux_losses: list[torch.Tensor] = field(default_factory=list)  # this step's scaled MoE losses (detached)
+    aux_scale: float = 0.0  # the MoE losses' weight in the step's loss: 1 / (grad_accum * micro-batches)
+    grad_scale: float = 1.0  # the fp16 loss scale, applied to their gradient like to the main loss's
+    aux_losses: list[torch.Tensor] = field(default_factory=list)  # this step's weighted MoE losses (detached)
     _log: MoELog = field(default_factory=MoELog)
     _extras: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) of the micro-batch in flight
 
@@ -119,7 +120,7 @@ class StageHooks:
             out = out.to_local()
         if aux is not None and torch.is_grad_enabled():
             self.aux_losses.append(aux.detach() * self.aux_scale)
-            out = _AttachAux.apply(out, aux, self.aux_scale)
+            out = _AttachAux.apply(out, aux, self.aux_scale * self.grad_scale)
         return (out, *self._extras) if self._extras and not self.last else out
 
 
@@ -164,6 +165,7 @@ class _Targets:
     masked: bool
     denominator: float
     label_smoothing: float
+    scale: float = 1.0  # the fp16 loss scale (1 otherwise)
 
 
 class Pipeline:
@@ -200,7 +202,7 @@ class Pipeline:
         labels, mask = (target[..., 0], target[..., 1].bool()) if self._targets.masked else (target, None)
         count = labels.numel() if mask is None else int(mask.sum())
         loss = self._loss_fn(output, labels, self._targets.label_smoothing, mask)
-        return loss * (count / self._targets.denominator)
+        return loss * (count / self._targets.denominator * self._targets.scale)
 
     def _run(
         self,
@@ -210,8 +212,10 @@ class Pipeline:
         denominator: float,
         train: bool,
         model_kwargs: dict[str, torch.Tensor] | None = None,
+        loss_scale: float = 1.0,
     ) -> float:
-        self._targets = _Targets(loss_mask is not None, denominator, self.label_smoothing if train else 0.0)
+        smoothing = self.label_smoothing if train else 0.0
+        self._targets = _Targets(loss_mask is not None, denominator, smoothing, loss_scale)
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
         losses: list[torch.Tensor] = []
         for hooks in self.hooks:
@@ -226,7 +230,7 @@ class Pipeline:
             self.schedule.eval(*inputs, **kwargs)
         # The first step's shape inference runs one extra forward per stage: count the schedule's own.
         aux = [a for hooks in self.hooks for a in hooks.aux_losses[-self.microbatches :]]
-        local = sum(_scalar(loss) for loss in losses) + sum(float(a) for a in aux)
+        local = sum(_scalar(loss) for loss in losses) / self._targets.scale + sum(float(a) for a in aux)
         total = torch.tensor([local], dtype=torch.float64, device=labels.device)
         dist.all_reduce(total, group=self.pp_group)
         return total.item()
@@ -238,16 +242,18 @@ class Pipeline:
         loss_mask: torch.Tensor | None,
         grad_accum: int,
         model_kwargs: dict[str, torch.Tensor] | None = None,
+        loss_scale: float = 1.0,
     ) -> float:
         """Forward and backward of one local batch through the pipeline; returns its loss / grad_accum.
 
         The number is the same on every pp rank (the last stage's losses plus every stage's
-        MoE losses, summed over the pp group).
+        MoE losses, summed over the pp group). ``loss_scale`` (fp16) multiplies every gradient,
+        as the grad scaler's ``scale(loss)`` does outside a pipeline; the returned loss is unscaled.
         """
         for hooks in self.hooks:
-            hooks.aux_scale = 1.0 / (grad_accum * self.microbatches)
+            hooks.aux_scale, hooks.grad_scale = 1.0 / (grad_accum * self.microbatches), loss_scale
         tokens = labels.numel() if loss_mask is None else int(loss_mask.sum())
-        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, True, model_kwargs)
+        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, True, model_kwargs, loss_scale)
 
     def eval_loss(
         self,
