@@ -32,6 +32,8 @@ def apply_fsdp(
             # The last block's parameters are needed again at once by backward: keep them gathered.
             reshard = reshard_after_forward and i < len(blocks) - 1
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    for module in (getattr(model, "mtp", None) or {}).values():  # multi-token prediction: a unit each
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload)
 
 

@@ -21,10 +21,12 @@ from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
+from tessera.train.distill import Distillation, load_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
+from tessera.train.mtp_loss import MTPLoss
 from tessera.train.optim import build_optimizer, build_scheduler, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
@@ -111,6 +113,7 @@ class Trainer:
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
+        self.mtp_loss, self.distill = self._build_extra_losses()  # train.mtp_loss_weight, train.distill_from
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
         self.scaler = build_grad_scaler(self.device, self.dtype == torch.float16, self.parallel.env.is_distributed)
@@ -139,6 +142,27 @@ class Trainer:
         if self.parallel.is_main:
             self.parallel.barrier()
         return data
+
+    def _build_extra_losses(self) -> tuple[MTPLoss | None, Distillation | None]:
+        """The multi-token-prediction term (a pipeline adds it on its last stage itself) and distillation."""
+        cfg = self.config
+        mtp = None
+        if cfg.model.mtp_depth and self.pipeline is None:
+            mtp = MTPLoss(cfg.model.mtp_depth, cfg.train.mtp_loss_weight, lm_loss, cfg.train.label_smoothing)
+        distill = None
+        if cfg.train.distill_from:
+            teacher = load_teacher(cfg.train.distill_from, cfg.model.vocab_size, self.data.tokenizer.path, self.device)
+            distill = Distillation(teacher, cfg.train.distill_temperature, cfg.train.distill_alpha, self._autocast)
+        return mtp, distill
+
+    def _extra_metrics(self) -> dict[str, float]:
+        """This step's MTP losses per depth and distillation KL, averaged over the data-parallel ranks."""
+        found: dict[str, float] = {}
+        for source in (self.mtp_loss, self.distill, self.pipeline):
+            found.update(source.metrics() if source is not None else {})
+        if not found:
+            return {}
+        return dict(zip(found, (v / self.parallel.dp_size for v in self.parallel.sum_over_dp(list(found.values())))))
 
     def _build_model(self) -> torch.nn.Module:
         """Build (every rank the same weights from the seed, or on meta), parallelize, place."""
@@ -229,10 +253,15 @@ class Trainer:
                     total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum, kwargs, scale)
                 continue
             moe_logs.append(MoELog())
+            extra = self.mtp_loss.forward_kwargs() if self.mtp_loss is not None else {}
             with self.parallel.loss_context():
                 with self._autocast():
-                    logits = self.model(*args, **kwargs, moe_log=moe_logs[-1])
+                    logits = self.model(*args, **kwargs, moe_log=moe_logs[-1], **extra)
                 loss = lm_loss(logits, labels, cfg.train.label_smoothing, loss_mask)
+                if self.distill is not None:
+                    loss = self.distill.add(loss, logits, args, kwargs, loss_mask)
+                if self.mtp_loss is not None:
+                    loss = self.mtp_loss.add(loss, labels, loss_mask)
                 aux = moe_loss(moe_logs[-1])  # MoE load-balancing and router z-losses (None without MoE)
                 loss = (loss if aux is None else add_replicated(loss, aux)) / cfg.train.grad_accum
                 self.scaler.scale(loss).backward()
@@ -245,7 +274,7 @@ class Trainer:
         self._update(loss, grad_norm, lr)
         stats = moe_metrics(moe_logs)  # tensors: read them with one sync
         moe = dict(zip(stats, torch.stack(list(stats.values())).tolist())) if stats else {}
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe, **self._extra_metrics()}
 
     def _update(self, loss: float, grad_norm: float, lr: float) -> None:
         """Apply the step's update unless ``train.on_nonfinite`` forbids it (host floats: no extra sync)."""

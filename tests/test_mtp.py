@@ -1,0 +1,94 @@
+"""Multi-token prediction: the module's arithmetic, its targets, training with per-depth losses, parity of
+the MTP losses under FSDP, and the layouts that refuse it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tessera.config import model_config
+from tessera.model import build_model
+from tessera.model.mtp import MTPLog, mtp_targets
+from tessera.train.trainer import train
+
+from conftest import assert_runs_match, step_records, torchrun, write_tiny_recipe
+
+KW = dict(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, mtp_depth=2)
+
+
+def test_each_depth_reads_the_previous_state_and_the_next_tokens_embedding():
+    torch.manual_seed(0)
+    model = build_model(model_config(**KW)).eval()
+    tokens = torch.randint(0, 50, (2, 10))
+    log = MTPLog()
+    with torch.no_grad():
+        logits = model(tokens, mtp=log)
+        hidden = model.hidden_states(model.tok_embeddings(tokens))
+        ctx = model.context(2, 10, 0, None, None, tokens.device)
+        for depth, module in enumerate(model.mtp.values(), 1):
+            x = torch.cat([module.enorm(model.tok_embeddings(tokens.roll(-depth, 1))), module.hnorm(hidden)], -1)
+            hidden = module.block(module.eh_proj(x), ctx)
+            torch.testing.assert_close(log.logits[depth - 1], model.output(module.norm(hidden)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits, model(tokens), rtol=0, atol=0)  # the main logits do not change
+    # Position i of depth k sees tokens up to i + k only: changing token 7 changes depth 2 from position 5 on.
+    changed = tokens.clone()
+    changed[:, 7] = (changed[:, 7] + 1) % 50
+    other = MTPLog()
+    with torch.no_grad():
+        model(changed, mtp=other)
+    same = (other.logits[1] - log.logits[1]).abs().amax(dim=(0, 2)) == 0
+    assert same[:5].all() and not same[5:8].any()
+
+
+def test_targets_are_the_labels_further_ahead_without_the_wrapped_tail():
+    labels = torch.arange(12).view(2, 6)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4] = False
+    got, got_mask = mtp_targets(labels, mask, 2)
+    assert torch.equal(got[:, :4], labels[:, 2:])
+    assert got_mask.tolist() == [[True] * 4 + [False] * 2, [True, True, False, True, False, False]]
+
+
+STEPS = 4
+BASE = [f"train.steps={STEPS}", "train.batch_size=4", "log.every=1", "optim.schedule=constant", "train.eval_every=0",
+        "checkpoint.enabled=false", "model.mtp_depth=2", "train.mtp_loss_weight=0.5"]
+
+
+def test_training_logs_each_depths_loss(tiny_config):
+    from tessera.train.trainer import Trainer
+
+    run = Trainer(tiny_config(*BASE, "train.steps=6", "train.eval_every=3")).fit()
+    records = step_records(run.run_dir)
+    assert all({"mtp_loss_1", "mtp_loss_2"} <= r.keys() for r in records)
+    assert records[-1]["mtp_loss_1"] < records[0]["mtp_loss_1"]
+    # the logged loss is the objective: main loss + 0.5 * mean(depth losses); eval stays the main loss
+    assert all(r["loss"] > 0.25 * (r["mtp_loss_1"] + r["mtp_loss_2"]) for r in records)
+
+
+@pytest.mark.slow
+def test_mtp_under_fsdp_matches_one_process(tmp_path, cache_dir):
+    recipe = write_tiny_recipe(tmp_path / "base.toml", cache_dir, *BASE)
+    from tessera.config import load_config
+
+    reference = train(load_config(recipe, [f"train.run_dir={tmp_path}/ref"])).run_dir
+    variants = {
+        "fsdp2": ["parallel.dp_shard=2"],
+        "ddp2": ["parallel.dp_shard=1", "parallel.dp_replicate=2"],
+    }
+    torchrun(2, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
+    want = step_records(reference)
+    for name in variants:
+        assert assert_runs_match(tmp_path / name, reference) == STEPS, name
+        got = step_records(tmp_path / name)
+        for key in ("mtp_loss_1", "mtp_loss_2"):
+            assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), (name, key)
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"])
+def test_layouts_without_mtp_refuse_it_at_config_time(tiny_config, layout):
+    from tessera.config import ConfigError
+
+    with pytest.raises(ConfigError, match="multi-token prediction"):
+        tiny_config(*BASE, "parallel.dp_shard=1", layout)
