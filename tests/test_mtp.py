@@ -52,8 +52,16 @@ def test_targets_are_the_labels_further_ahead_without_the_wrapped_tail():
 
 
 STEPS = 4
-BASE = [f"train.steps={STEPS}", "train.batch_size=4", "log.every=1", "optim.schedule=constant", "train.eval_every=0",
-        "checkpoint.enabled=false", "model.mtp_depth=2", "train.mtp_loss_weight=0.5"]
+BASE = [
+    f"train.steps={STEPS}",
+    "train.batch_size=4",
+    "log.every=1",
+    "optim.schedule=constant",
+    "train.eval_every=0",
+    "checkpoint.enabled=false",
+    "model.mtp_depth=2",
+    "train.mtp_loss_weight=0.5",
+]
 
 
 def test_training_logs_each_depths_loss(tiny_config):

@@ -19,13 +19,14 @@ from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
-from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
+from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.distill import Distillation, load_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
+from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.mtp_loss import MTPLoss
 from tessera.train.optim import build_optimizer, build_scheduler, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
@@ -112,6 +113,7 @@ class Trainer:
         self.resume_from = resolve_resume(config)
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
+        self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
         self.mtp_loss, self.distill = self._build_extra_losses()  # train.mtp_loss_weight, train.distill_from
         self.optimizer = build_optimizer(self.model, config.optim)
@@ -144,10 +146,10 @@ class Trainer:
         return data
 
     def _build_extra_losses(self) -> tuple[MTPLoss | None, Distillation | None]:
-        """The multi-token-prediction term (a pipeline adds it on its last stage itself) and distillation."""
+        """The multi-token-prediction term and distillation (both refused with pipelines: tessera/compat.py)."""
         cfg = self.config
         mtp = None
-        if cfg.model.mtp_depth and self.pipeline is None:
+        if cfg.model.mtp_depth:
             mtp = MTPLoss(cfg.model.mtp_depth, cfg.train.mtp_loss_weight, lm_loss, cfg.train.label_smoothing)
         distill = None
         if cfg.train.distill_from:
@@ -158,7 +160,7 @@ class Trainer:
     def _extra_metrics(self) -> dict[str, float]:
         """This step's MTP losses per depth and distillation KL, averaged over the data-parallel ranks."""
         found: dict[str, float] = {}
-        for source in (self.mtp_loss, self.distill, self.pipeline):
+        for source in (self.mtp_loss, self.distill):
             found.update(source.metrics() if source is not None else {})
         if not found:
             return {}
@@ -268,12 +270,17 @@ class Trainer:
             total_loss += scalar(loss)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.parallel.pp_mesh)
+        skip = ()
+        if self.pipeline is not None:  # parameters used on several pp ranks: gradients summed, counted once
+            self.pipeline.reduce_shared_grads()
+            skip = self.pipeline.norm_duplicates()
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.parallel.pp_mesh, skip)
         lr = self.scheduler.get_last_lr()[0]
         loss = self.parallel.mean_over_dp(total_loss)
         self._update(loss, grad_norm, lr)
-        stats = moe_metrics(moe_logs)  # tensors: read them with one sync
-        moe = dict(zip(stats, torch.stack(list(stats.values())).tolist())) if stats else {}
+        if self.pipeline is not None:
+            moe_logs = self.pipeline.moe_logs()
+        moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}  # all ranks' load; aux-free bias
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe, **self._extra_metrics()}
 
     def _update(self, loss: float, grad_norm: float, lr: float) -> None:
@@ -465,6 +472,8 @@ class Trainer:
         ):  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
+        if self.moe_tracker is not None:
+            logger.print(self.moe_tracker.finish(self.run_dir, write=self.parallel.is_main))
         param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
         if not self.parallel.is_main:
             return
