@@ -107,6 +107,8 @@ def test_int8_cache_bytes_and_numbers():
     nll_fp32, nll_int8 = cached_nll(model, tokens, "fp32"), cached_nll(model, tokens, "int8")
     assert abs(math.exp(nll_int8) / math.exp(nll_fp32) - 1) < 0.01
     assert nll_fp32 == pytest.approx(torch.nn.functional.cross_entropy(exact[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item(), rel=1e-5)
+    nll_bf16 = cached_nll(model, tokens, "bf16")  # a bf16 cache under an fp32 model: read back as fp32
+    assert nll_bf16 != nll_fp32 and abs(math.exp(nll_bf16) / math.exp(nll_fp32) - 1) < 0.01
 
 
 def test_int8_rows_quantize_each_row_with_its_own_scale():
