@@ -63,6 +63,8 @@ def attention_mask(
     q = torch.arange(kv_len - q_len, kv_len, device=device)
     k = torch.arange(kv_len, device=device)
     mask = _pattern(spec, q, k)
+    if mask is None and document_ids is None and q_len == 1:  # one decoding step: the last query sees every key
+        return None
     if spec.causal and (mask is not None or q_len != kv_len or document_ids is not None):
         causal = k[None, :] <= q[:, None]
         mask = causal if mask is None else mask & causal
