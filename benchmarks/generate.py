@@ -106,7 +106,9 @@ def contenders(args: argparse.Namespace, model: torch.nn.Module, prompts: torch.
             out, s = speculative_generate(model, draft, p[None], n, args.draft_tokens, kv_cache=kind)
             made += out.shape[1]
             stats.rounds, stats.proposed, stats.accepted = (
-                stats.rounds + s.rounds, stats.proposed + s.proposed, stats.accepted + s.accepted
+                stats.rounds + s.rounds,
+                stats.proposed + s.proposed,
+                stats.accepted + s.accepted,
             )
         return made
 
@@ -125,9 +127,7 @@ def contenders(args: argparse.Namespace, model: torch.nn.Module, prompts: torch.
 
 @torch.no_grad()
 def _hf_generate(hf: torch.nn.Module, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    out = hf.generate(
-        prompt[None], max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0
-    )
+    out = hf.generate(prompt[None], max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
     return out[0, prompt.shape[0] :]
 
 
@@ -150,15 +150,19 @@ def report_speed(args: argparse.Namespace, model: torch.nn.Module, windows: torc
         for name, fn in runs.items():
             speeds[name].append(_timed(fn))
     hf = statistics.median(speeds["HF generate"]) if "HF generate" in speeds else None
-    print(f"\ngreedy decoding, batch 1, {len(prompts)} prompts x {args.new_tokens} new tokens, {args.rounds} rounds, "
-          f"{torch.get_num_threads()} thread(s)")
+    print(
+        f"\ngreedy decoding, batch 1, {len(prompts)} prompts x {args.new_tokens} new tokens, {args.rounds} rounds, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
     for name, values in speeds.items():
         median = statistics.median(values)
         ratio = f"ratio={median / hf:.2f}" if hf else ""
         print(f"  {name:28s} {median:8.1f} tokens/s  spread {max(values) / min(values):.2f}  {ratio}")
     if stats.proposed:
-        print(f"draft acceptance: {stats.accepted}/{stats.proposed} = {stats.acceptance_rate:.1%}, "
-              f"{stats.tokens_per_round:.2f} tokens per target forward")
+        print(
+            f"draft acceptance: {stats.accepted}/{stats.proposed} = {stats.acceptance_rate:.1%}, "
+            f"{stats.tokens_per_round:.2f} tokens per target forward"
+        )
 
 
 def main() -> None:
