@@ -89,7 +89,7 @@ def _hf_model(run: str) -> torch.nn.Module:
 
     out = tempfile.mkdtemp(prefix="tessera_hf_")
     hf_export(run, out)
-    return AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
 def contenders(args: argparse.Namespace, model: torch.nn.Module, prompts: torch.Tensor) -> dict[str, Callable]:
