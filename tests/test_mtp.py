@@ -100,3 +100,40 @@ def test_layouts_without_mtp_refuse_it_at_config_time(tiny_config, layout):
 
     with pytest.raises(ConfigError, match="multi-token prediction"):
         tiny_config(*BASE, "parallel.dp_shard=1", layout)
+
+
+def test_deepseek_v3_checkpoints_carry_the_mtp_modules(tmp_path):
+    from safetensors.torch import load_file
+
+    from tessera.model.hf import load_hf, save_hf
+
+    cfg = model_config(
+        vocab_size=64,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=64,
+        mtp_depth=1,
+        activation="swiglu",
+        norm="rmsnorm",
+        mla={"kv_rank": 16, "rope_head_dim": 8, "nope_head_dim": 8, "v_head_dim": 12},
+    )
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    for p in model.parameters():  # norms away from 1 so a swapped norm shows
+        torch.nn.init.normal_(p, std=0.2)
+    assert save_hf(model, tmp_path / "hf") == "deepseek_v3"
+    names = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.shared_head.norm.weight"} <= names.keys()
+    back = load_hf(tmp_path / "hf").eval()
+    assert back.cfg.mtp_depth == 1
+    tokens = torch.randint(0, 64, (2, 12))
+    ours, theirs = MTPLog(), MTPLog()
+    with torch.no_grad():
+        model(tokens, mtp=ours), back(tokens, mtp=theirs)
+    torch.testing.assert_close(theirs.logits[0], ours.logits[0], rtol=0, atol=0)
+    import transformers  # transformers reads the export (it skips the MTP layer) and agrees on the main logits
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
