@@ -55,8 +55,6 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
     },
     "multi-token prediction": {
-        "pp": "the MTP modules need the first stage's embeddings on the last stage (not wired yet); use data "
-        "parallelism",
         "cp": "the MTP modules read the tokens ahead of each position, which context parallelism puts on other ranks",
     },
     "distillation": {

@@ -1,5 +1,5 @@
 """Multi-token prediction: the module's arithmetic, its targets, training with per-depth losses, parity of
-the MTP losses under FSDP, DDP and TP (with and without SP), and the layouts that refuse it."""
+the MTP losses under FSDP, DDP, TP (with and without SP) and PP, and the layout that refuses it (CP)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_training_logs_each_depths_loss(tiny_config):
 
 
 @pytest.mark.slow
-def test_mtp_under_fsdp_ddp_and_tp_matches_one_process(tmp_path, cache_dir):
+def test_mtp_under_fsdp_ddp_tp_and_pp_matches_one_process(tmp_path, cache_dir):
     recipe = write_tiny_recipe(tmp_path / "base.toml", cache_dir, *BASE)
     from tessera.config import load_config
 
@@ -86,6 +86,7 @@ def test_mtp_under_fsdp_ddp_and_tp_matches_one_process(tmp_path, cache_dir):
         "ddp2": ["parallel.dp_shard=1", "parallel.dp_replicate=2"],
         "tp2_sp": ["parallel.dp_shard=1", "parallel.tp=2"],
         "tp2": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=false"],
+        "pp2": ["parallel.dp_shard=1", "parallel.pp=2"],
     }
     torchrun(2, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
     want = step_records(reference)
@@ -96,7 +97,7 @@ def test_mtp_under_fsdp_ddp_and_tp_matches_one_process(tmp_path, cache_dir):
             assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), (name, key)
 
 
-@pytest.mark.parametrize("layout", ["parallel.pp=2", "parallel.cp=2"])
+@pytest.mark.parametrize("layout", ["parallel.cp=2"])
 def test_layouts_without_mtp_refuse_it_at_config_time(tiny_config, layout):
     from tessera.config import ConfigError
 

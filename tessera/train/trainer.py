@@ -146,10 +146,10 @@ class Trainer:
         return data
 
     def _build_extra_losses(self) -> tuple[MTPLoss | None, Distillation | None]:
-        """The multi-token-prediction term and distillation (both refused with pipelines: tessera/compat.py)."""
+        """The multi-token-prediction term (a pipeline's last stage adds it itself) and distillation."""
         cfg = self.config
         mtp = None
-        if cfg.model.mtp_depth:
+        if cfg.model.mtp_depth and self.pipeline is None:  # a pipeline adds the MTP term on its last stage itself
             mtp = MTPLoss(cfg.model.mtp_depth, cfg.train.mtp_loss_weight, lm_loss, cfg.train.label_smoothing)
         distill = None
         if cfg.train.distill_from:
@@ -160,7 +160,7 @@ class Trainer:
     def _extra_metrics(self) -> dict[str, float]:
         """This step's MTP losses per depth and distillation KL, averaged over the data-parallel ranks."""
         found: dict[str, float] = {}
-        for source in (self.mtp_loss, self.distill):
+        for source in (self.mtp_loss, self.distill, self.pipeline):
             found.update(source.metrics() if source is not None else {})
         if not found:
             return {}
