@@ -37,6 +37,7 @@ from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.parallel.init import shard_seeds
 from tessera.parallel.scaler import build_grad_scaler
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
+from tessera.train.engine import build_engine
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -116,9 +117,14 @@ class Trainer:
         self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
         self.mtp_loss, self.distill = self._build_extra_losses()  # train.mtp_loss_weight, train.distill_from
-        self.optimizer = build_optimizer(self.model, config.optim)
-        self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
-        self.scaler = build_grad_scaler(self.device, self.dtype == torch.float16, self.parallel.env.is_distributed)
+        self.engine = build_engine(config, self.model, self.parallel)  # DeepSpeed (train/engine.py), or None: torch
+        if self.engine is None:
+            self.optimizer = build_optimizer(self.model, config.optim)
+            self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
+        else:
+            self.model, self.optimizer, self.scheduler = self.engine.model, self.engine.optimizer, self.engine.scheduler
+        fp16_scaler = self.dtype == torch.float16 and self.engine is None  # DeepSpeed scales fp16 losses itself
+        self.scaler = build_grad_scaler(self.device, fp16_scaler, self.parallel.env.is_distributed)
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.parallel.is_main)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
@@ -204,20 +210,27 @@ class Trainer:
         The config's optimizer hyper-parameters and schedule win over the checkpoint's; returns a line
         naming the resolved keys that changed since the checkpoint ("" when none did).
         """
-        saved = read_meta(path, required=("step", "model", "config", "scheduler", "loader", "optim_param_groups"))
+        imported = "imported_from" in read_meta(path)  # convert deepspeed-import: a schedule but no data position
+        keys = ("step", "model", "config", "scheduler", "optim_param_groups") + (() if imported else ("loader",))
+        saved = read_meta(path, required=keys)
         if saved["model"] != self.config.to_dict()["model"]:
             raise CheckpointError(
                 f"checkpoint '{path}' was trained with a different [model] section; resume with the same model config "
                 "or start a new train.run_dir"
             )
         changes = config_changes(saved["config"], self.config)
-        check_resumable(changes, path)
+        if not imported:
+            check_resumable(changes, path)
         fresh_groups = [dict(group) for group in self.optimizer.param_groups]
-        meta = self.checkpointer.load(path, self.model, self.optimizer)
+        if self.engine is not None:
+            meta = self.engine.load(path)
+        else:
+            meta = self.checkpointer.load(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(meta["scheduler"])
         keep_config_hyperparameters(self.optimizer, self.scheduler, fresh_groups)
         try:
-            self.data.train.load_state_dict(meta["loader"])
+            if not imported:
+                self.data.train.load_state_dict(meta["loader"])
         except DataError as err:
             changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items() if k.startswith("data."))
             raise DataError(f"{err}{f' (changed: {changed})' if changed else ''}") from None
@@ -232,6 +245,8 @@ class Trainer:
             "model": self.config.to_dict()["model"],
             "config": self.config.to_dict(),
         }
+        if self.engine is not None:
+            return self.engine.save(self.checkpointer, self.step, extra)
         return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
 
     def _pipeline_loss_scale(self) -> float:
@@ -266,8 +281,13 @@ class Trainer:
                     loss = self.mtp_loss.add(loss, labels, loss_mask)
                 aux = moe_loss(moe_logs[-1])  # MoE load-balancing and router z-losses (None without MoE)
                 loss = (loss if aux is None else add_replicated(loss, aux)) / cfg.train.grad_accum
-                self.scaler.scale(loss).backward()
+                if self.engine is not None:
+                    self.engine.backward(loss)
+                else:
+                    self.scaler.scale(loss).backward()
             total_loss += scalar(loss)
+        if self.engine is not None:
+            return self._engine_step(self.parallel.mean_over_dp(total_loss), moe_logs)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         skip = ()
@@ -282,6 +302,16 @@ class Trainer:
             moe_logs = self.pipeline.moe_logs()
         moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}  # all ranks' load; aux-free bias
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe, **self._extra_metrics()}
+
+    def _engine_step(self, loss: float, moe_logs: list[MoELog]) -> dict[str, float]:
+        """The DeepSpeed engine's reduce, clip and update; ``train.on_nonfinite`` judges the loss before it
+        (skipping is refused at config time: DeepSpeed's step cannot be held back) and the grad norm after."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.nonfinite.allows_update(self.step + 1, loss, 0.0, lr)
+        grad_norm = self.engine.step()
+        self.nonfinite.allows_update(self.step + 1, loss, grad_norm, lr)
+        moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe}
 
     def _update(self, loss: float, grad_norm: float, lr: float) -> None:
         """Apply the step's update unless ``train.on_nonfinite`` forbids it (host floats: no extra sync)."""
@@ -474,7 +504,9 @@ class Trainer:
             logger.print("sample:\n" + result.sample)
         if self.moe_tracker is not None:
             logger.print(self.moe_tracker.finish(self.run_dir, write=self.parallel.is_main))
-        param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
+        param_sumsq = (  # collective: every rank
+            parameter_sums_of_squares(self.model) if self.engine is None else self.engine.parameter_sums_of_squares()
+        )
         if not self.parallel.is_main:
             return
         final_loss = result.losses[-1] if result.losses else None
