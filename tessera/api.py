@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -57,6 +58,24 @@ def load_with_tokenizer(path: str | Path) -> tuple[nn.Module, Tokenizer]:
     return model, Tokenizer(tokenizer_path)
 
 
+def load_draft(draft: str, model: nn.Module) -> Any:
+    """The speculative-decoding draft of ``model``: "mtp" (its own multi-token-prediction modules) or a run,
+    checkpoint or HF directory of a smaller decoder with the same vocabulary."""
+    from tessera.model.speculative import ModelDraft, MTPDraft
+
+    if draft == "mtp":
+        if getattr(model, "mtp", None) is None:
+            raise ConfigError("--draft mtp needs a model trained with model.mtp_depth > 0; this one has none")
+        return MTPDraft(model)
+    small = load(draft)
+    if small.cfg.arch != "decoder" or small.cfg.vocab_size != model.cfg.vocab_size:
+        raise ConfigError(
+            f"--draft {draft} must be a decoder with the model's vocabulary ({model.cfg.vocab_size} tokens), got "
+            f"{small.cfg.arch} with {small.cfg.vocab_size}; train the draft with the same tokenizer"
+        )
+    return ModelDraft(small)
+
+
 def generate_text(
     path: str | Path,
     prompt: str,
@@ -65,14 +84,25 @@ def generate_text(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
+    kv_cache: str = "auto",
+    draft: str = "",
+    draft_tokens: int = 4,
 ) -> tuple[str, str]:
-    """``prompt`` and its continuation sampled from a run or checkpoint (``tessera generate``), and
-    a line on the decoding cache's size (bytes per token of context)."""
+    """``prompt`` and its continuation sampled from a run or checkpoint (``tessera generate``), and lines on the
+    decoding: the cache's size (bytes per token of context, by ``kv_cache`` kind) and, with a ``draft``
+    ("mtp" or a draft model's directory; see :func:`load_draft`), speculative decoding's acceptance."""
+    import time
+
     import torch
 
     from tessera.model import generate
-    from tessera.model.generate import cache_footprint
+    from tessera.model.cache import CACHE_KINDS, cache_footprint
+    from tessera.model.speculative import Sampler, speculative_generate
 
+    if kv_cache not in CACHE_KINDS:
+        raise ConfigError(f"--kv-cache {kv_cache!r} is not one of {', '.join(CACHE_KINDS)}")
+    if draft_tokens < 1:
+        raise ConfigError(f"--draft-tokens must be >= 1, got {draft_tokens}")
     model, tokenizer = load_with_tokenizer(path)
     ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(prompt)])
     if ids.shape[1] >= model.cfg.max_seq_len:
@@ -81,7 +111,21 @@ def generate_text(
             f"{model.cfg.max_seq_len}; shorten the prompt"
         )
     gen = torch.Generator().manual_seed(seed)
-    out = generate(model, ids, max_new_tokens, temperature, top_k, top_p, tokenizer.eos_id, gen)
-    per_token, fixed = cache_footprint(model)
-    cache = f"decoding cache: {per_token:,} bytes per token of context, {fixed:,} bytes fixed"
-    return prompt + tokenizer.decode(out[0].tolist()), cache
+    started = time.perf_counter()
+    lines = []
+    if draft:
+        sampler = Sampler(temperature, top_k, top_p, gen)
+        out, stats = speculative_generate(
+            model, load_draft(draft, model), ids, max_new_tokens, draft_tokens, sampler, tokenizer.eos_id, kv_cache
+        )
+        lines.append(
+            f"speculative decoding ({draft}, {draft_tokens} draft tokens): {stats.accepted}/{stats.proposed} drafts "
+            f"accepted ({stats.acceptance_rate:.0%}), {stats.tokens_per_round:.2f} tokens per forward of the model"
+        )
+    else:
+        out = generate(model, ids, max_new_tokens, temperature, top_k, top_p, tokenizer.eos_id, gen, kv_cache=kv_cache)
+    seconds = time.perf_counter() - started
+    per_token, fixed = cache_footprint(model, kv_cache)
+    lines.insert(0, f"decoding cache ({kv_cache}): {per_token:,} bytes per token of context, {fixed:,} bytes fixed")
+    lines.append(f"{out.shape[1]} tokens in {seconds:.2f}s ({out.shape[1] / max(seconds, 1e-9):.1f} tokens/s)")
+    return prompt + tokenizer.decode(out[0].tolist()), "\n".join(lines)

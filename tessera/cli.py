@@ -428,6 +428,21 @@ def _add_generate(sub: Subparsers) -> None:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--greedy", action="store_true", help="same as --temperature 0")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--kv-cache",
+        default="auto",
+        choices=("auto", "fp32", "bf16", "fp16", "int8"),
+        help="how keys and values are stored: the model's dtype (auto), a float dtype, or int8 with a scale per "
+        "token and head",
+    )
+    gen.add_argument(
+        "--draft",
+        default="",
+        metavar="DRAFT_RUN_OR_HF_DIR|mtp",
+        help="speculative decoding: a smaller model with the same tokenizer proposes tokens (its run, checkpoint "
+        "or HF directory), or 'mtp' for the model's own multi-token-prediction modules",
+    )
+    gen.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per round (default 4)")
 
 
 def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -445,11 +460,20 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.api import generate_text
 
     temperature = 0.0 if args.greedy else args.temperature
-    text, cache = generate_text(
-        args.path, args.prompt, args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed
+    text, info = generate_text(
+        args.path,
+        args.prompt,
+        args.max_new_tokens,
+        temperature,
+        args.top_k,
+        args.top_p,
+        args.seed,
+        args.kv_cache,
+        args.draft,
+        args.draft_tokens,
     )
     print(text)
-    print(cache, file=sys.stderr)
+    print(info, file=sys.stderr)
     return 0
 
 

@@ -60,6 +60,17 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
         "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
     },
+    "multi-token prediction": {
+        "cp": "the MTP modules read the tokens ahead of each position, which context parallelism puts on other ranks",
+        "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' (FSDP/DDP/TP/PP)",
+    },
+    "distillation": {
+        "tp": "the KL term needs each position's whole vocabulary, which tensor parallelism shards; use data "
+        "parallelism",
+        "pp": "the teacher's logits would have to reach the pipeline's last stage; use data parallelism",
+        "cp": "the teacher would need the whole sequence; use data parallelism",
+        "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' with data parallelism",
+    },
     "latent attention": {
         "tp": "the tensor-parallel plan does not cover latent attention's projections",
         "cp": "ring attention is written for standard attention's keys and values, not the latent cache",
@@ -142,6 +153,10 @@ def job_features(config: Any) -> set[str]:
         features.add("Mamba layers")
     if m.mla.kv_rank:
         features.add("latent attention")
+    if m.mtp_depth:
+        features.add("multi-token prediction")
+    if config.train.distill_from:
+        features.add("distillation")
     return features
 
 

@@ -163,6 +163,7 @@ class ModelConfig:
     # A = attention ([model.attention], latent if [model.mla] is on), G = global attention (A without the
     # sliding window), M = Mamba ([model.mamba]); "" = all A.
     layer_pattern: str = ""  # each layer's mixer, one letter per layer, repeated to n_layers (Jamba: "MMMMAMMM")
+    mtp_depth: int = 0  # multi-token prediction modules (DeepSeek-V3): module k also predicts token i + 1 + k
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     position: PositionConfig = field(default_factory=PositionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -241,6 +242,10 @@ class TrainConfig:
     hang_timeout_s: float = 1800.0  # no step, eval or save completes this long: dump stacks to RUN/hang/, exit; 0 off
     fused_loss: bool = True  # head + cross-entropy in chunks: no whole (tokens x vocab) logits (torch engine)
     loss_chunk_tokens: int = 0  # tokens per chunk of the fused head + loss; 0 = 64 MiB of fp32 logits per chunk
+    mtp_loss_weight: float = 0.3  # with model.mtp_depth: the loss adds this times the mean of the depths' losses
+    distill_from: str = ""  # a teacher run or checkpoint directory: distill its logits into this model ("" = off)
+    distill_temperature: float = 2.0  # distillation: both models' logits are divided by this before the softmax
+    distill_alpha: float = 0.5  # distillation: loss = (1 - alpha) * cross-entropy + alpha * T^2 * KL(teacher||student)
 
 
 @dataclass
@@ -636,6 +641,11 @@ def validate_model(m: ModelConfig) -> None:
     _require(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
     _require(0.0 < m.mask_prob < 1.0, f"model.mask_prob must be in (0, 1), got {m.mask_prob}")
     _require(m.mean_span_length >= 1.0, f"model.mean_span_length must be >= 1, got {m.mean_span_length}")
+    _require(m.mtp_depth >= 0, f"model.mtp_depth must be >= 0, got {m.mtp_depth}")
+    _require(
+        not m.mtp_depth or m.arch == "decoder",
+        f"model.mtp_depth (multi-token prediction) is for decoders, not model.arch='{m.arch}'",
+    )
     _validate_attention(m)
     _validate_heads_per_layer(m)
     _validate_position(m)
@@ -907,6 +917,13 @@ def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
         f"train.device={t.device!r} must be auto, cpu or cuda",
     )
     _require(t.threads >= 0, f"train.threads must be >= 0 (0 = auto), got {t.threads}")
+    _require(t.mtp_loss_weight >= 0, f"train.mtp_loss_weight must be >= 0, got {t.mtp_loss_weight}")
+    _require(t.distill_temperature > 0, f"train.distill_temperature must be positive, got {t.distill_temperature}")
+    _require(0.0 <= t.distill_alpha <= 1.0, f"train.distill_alpha must be in [0, 1], got {t.distill_alpha}")
+    _require(
+        not t.distill_from or resolved_objective(m) == "causal_lm",
+        f"train.distill_from distills a causal LM; model.objective is {resolved_objective(m)!r}",
+    )
     _require(bool(t.run_dir), "train.run_dir must not be empty")
     _require(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32) (numpy and megatron seeds), got {t.seed}")
     _require(t.max_nonfinite_skips >= 1, f"train.max_nonfinite_skips must be >= 1, got {t.max_nonfinite_skips}")

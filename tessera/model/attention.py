@@ -43,7 +43,8 @@ class KVCache:
         end = start + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        # A cache kept in a narrower dtype (--kv-cache bf16 for an fp32 model) is read back in the model's.
+        return self.k[:, :, :end].to(k.dtype), self.v[:, :, :end].to(v.dtype)
 
 
 @dataclass

@@ -63,6 +63,8 @@ def attention_mask(
     q = torch.arange(kv_len - q_len, kv_len, device=device)
     k = torch.arange(kv_len, device=device)
     mask = _pattern(spec, q, k)
+    if mask is None and document_ids is None and q_len == 1:  # one decoding step: the last query sees every key
+        return None
     if spec.causal and (mask is not None or q_len != kv_len or document_ids is not None):
         causal = k[None, :] <= q[:, None]
         mask = causal if mask is None else mask & causal
@@ -73,3 +75,27 @@ def attention_mask(
         mask = same if mask is None else mask[None] & same
         return mask[:, None]
     return None if mask is None else mask[None, None]
+
+
+def left_padding_mask(
+    mask: torch.Tensor | None, causal: bool, left_pad: torch.Tensor, q_len: int, kv_len: int, kv_start: int = 0
+) -> torch.Tensor:
+    """``mask`` (None: plain causal, or all keys) with each row's first ``left_pad[b]`` positions hidden as keys,
+    shaped (B, 1, q_len, keys); queries are the last ``q_len`` of positions ``kv_start .. kv_len - 1``.
+
+    A query always sees its own position, so the rows of padding queries stay finite (their outputs are
+    never read by a real token).
+    """
+    device = left_pad.device
+    q = torch.arange(kv_len - q_len, kv_len, device=device)
+    k = torch.arange(kv_start, kv_len, device=device)
+    if mask is None:
+        mask = k[None, :] <= q[:, None] if causal else torch.ones(q_len, k.numel(), dtype=torch.bool, device=device)
+    mask = mask & (k[None, :] >= left_pad[:, None])[:, None, None, :]
+    return mask | (k[None, :] == q[:, None])
+
+
+def left_padded_positions(left_pad: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """(B, length) positions of cache slots ``start ..`` counted from each row's first real token (0 on padding)."""
+    slots = torch.arange(start, start + length, device=left_pad.device)
+    return (slots[None, :] - left_pad[:, None]).clamp_min(0)

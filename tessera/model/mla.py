@@ -38,7 +38,7 @@ class LatentCache:
         end = start + latent.shape[1]
         self.latent[:, start:end] = latent
         self.k_rope[:, start:end] = k_rope
-        return self.latent[:, :end], self.k_rope[:, :end]
+        return self.latent[:, :end].to(latent.dtype), self.k_rope[:, :end].to(k_rope.dtype)  # as the model's dtype
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

@@ -23,8 +23,9 @@ from tessera.model.attention import LINEAR_KERNELS, AttnContext
 from tessera.model.block import LayerCache, TransformerBlock
 from tessera.model.ffn import ACTIVATIONS
 from tessera.model.mamba import Mamba2Mixer, MambaMixer
-from tessera.model.masks import MaskSpec, attention_mask
+from tessera.model.masks import MaskSpec, attention_mask, left_padded_positions, left_padding_mask
 from tessera.model.moe import Experts, MoELog
+from tessera.model.mtp import MTPLog, build_mtp, predict_ahead
 from tessera.model.norm import build_norm
 from tessera.model.position import (
     AbsolutePositions,
@@ -153,22 +154,48 @@ class Stack(nn.Module):
         document_ids: torch.Tensor | None = None,
         memory: torch.Tensor | None = None,
         moe_log: MoELog | None = None,
+        left_pad: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embedded tokens (B, T, dim) through positions, every block and the final norm.
 
-        ``moe_log`` (a :data:`tessera.model.moe.MoELog`) collects the MoE layers' routing stats.
+        ``moe_log`` (a :data:`tessera.model.moe.MoELog`) collects the MoE layers' routing stats;
+        ``left_pad`` (B,) counts each row's padding positions at the start (see :meth:`padded`).
         """
         b, t, _ = h.shape
+        if left_pad is not None:
+            positions = self._check_padding(left_pad, start, t, positions)
         h = self.embed_positions(h, start, positions)
-        ctx = self.context(b, t, start, positions, document_ids, h.device)
+        # Score biases are relative: padding shifts queries and keys alike, so they keep the slot positions.
+        ctx_positions = positions if left_pad is None or self.rel_bias is None else None
+        ctx = self.context(b, t, start, ctx_positions, document_ids, h.device)
         ctx.moe_log = moe_log
         global_ctx = (
             self.global_context(ctx, t, start, document_ids, h.device) if self.global_mask_spec is not None else ctx
         )
+        if left_pad is not None:
+            ctx, global_ctx = self.padded(ctx, left_pad, t, start), self.padded(global_ctx, left_pad, t, start)
         for i, layer in enumerate(self.layers.values()):
             layer_ctx = global_ctx if layer.kind == "G" else ctx
             h = layer(h, layer_ctx, caches[i] if caches is not None else None, start, memory)
         return self.norm(h) if self.norm is not None else h
+
+    def _check_padding(
+        self, left_pad: torch.Tensor, start: int, length: int, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The positions of a left-padded batch (counted from each row's first real token)."""
+        if self.cfg.attention.kernel in LINEAR_KERNELS or any(
+            layer.mamba is not None for layer in self.layers.values()
+        ):
+            raise ValueError(
+                "left padding needs softmax attention in every layer (linear kernels and Mamba layers would carry "
+                "the padding in their state); generate rows of different lengths one at a time"
+            )
+        return left_padded_positions(left_pad, start, length) if positions is None else positions
+
+    def padded(self, ctx: AttnContext, left_pad: torch.Tensor, length: int, start: int) -> AttnContext:
+        """``ctx`` with each row's first ``left_pad[b]`` cache positions hidden from every query."""
+        mask = left_padding_mask(ctx.mask, ctx.is_causal, left_pad, length, start + length)
+        return dataclasses.replace(ctx, mask=mask, is_causal=False)
 
     def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[LayerCache]:
         """One empty decoding cache per layer (KV, latent K/V or Mamba state), sized for ``max_len`` positions."""
@@ -232,6 +259,7 @@ class Decoder(Stack):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.mtp = build_mtp(cfg)  # multi-token prediction modules (model.mtp_depth), or None
         self.init_weights()
 
     def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
@@ -247,21 +275,30 @@ class Decoder(Stack):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         moe_log: MoELog | None = None,
+        left_pad: torch.Tensor | None = None,
+        mtp: MTPLog | None = None,
         output_fn: OutputFn | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab). With ``caches``, queries start at position ``start``; ``positions``
         (B, T) overrides position ids; ``document_ids`` (B, T) blocks attention across documents;
-        ``moe_log`` collects MoE routing stats; ``output_fn(h, self.output)`` replaces ``self.output(h)``
-        (see :data:`OutputFn`). Without an embedding ``tokens`` are hidden states, without a head the
-        result is (pipeline stages)."""
+        ``moe_log`` collects MoE routing stats; ``left_pad`` (B,) says how many positions at the start
+        of each row are padding (batched prompts of different lengths); ``mtp`` collects the
+        multi-token-prediction modules' logits (training; they do not run without it);
+        ``output_fn(h, self.output)`` replaces ``self.output(h)`` (see :data:`OutputFn`). Without an
+        embedding ``tokens`` are hidden states, without a head the result is (pipeline stages)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        h = self.hidden_states(h, caches, start, positions, document_ids, moe_log=moe_log)
+        h = self.hidden_states(h, caches, start, positions, document_ids, moe_log=moe_log, left_pad=left_pad)
+        if self.output is not None and mtp is not None and self.mtp is not None:
+            predict_ahead(self, tokens, h, mtp, positions, document_ids, moe_log)
         return apply_output(h, self.output, output_fn)
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
-        """One empty KV cache per layer, sized for ``max_len`` positions."""
+    def new_caches(
+        self, batch: int, max_len: int, dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> list[LayerCache]:
+        """One empty KV cache per layer, sized for ``max_len`` positions (default: the head's dtype and device;
+        :func:`tessera.model.cache.new_caches` builds int8 ones)."""
         weight = self.output.weight
-        return super().new_caches(batch, max_len, dtype or weight.dtype, weight.device)
+        return super().new_caches(batch, max_len, dtype or weight.dtype, device or weight.device)
 
 
 class MLMHead(nn.Module):
@@ -403,10 +440,12 @@ class EncoderDecoder(nn.Module):
             h = h * self.cfg.dim**-0.5
         return apply_output(h, self.output, output_fn)
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
+    def new_caches(
+        self, batch: int, max_len: int, dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> list[LayerCache]:
         """Decoder self-attention caches."""
         weight = self.output.weight
-        return self.decoder.new_caches(batch, max_len, dtype or weight.dtype, weight.device)
+        return self.decoder.new_caches(batch, max_len, dtype or weight.dtype, device or weight.device)
 
 
 def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:

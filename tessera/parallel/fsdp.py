@@ -38,6 +38,12 @@ def apply_fsdp(
             if experts is not None:
                 shard_experts(block, experts[0], mp, offload, reshard, experts[1])
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    # Multi-token prediction: each module's block is a unit; its norms and projection (its final norm runs
+    # outside the module's forward) stay with the root.
+    for module in (getattr(model, "mtp", None) or {}).values():
+        fully_shard(
+            module.block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
+        )
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload)
 
 

@@ -49,6 +49,7 @@ from tessera.layout import (
     virtual_stages,
 )
 from tessera.model import MoELog, build_model, moe_loss
+from tessera.model.mtp import MTPLog, mtp_losses, mtp_token_counts
 from tessera.parallel.shared import (
     SharedParameter,
     find_shared,
@@ -70,7 +71,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], to
 
 _DOCUMENT_KEYS = ("positions", "document_ids")  # what a document mask needs on every stage
 _FIRST_STAGE_PARTS = ("tok_embeddings", "type_embeddings", "pos_embeddings", "embed_norm", "embed_dropout")
-_LAST_STAGE_PARTS = ("norm", "head", "output")
+_LAST_STAGE_PARTS = ("norm", "head", "output", "mtp")
 
 
 class _AttachAux(torch.autograd.Function):
@@ -102,6 +103,13 @@ class StageHooks:
     An encoder-decoder (``vocab_size`` set) carries its own tensors: every stage passes its inputs
     to the model as they come and sends on what the model returns (hidden states or the memory,
     and the decoder's token ids or hidden states, see ``EncoderDecoder.stage_forward``).
+
+    Multi-token prediction (``mtp``): its modules live on the last stage and read the embedded
+    input tokens, which only the first stage can make. The first stage sends its embedding
+    output along (whole, not sequence-sharded) after the other tensors, every stage passes it on
+    (its gradient flows back the same way to the embedding), and the last stage hands it to the
+    model in an :class:`~tessera.model.mtp.MTPLog` and returns the MTP logits after its own when
+    ``mtp_active`` (training) for the loss function.
     """
 
     first: bool
@@ -115,11 +123,20 @@ class StageHooks:
     _log: MoELog = field(default_factory=MoELog)
     _extras: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) of the micro-batch in flight
     vocab_size: int = 0  # an encoder-decoder's: its stages carry token ids and the memory themselves
+    mtp: bool = False  # the model has multi-token-prediction modules (on the last stage)
+    mtp_active: bool = True  # the last stage runs them (training), else returns the main logits only
+    _embedded: torch.Tensor | None = None  # the micro-batch's embedded tokens, on their way to the last stage
+    _mtp_log: MTPLog | None = None
 
     def install(self, stage: nn.Module) -> None:
         """Register the hooks on ``stage`` (after it is parallelized)."""
         stage.register_forward_pre_hook(self._before, with_kwargs=True)
         stage.register_forward_hook(self._after)
+        if self.mtp and self.first:
+            stage.tok_embeddings.register_forward_hook(self._keep_embeddings)
+
+    def _keep_embeddings(self, _module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> None:
+        self._embedded = out.full_tensor() if isinstance(out, DTensor) else out
 
     def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
         if self.vocab_size:
@@ -130,12 +147,17 @@ class StageHooks:
             extras = tuple(kwargs[k] for k in _DOCUMENT_KEYS if kwargs.get(k) is not None)
         else:
             extras = args[1:]
+            if self.mtp:
+                extras, self._embedded = extras[:-1], extras[-1]
             if extras:  # torch's shape inference runs a stage on uninitialized buffers: keep positions valid
                 extras = (extras[0].clamp(0, self.max_len - 1), *extras[1:])
             kwargs = {**kwargs, **dict(zip(_DOCUMENT_KEYS, extras))}
             if self.sp_mesh is not None:
                 x = DTensor.from_local(x, self.sp_mesh, (Shard(1),), run_check=False)
         self._log, self._extras = MoELog(), extras
+        if self.mtp and self.last and self.mtp_active:
+            self._mtp_log = MTPLog(embeddings=self._embedded)
+            kwargs = {**kwargs, "mtp": self._mtp_log}
         return (x,), {**kwargs, "moe_log": self._log}
 
     def _received(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +174,11 @@ class StageHooks:
         if not self.last and isinstance(out, DTensor):
             out = out.to_local()
         out = self._with_aux(out)
-        return (out, *self._extras) if self._extras and not self.last else out
+        if self.last:
+            return self._with_mtp_logits(out)
+        passed = self._extras + ((self._embedded.view_as(self._embedded),) if self.mtp else ())
+        self._embedded = None
+        return (out, *passed) if passed else out
 
     def _with_aux(self, out: torch.Tensor) -> torch.Tensor:
         """``out`` with the forward's MoE losses attached (recorded when training)."""
@@ -163,6 +189,11 @@ class StageHooks:
             self.aux_losses.append(aux.detach() * self.aux_scale)
             out = _AttachAux.apply(out, aux, self.aux_scale * self.grad_scale)
         return out
+
+    def _with_mtp_logits(self, out: torch.Tensor) -> Any:
+        """The last stage's logits, followed by each MTP depth's when they ran."""
+        log, self._mtp_log, self._embedded = self._mtp_log, None, None
+        return (out, *log.logits) if log is not None and log.logits else out
 
 
 def stage_model(
@@ -271,6 +302,7 @@ class _Targets:
     denominator: float | torch.Tensor
     label_smoothing: float
     scale: float = 1.0  # the fp16 loss scale (1 otherwise)
+    mtp_denominators: tuple[float, ...] = ()  # each MTP depth's target tokens in the local batch x grad_accum
 
 
 class Pipeline:
@@ -300,16 +332,33 @@ class Pipeline:
         self._loss_fn = loss_fn
         self._targets = _Targets(False, 1.0, 0.0)
         self.label_smoothing = config.train.label_smoothing
+        self.mtp_depth, self.mtp_weight = config.model.mtp_depth, config.train.mtp_loss_weight
+        self._mtp_shares: list[list[float]] = []  # per loss call: each depth's share of the local-batch mean
+        self._mtp_totals = [0.0] * self.mtp_depth  # summed over the step's runs, over the pp group
+        self._grad_accum = 1
         pipe_stages = [PipelineStage(m, s, n_stages, device, group=self.pp_group) for s, m, _ in stages]
         cls = SCHEDULES[p.pp_schedule]
         first = pipe_stages if p.pp_schedule in MULTI_STAGE_SCHEDULES else pipe_stages[0]
         self.schedule = cls(first, self.microbatches, loss_fn=self._loss, scale_grads=False)
 
-    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         labels, mask = (target[..., 0], target[..., 1].bool()) if self._targets.masked else (target, None)
+        logits, ahead = (output[0], list(output[1:])) if isinstance(output, tuple) else (output, [])
         count = labels.numel() if mask is None else mask.sum().double()  # a tensor: no host sync
-        loss = self._loss_fn(output, labels, self._targets.label_smoothing, mask)
-        return loss * (count / self._targets.denominator * self._targets.scale)
+        loss = self._loss_fn(logits, labels, self._targets.label_smoothing, mask) * (count / self._targets.denominator)
+        if ahead:  # weighted like the main loss: each micro-batch's share of the local batch's depth-k mean
+            losses = mtp_losses(ahead, labels, mask, self._loss_fn, self._targets.label_smoothing)
+            counts = mtp_token_counts(labels, mask, len(ahead))
+            shares = [d * (c / den) for d, c, den in zip(losses, counts, self._targets.mtp_denominators)]
+            self._mtp_shares.append([float(_local(share)) for share in shares])  # MTP only: host numbers
+            loss = loss + sum(shares) * (self.mtp_weight / len(ahead))
+        return loss * self._targets.scale
+
+    def metrics(self) -> dict[str, float]:
+        """Each MTP depth's loss over the step's local batches (``mtp_loss_1`` ...), then reset; {} without MTP."""
+        out = {f"mtp_loss_{k + 1}": v for k, v in enumerate(self._mtp_totals)}
+        self._mtp_totals = [0.0] * self.mtp_depth
+        return out
 
     def _run(
         self,
@@ -323,10 +372,14 @@ class Pipeline:
     ) -> torch.Tensor:
         smoothing = self.label_smoothing if train else 0.0
         self._targets = _Targets(loss_mask is not None, denominator, smoothing, loss_scale)
+        if train and self.mtp_depth:
+            counts = mtp_token_counts(labels, loss_mask, self.mtp_depth)
+            self._targets.mtp_denominators = tuple(max(c, 1) * self._grad_accum for c in counts)
+        self._mtp_shares = []
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
         losses: list[torch.Tensor] = []
         for hooks in self.hooks:
-            hooks.aux_losses, hooks.logs = [], []
+            hooks.aux_losses, hooks.logs, hooks.mtp_active = [], [], train
         inputs = args if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         if self.has_first:  # split into micro-batches by the schedule, like the inputs
@@ -337,11 +390,15 @@ class Pipeline:
             self.schedule.eval(*inputs, **kwargs)
         # The first step's shape inference runs one extra forward per stage: count the schedule's own.
         aux = [a for hooks in self.hooks for a in hooks.aux_losses[-self.microbatches :]]
-        scale = self._targets.scale
-        parts = [_local(loss) / scale for loss in losses] + [a.detach().double() for a in aux]
-        total = torch.stack(parts).sum().reshape(1) if parts else torch.zeros(1, dtype=torch.float64)
-        total = total.to(labels.device)
+        parts = [_local(loss).double() / self._targets.scale for loss in losses] + [a.detach().double() for a in aux]
+        local = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+        # Like the MoE losses: only the schedule's own micro-batches (the first step adds shape inference's).
+        mtp = [sum(col) for col in zip(*self._mtp_shares[-self.microbatches :])] or [0.0] * self.mtp_depth
+        extra = torch.tensor(mtp, dtype=torch.float64, device=labels.device)
+        total = torch.cat([local.to(labels.device).reshape(1), extra])
         dist.all_reduce(total, group=self.pp_group)  # a tensor: the trainer reads it with the step's one sync
+        if train and self.mtp_depth:  # MTP's per-depth figures are host numbers already
+            self._mtp_totals = [a + b for a, b in zip(self._mtp_totals, total[1:].tolist())]
         return total[0]
 
     def moe_logs(self) -> list[MoELog]:
@@ -366,6 +423,7 @@ class Pipeline:
         """
         for hooks in self.hooks:
             hooks.aux_scale, hooks.grad_scale = 1.0 / (grad_accum * self.microbatches), loss_scale
+        self._grad_accum = grad_accum
         tokens = labels.numel() if loss_mask is None else loss_mask.sum().clamp(min=1)
         return self._run(args, labels, loss_mask, tokens * grad_accum, True, model_kwargs, loss_scale)
 
@@ -419,6 +477,7 @@ def build_pipeline(
             warnings.filterwarnings("ignore", message="Parallelize plan key")
             stage = parallelize_stage(stage)
         hooks = StageHooks(stage_id == 0, stage_id == n_stages - 1, config.model.max_seq_len, sp_mesh)
+        hooks.mtp = bool(config.model.mtp_depth)
         if config.model.arch == "encoder_decoder":
             hooks.vocab_size = config.model.vocab_size
         hooks.install(stage)

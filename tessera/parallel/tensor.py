@@ -150,6 +150,41 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
+class SequenceShardInputs(ParallelStyle):
+    """Before a multi-token-prediction module: its (hidden, embedded) inputs as Shard(1) DTensors.
+
+    The hidden states arrive sequence-sharded from the final norm; the embeddings of the tokens
+    ahead arrive whole (replicated) from a pipeline's first stage, or from a replicated embedding,
+    and are sliced locally.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(_module: nn.Module, args: tuple[Any, ...]):
+            def sharded(x: torch.Tensor) -> torch.Tensor:
+                if not isinstance(x, DTensor):
+                    x = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+                return x.redistribute(device_mesh, (Shard(1),))
+
+            return (sharded(args[0]), sharded(args[1]), *args[2:])
+
+        module.register_forward_pre_hook(shard)
+        return module
+
+
+def _mtp_plan(sp: bool) -> dict[str, ParallelStyle]:
+    """One MTP module's norms and projection (its block gets the blocks' plan): the projection of the
+    concatenated (embedding, hidden) pair is column-parallel and gathers its output back to the
+    residual stream's layout."""
+    stream = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "eh_proj": ColwiseParallel(input_layouts=stream, output_layouts=stream, use_local_output=not sp)
+    }
+    if sp:
+        plan.update({name: SequenceParallel() for name in ("enorm", "hnorm", "norm")})
+        plan[""] = SequenceShardInputs()
+    return plan
+
+
 def _stacks(model: nn.Module) -> list[nn.Module]:
     """The block stacks of a zoo model: itself (decoder, encoder) or its encoder and decoder."""
     stacks = [model.encoder, model.decoder] if hasattr(model, "encoder") else [model]
@@ -225,5 +260,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             parallelize_module(block, tp_mesh, _block_plan(block, sp))
         if sp and replicated_embedding and blocks:
             parallelize_module(blocks[0], tp_mesh, ShardSequence())
+    for module in (getattr(model, "mtp", None) or {}).values():  # multi-token prediction (on the last stage)
+        parallelize_module(module.block, tp_mesh, _block_plan(module.block, sp))
+        plan = _mtp_plan(sp)
+        if "" in plan:
+            parallelize_module(module, tp_mesh, plan.pop(""))
+        parallelize_module(module, tp_mesh, plan)
     if tied:  # both are sharded along the vocabulary (dim 0): they stay one parameter
         model.output.weight = model.tok_embeddings.weight

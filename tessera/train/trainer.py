@@ -19,11 +19,13 @@ from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
+from tessera.train.distill import Distillation, load_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
 from tessera.train.moe_stats import ExpertLoadTracker
+from tessera.train.mtp_loss import MTPLoss
 from tessera.train.optim import build_optimizer, build_scheduler, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
@@ -108,6 +110,7 @@ class Trainer:
         self.model = self._build_model()
         self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
+        self.mtp_loss, self.distill = self._build_extra_losses()  # train.mtp_loss_weight, train.distill_from
         self.engine = build_engine(config, self.model, self.parallel)  # DeepSpeed (train/engine.py), or None: torch
         if self.engine is None:
             self.optimizer = build_optimizer(self.model, config.optim)
@@ -141,6 +144,27 @@ class Trainer:
         if self.parallel.is_main:
             self.parallel.barrier()
         return data
+
+    def _build_extra_losses(self) -> tuple[MTPLoss | None, Distillation | None]:
+        """The multi-token-prediction term (a pipeline's last stage adds it itself) and distillation."""
+        cfg = self.config
+        mtp = None
+        if cfg.model.mtp_depth and self.pipeline is None:  # a pipeline adds the MTP term on its last stage itself
+            mtp = MTPLoss(cfg.model.mtp_depth, cfg.train.mtp_loss_weight, lm_loss, cfg.train.label_smoothing)
+        distill = None
+        if cfg.train.distill_from:
+            teacher = load_teacher(cfg.train.distill_from, cfg.model.vocab_size, self.data.tokenizer.path, self.device)
+            distill = Distillation(teacher, cfg.train.distill_temperature, cfg.train.distill_alpha, self._autocast)
+        return mtp, distill
+
+    def _extra_metrics(self) -> dict[str, float]:
+        """This step's MTP losses per depth and distillation KL, averaged over the data-parallel ranks."""
+        found: dict[str, float] = {}
+        for source in (self.mtp_loss, self.distill, self.pipeline):
+            found.update(source.metrics() if source is not None else {})
+        if not found:
+            return {}
+        return dict(zip(found, (v / self.parallel.dp_size for v in self.parallel.sum_over_dp(list(found.values())))))
 
     def _build_model(self) -> torch.nn.Module:
         """Build (every rank the same weights from the seed, or on meta), parallelize, place."""
@@ -266,7 +290,7 @@ class Trainer:
         if self.pipeline is not None:
             moe_logs = self.pipeline.moe_logs()
         moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}  # all ranks' load; aux-free bias
-        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, **moe}
+        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, **moe, **self._extra_metrics()}
 
     def _micro_batch(self) -> MicroBatch:
         """The next micro-batch through the objective (on the host: no device syncs), then on the device."""
@@ -274,13 +298,15 @@ class Trainer:
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """``loss_parallel`` for the unfused loss on vocab-sharded logits (the fused loss needs none)."""
-        return contextlib.nullcontext() if self._fused_loss else self.parallel.loss_context()
+        fused_only = self._fused_loss and self.mtp_loss is None  # MTP's own heads make logits (training)
+        return contextlib.nullcontext() if fused_only else self.parallel.loss_context()
 
     @property
     def _fused_loss(self) -> bool:
-        """``train.fused_loss``, except under the DeepSpeed engine: ZeRO-3 gathers the head's weight only
-        inside the head's own forward, which the fused loss does not call."""
-        return self.config.train.fused_loss and self.engine is None
+        """``train.fused_loss``, except under the DeepSpeed engine (ZeRO-3 gathers the head's weight only
+        inside the head's own forward, which the fused loss does not call) and with distillation (it needs
+        the student's logits)."""
+        return self.config.train.fused_loss and self.engine is None and self.distill is None
 
     def _loss(
         self,
@@ -290,18 +316,25 @@ class Trainer:
         loss_mask: torch.Tensor | None,
         label_smoothing: float,
         moe_log: MoELog | None,
+        training: bool = True,
     ) -> torch.Tensor:
-        """The micro-batch's mean loss plus its MoE losses; the head is fused into the loss unless
-        ``train.fused_loss=false``."""
+        """The micro-batch's mean loss plus (training) its distillation, multi-token-prediction and MoE
+        losses; the head is fused into the loss unless ``train.fused_loss=false``."""
         cfg = self.config.train
+        mtp = self.mtp_loss if training else None
+        extra = mtp.forward_kwargs() if mtp is not None else {}
         with self._autocast():
             if self._fused_loss:
                 head = FusedHeadLoss(labels, loss_mask, label_smoothing, cfg.loss_chunk_tokens)
-                loss = self.model(*args, **kwargs, moe_log=moe_log, output_fn=head)
+                loss = self.model(*args, **kwargs, moe_log=moe_log, output_fn=head, **extra)
             else:
-                logits = self.model(*args, **kwargs, moe_log=moe_log)
+                logits = self.model(*args, **kwargs, moe_log=moe_log, **extra)
         if not self._fused_loss:
             loss = lm_loss(logits, labels, label_smoothing, loss_mask)
+            if self.distill is not None and training:
+                loss = self.distill.add(loss, logits, args, kwargs, loss_mask)
+        if mtp is not None:
+            loss = mtp.add(loss, labels, loss_mask)
         aux = moe_loss(moe_log) if moe_log is not None else None  # MoE load-balancing and router z-losses
         return loss if aux is None else add_replicated(loss, aux)
 
@@ -350,7 +383,7 @@ class Trainer:
                     total += self.pipeline.eval_loss(args, labels, loss_mask, kwargs)
             else:
                 with self._loss_context():
-                    total += scalar(self._loss(args, kwargs, labels, loss_mask, 0.0, None)) * weight
+                    total += scalar(self._loss(args, kwargs, labels, loss_mask, 0.0, None, training=False)) * weight
             count += weight
         self.model.train()
         if n:

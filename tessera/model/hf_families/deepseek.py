@@ -66,6 +66,8 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
     if hf.get("first_k_dense_replace", 3) < n_layers:
         out["moe"] = _moe_from_hf(hf)
+    if hf.get("num_nextn_predict_layers"):  # kept only where the checkpoint has the weights (see _deepseek_prepare)
+        out["mtp_depth"] = hf["num_nextn_predict_layers"]
     return out
 
 
@@ -136,6 +138,7 @@ def _deepseek_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "qk_nope_head_dim": mla.nope_head_dim,
         "v_head_dim": mla.v_head_dim,
         "rope_interleave": False,  # tessera rotates halves; interleaved checkpoints are de-interleaved on import
+        "num_nextn_predict_layers": cfg.mtp_depth,  # DeepSeek-V3's MTP modules, stored as layers n_layers + k
         **_moe_to_hf(cfg),
         **rope,
     }
@@ -156,28 +159,44 @@ def _mla_rules(cfg: ModelConfig, ours: str, theirs: str) -> list[Rule]:
     return rules
 
 
+def _layer_rules(cfg: ModelConfig, ours: str, theirs: str, index: int) -> list[Rule]:
+    """One block's rules (``index`` says whether it is a MoE layer)."""
+    rules = [
+        copy(f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
+        copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
+    ]
+    rules += _mla_rules(cfg, f"{ours}.attention", f"{theirs}.self_attn")
+    if not is_moe_layer(cfg, index):
+        return rules + dense_ffn_rules(cfg, f"{ours}.feed_forward", f"{theirs}.mlp")
+    rules += [
+        copy(f"{ours}.moe.router.weight", f"{theirs}.mlp.gate.weight"),
+        copy(f"{ours}.moe.expert_bias", f"{theirs}.mlp.gate.e_score_correction_bias"),
+    ]
+    rules += expert_rules(f"{ours}.moe", f"{theirs}.mlp", cfg.moe.experts, ("gate_proj", "up_proj", "down_proj"))
+    if cfg.moe.shared_experts:
+        rules += dense_ffn_rules(cfg, f"{ours}.moe.shared", f"{theirs}.mlp.shared_experts", bias=False)
+    return rules
+
+
+def _mtp_rules(cfg: ModelConfig) -> list[Rule]:
+    """DeepSeek-V3's MTP module k sits at model.layers.{n_layers + k}: its block's weights plus enorm, hnorm,
+    eh_proj and shared_head.norm (the checkpoint's copies of the embedding and head are not written)."""
+    rules = []
+    for k in range(cfg.mtp_depth):
+        ours, theirs, index = f"mtp.{k}", f"model.layers.{cfg.n_layers + k}", cfg.n_layers + k
+        rules += [copy(f"{ours}.{n}.weight", f"{theirs}.{n}.weight") for n in ("enorm", "hnorm", "eh_proj")]
+        rules += [copy(f"{ours}.norm.weight", f"{theirs}.shared_head.norm.weight")]
+        rules += _layer_rules(cfg, f"{ours}.block", theirs, index)
+    return rules
+
+
 def _deepseek_rules(cfg: ModelConfig, family: str) -> list[Rule]:
     rules = [copy("tok_embeddings.weight", "model.embed_tokens.weight"), copy("norm.weight", "model.norm.weight")]
     if not cfg.tie_embeddings:
         rules.append(copy("output.weight", "lm_head.weight"))
     for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        rules += [
-            copy(f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
-            copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-        ]
-        rules += _mla_rules(cfg, f"{ours}.attention", f"{theirs}.self_attn")
-        if not is_moe_layer(cfg, i):
-            rules += dense_ffn_rules(cfg, f"{ours}.feed_forward", f"{theirs}.mlp")
-            continue
-        rules += [
-            copy(f"{ours}.moe.router.weight", f"{theirs}.mlp.gate.weight"),
-            copy(f"{ours}.moe.expert_bias", f"{theirs}.mlp.gate.e_score_correction_bias"),
-        ]
-        rules += expert_rules(f"{ours}.moe", f"{theirs}.mlp", cfg.moe.experts, ("gate_proj", "up_proj", "down_proj"))
-        if cfg.moe.shared_experts:
-            rules += dense_ffn_rules(cfg, f"{ours}.moe.shared", f"{theirs}.mlp.shared_experts", bias=False)
-    return rules
+        rules += _layer_rules(cfg, f"layers.{i}", f"model.layers.{i}", i)
+    return rules + _mtp_rules(cfg)
 
 
 def _deinterleave(rows: int, head: int, start: int) -> torch.Tensor:
@@ -195,6 +214,8 @@ def _deinterleave(rows: int, head: int, start: int) -> torch.Tensor:
 def _deepseek_prepare(hf: dict[str, Any], cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
     """De-interleave the RoPE channels of interleaved checkpoints (``rope_interleave``, DeepSeek's default) in place:
     rotating pairs equals rotating halves of the permuted channels, in queries and keys alike."""
+    # MTP modules: as many as the checkpoint has weights for (transformers' own saves drop them).
+    cfg.mtp_depth = sum(f"model.layers.{cfg.n_layers + k}.eh_proj.weight" in tensors for k in range(cfg.mtp_depth))
     if not hf.get("rope_interleave", True):
         return
     mla = cfg.mla
@@ -214,7 +235,7 @@ FAMILIES = {
         _deepseek_from_hf,
         _deepseek_to_hf,
         _deepseek_rules,
-        ("rotary_emb.inv_freq",),
+        ("rotary_emb.inv_freq", "shared_head.head.weight", "embed_tokens.weight"),
         _deepseek_prepare,
     ),
 }
