@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.model.attention import LINEAR_KERNELS, AttnContext, KVCache
+from tessera.model.attention import LINEAR_KERNELS, AttnContext, KVCache, SequenceSplit, SlidingKVCache
 from tessera.model.block import TransformerBlock
 from tessera.model.ffn import ACTIVATIONS
-from tessera.model.masks import MaskSpec, attention_mask
+from tessera.model.masks import MaskSpec, attention_mask, block_layout
 from tessera.model.moe import Experts, MoELog
 from tessera.model.norm import build_norm
 from tessera.model.position import AbsolutePositions, RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
@@ -73,6 +73,8 @@ class Stack(nn.Module):
             cfg.attention.random_blocks,
             cfg.max_seq_len,
         )
+        # Set from outside when each forward holds only part of every sequence (context parallelism).
+        self.sequence_split: SequenceSplit | None = None
 
     def context(
         self,
@@ -82,34 +84,48 @@ class Stack(nn.Module):
         positions: torch.Tensor | None,
         document_ids: torch.Tensor | None,
         device: torch.device,
+        kv_start: int = 0,
     ) -> AttnContext:
-        """Mask, bias and RoPE tables for ``length`` queries at ``start`` (shared by all layers)."""
-        kv_len = start + length
-        if positions is not None and positions.shape != (batch, length):
+        """Mask, bias and RoPE tables for ``length`` queries at ``start`` (shared by all layers);
+        keys are positions ``kv_start .. start + length - 1`` (a sliding-window cache drops older ones)."""
+        if positions is not None and tuple(positions.shape) not in ((batch, length), (1, length)):
             raise ValueError(f"positions must have shape {(batch, length)}, got {tuple(positions.shape)}")
-        if self.cfg.attention.kernel in LINEAR_KERNELS:
-            if document_ids is not None:
-                raise ValueError(
-                    f"model.attention='{self.cfg.attention.kernel}' cannot block attention across documents; use sdpa "
-                    "or eager"
-                )
-            ctx = AttnContext(causal=self.causal)
-        else:
-            mask = attention_mask(self.mask_spec, length, kv_len, device, document_ids)
-            ctx = AttnContext(
-                mask=mask, is_causal=self.causal and mask is None and length == kv_len, causal=self.causal
-            )
+        ctx = self._masking(length, start, document_ids, device, kv_start)
         if self.rope is not None:
             ctx.cos, ctx.sin = self.rope(start, length, positions)
         if self.rel_bias is not None or self.cfg.position.kind == "alibi":
+            kv_len = start + length
             q_pos = positions if positions is not None else torch.arange(start, kv_len, device=device)[None]
-            k_pos = positions if positions is not None else torch.arange(kv_len, device=device)[None]
+            k_pos = positions if positions is not None else torch.arange(kv_start, kv_len, device=device)[None]
             ctx.bias = (
                 self.rel_bias(q_pos, k_pos)
                 if self.rel_bias is not None
                 else alibi_bias(self.alibi_slopes, q_pos, k_pos)
             )
         return ctx
+
+    def _masking(
+        self, length: int, start: int, document_ids: torch.Tensor | None, device: torch.device, kv_start: int
+    ) -> AttnContext:
+        """Which keys each query sees: a mask, a block-sparse plan, or a split sequence's own attention."""
+        kernel = self.cfg.attention.kernel
+        if kernel in LINEAR_KERNELS:
+            if document_ids is not None:
+                raise ValueError(
+                    f"model.attention='{kernel}' cannot block attention across documents; use sdpa or eager"
+                )
+            return AttnContext(causal=self.causal)
+        if self.sequence_split is not None:
+            attend = self.sequence_split.attention(self.mask_spec, length, document_ids, device)
+            return AttnContext(causal=self.causal, attend=attend)
+        kv_len = start + length - kv_start
+        scored = self.rel_bias is None and self.cfg.position.kind != "alibi"  # no dense score bias
+        if kernel != "eager" and scored and start == 0 and kv_start == 0:
+            blocks = block_layout(self.mask_spec, length, device, document_ids)
+            if blocks is not None:
+                return AttnContext(blocks=blocks, causal=self.causal)
+        mask = attention_mask(self.mask_spec, length, kv_len, device, document_ids, kv_start)
+        return AttnContext(mask=mask, is_causal=self.causal and mask is None and length == kv_len, causal=self.causal)
 
     def embed_positions(self, h: torch.Tensor, start: int, positions: torch.Tensor | None) -> torch.Tensor:
         """Absolute positions, embedding norm and dropout on freshly embedded tokens (first stage only)."""
@@ -135,16 +151,27 @@ class Stack(nn.Module):
         ``moe_log`` (a :data:`tessera.model.moe.MoELog`) collects the MoE layers' routing stats.
         """
         b, t, _ = h.shape
+        if positions is None and self.sequence_split is not None:
+            positions = self.sequence_split.positions(t, h.device)
         h = self.embed_positions(h, start, positions)
-        ctx = self.context(b, t, start, positions, document_ids, h.device)
+        kv_start = caches[0].key_start(start) if caches else 0
+        ctx = self.context(b, t, start, positions, document_ids, h.device, kv_start)
         ctx.moe_log = moe_log
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, ctx, caches[i] if caches is not None else None, start, memory)
         return self.norm(h) if self.norm is not None else h
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
-        """One empty self-attention KV cache per layer, sized for ``max_len`` positions."""
+    def new_caches(
+        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> list[KVCache | SlidingKVCache]:
+        """One empty self-attention KV cache per layer for ``max_len`` positions: a ring buffer of the
+        window for a plain sliding window (Longformer/BigBird's global and random keys need them all)."""
         attn = next(iter(self.layers.values())).attention
+        spec = self.mask_spec
+        if spec.window and spec.causal and spec.kernel not in ("longformer", "bigbird") and spec.window < max_len:
+            return [
+                SlidingKVCache(batch, attn.n_kv_heads, attn.head_dim, spec.window, dtype, device) for _ in self.layers
+            ]
         return [KVCache(batch, attn.n_kv_heads, attn.head_dim, max_len, dtype, device) for _ in self.layers]
 
 
