@@ -17,13 +17,13 @@ LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
 # also has tp and is refused there); only what fails with sp alone is listed under "sp".
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "training": {
-        "cp": "context parallelism is not implemented yet",
         "ep": "expert parallelism is not implemented yet",
     },
     "activation checkpointing": {},
     "torch.compile": {
         "tp": "compile is not validated with tensor parallelism yet",
         "pp": "compile is not validated with pipeline stages yet",
+        "cp": "compile is not validated with context parallelism yet",
     },
     "bf16": {},
     "fp16": {
@@ -45,16 +45,29 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "tp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false",
         "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
     },
-    "encoder / encoder-decoder": {"tp": "the tensor-parallel plan covers decoder-only models"},
+    "encoder / encoder-decoder": {
+        "tp": "the tensor-parallel plan covers decoder-only models",
+        "cp": "context parallelism is validated end to end for decoders; an encoder-decoder's cross-attention memory "
+        "is not split",
+    },
     "absolute positions (learned, sinusoidal)": {
         "sp": "position tables are added before the sequence is sharded; set parallel.sequence_parallel=false"
     },
     "score-bias positions (t5_bias, alibi)": {
         "tp": "the bias tables are not sharded by head yet",
         "pp": "the score-bias module is shared by the blocks of every stage; use rope or learned positions",
+        "cp": "the score bias is built over one rank's positions, not the split sequence; use rope or learned "
+        "positions",
     },
-    "sparse/linear attention kernels": {"tp": "only the sdpa and eager kernels are sharded"},
-    "mixture of experts": {},
+    "sparse attention kernels (longformer, bigbird)": {"tp": "only the sdpa and eager kernels are sharded"},
+    "linear attention kernels (linear, performer)": {
+        "tp": "only the sdpa and eager kernels are sharded",
+        "cp": "the kernel's prefix sums over keys are not split across ranks; use sdpa, eager or a sparse kernel",
+    },
+    "mixture of experts": {
+        "cp": "the router's load-balancing and z losses would see one rank's slice of each sequence, not the batch's "
+        "tokens",
+    },
 }
 
 
@@ -84,9 +97,10 @@ def job_layouts(parallel: Any, world_size: int | None = None) -> set[str]:
         if world_size is None:
             return layouts
         dp_shard = max(1, world_size // (parallel.dp_replicate * parallel.tp * parallel.pp * parallel.cp))
+    sharded = dp_shard * parallel.cp > 1  # FSDP shards parameters over dp_shard x cp
     if parallel.dp_replicate > 1:
-        layouts.add("hsdp" if dp_shard > 1 else "ddp")
-    elif dp_shard > 1:
+        layouts.add("hsdp" if sharded else "ddp")
+    elif sharded:
         layouts.add("fsdp")
     return layouts or {"single"}
 
@@ -113,8 +127,10 @@ def job_features(config: Any) -> set[str]:
         features.add("absolute positions (learned, sinusoidal)")
     if m.position.kind in ("t5_bias", "alibi"):
         features.add("score-bias positions (t5_bias, alibi)")
-    if m.attention.kernel not in ("sdpa", "eager"):
-        features.add("sparse/linear attention kernels")
+    if m.attention.kernel in ("longformer", "bigbird"):
+        features.add("sparse attention kernels (longformer, bigbird)")
+    if m.attention.kernel in ("linear", "performer"):
+        features.add("linear attention kernels (linear, performer)")
     if m.moe.experts > 1:
         features.add("mixture of experts")
     return features

@@ -16,8 +16,9 @@ class ParallelDims:
 
     ``dp_shard = -1`` takes whatever the world size leaves. The mesh is built once, lazily, with
     dimensions ``(pp, dp_replicate, dp_shard, cp, tp)`` (size-1 ones omitted) and named
-    flattened views: ``dp`` (batch sharding: replicate x shard) and ``fsdp`` (parameter
-    sharding: shard x cp).
+    flattened views: ``dp`` (batch sharding: replicate x shard), ``fsdp`` (parameter
+    sharding: shard x cp) and, with cp, ``dp_cp`` (the ranks whose losses make up one global
+    batch: replicate x shard x cp).
     """
 
     dp_replicate: int
@@ -68,9 +69,18 @@ class ParallelDims:
             self._named["fsdp"] = mesh[shard]._flatten("fsdp") if len(shard) > 1 else mesh[shard[0]]
             if "dp_replicate" in names:  # HSDP: replicate across the first dim, shard across the second
                 self._named["hsdp"] = mesh[("dp_replicate", "fsdp" if len(shard) > 1 else shard[0])]
+        if "cp" in names:
+            self._named["dp_cp"] = self._loss_mesh(mesh, names)
         self._mesh = mesh
         return mesh
 
+    def _loss_mesh(self, mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+        """replicate x shard x cp, reusing the fsdp view when there is no replicate dimension."""
+        if "dp_replicate" not in names:
+            return self._named["fsdp"]
+        return mesh[tuple(n for n in ("dp_replicate", "dp_shard", "cp") if n in names)]._flatten("dp_cp")
+
     def submesh(self, name: str) -> DeviceMesh | None:
-        """A named sub-mesh ("dp", "fsdp", "hsdp", "tp", "cp", "pp"); None when trivial or before ``build_mesh``."""
+        """A named sub-mesh ("dp", "fsdp", "hsdp", "tp", "cp", "pp", "dp_cp"); None when trivial or before
+        ``build_mesh``."""
         return self._named.get(name)

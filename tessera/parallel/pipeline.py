@@ -152,6 +152,7 @@ class _Targets:
     masked: bool
     denominator: float
     label_smoothing: float
+    scale: float = 1.0  # context parallelism: this rank's share of the global token mean
 
 
 class Pipeline:
@@ -187,7 +188,7 @@ class Pipeline:
         labels, mask = (target[..., 0], target[..., 1].bool()) if self._targets.masked else (target, None)
         count = labels.numel() if mask is None else int(mask.sum())
         loss = self._loss_fn(output, labels, self._targets.label_smoothing, mask)
-        return loss * (count / self._targets.denominator)
+        return loss * (count / self._targets.denominator * self._targets.scale)
 
     def _run(
         self,
@@ -196,8 +197,9 @@ class Pipeline:
         loss_mask: torch.Tensor | None,
         denominator: float,
         train: bool,
+        scale: float = 1.0,
     ) -> float:
-        self._targets = _Targets(loss_mask is not None, denominator, self.label_smoothing if train else 0.0)
+        self._targets = _Targets(loss_mask is not None, denominator, self.label_smoothing if train else 0.0, scale)
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
         losses: list[torch.Tensor] = []
         for hooks in self.hooks:
@@ -213,17 +215,23 @@ class Pipeline:
         return total.item()
 
     def step(
-        self, args: tuple[torch.Tensor, ...], labels: torch.Tensor, loss_mask: torch.Tensor | None, grad_accum: int
+        self,
+        args: tuple[torch.Tensor, ...],
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        grad_accum: int,
+        loss_scale: float = 1.0,
     ) -> float:
         """Forward and backward of one local batch through the pipeline; returns its loss / grad_accum.
 
         The number is the same on every pp rank (the last stage's losses plus every stage's
-        MoE losses, summed over the pp group).
+        MoE losses, summed over the pp group). ``loss_scale`` multiplies the token loss (context
+        parallelism: this rank's share of the global token mean).
         """
         for hooks in self.hooks:
             hooks.aux_scale = 1.0 / (grad_accum * self.microbatches)
         tokens = labels.numel() if loss_mask is None else int(loss_mask.sum())
-        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, train=True)
+        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, train=True, scale=loss_scale)
 
     def eval_loss(self, args: tuple[torch.Tensor, ...], labels: torch.Tensor, loss_mask: torch.Tensor | None) -> float:
         """The summed (not averaged) token loss of a batch, forward only, on every pp rank."""

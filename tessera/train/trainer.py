@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
@@ -48,6 +49,8 @@ def lm_loss(
         logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing, reduction="none"
     )
     mask = loss_mask.flatten().float()
+    if isinstance(losses, DTensor):  # loss parallelism (tp): per-token losses are a replicated DTensor
+        mask = DTensor.from_local(mask, losses.device_mesh, losses.placements, run_check=False)
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
@@ -174,16 +177,17 @@ class Trainer:
         moe_logs: list[MoELog] = []
         for _ in range(cfg.train.grad_accum):
             batch = self.data.train.next_batch().to(self.device)
-            args, kwargs, labels, loss_mask = self.objective(batch)
+            args, kwargs, labels, loss_mask = self.parallel.split_batch(*self.objective(batch))  # cp: this rank's slice
+            scale = self.parallel.loss_scale(labels, loss_mask)  # cp: local tokens' share of the global mean
             if self.pipeline is not None:  # kwargs are empty: document masks are refused with pp
                 with self.parallel.loss_context(), self._autocast():
-                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum)
+                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum, scale)
                 continue
             moe_logs.append(MoELog())
             with self.parallel.loss_context():
                 with self._autocast():
                     logits = self.model(*args, **kwargs, moe_log=moe_logs[-1])
-                loss = lm_loss(logits, labels, cfg.train.label_smoothing, loss_mask)
+                loss = lm_loss(logits, labels, cfg.train.label_smoothing, loss_mask) * scale
                 aux = moe_loss(moe_logs[-1])  # MoE load-balancing and router z-losses (None without MoE)
                 loss = (loss if aux is None else add_replicated(loss, aux)) / cfg.train.grad_accum
                 self.scaler.scale(loss).backward()
@@ -217,7 +221,7 @@ class Trainer:
         total, count = 0.0, 0.0
         for start in starts:
             batch = self.data.collate([dataset[i] for i in range(start, start + size)]).to(self.device)
-            args, kwargs, labels, loss_mask = self.objective(batch)
+            args, kwargs, labels, loss_mask = self.parallel.split_batch(*self.objective(batch))
             weight = labels.numel() if loss_mask is None else int(loss_mask.sum())
             if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
@@ -231,7 +235,7 @@ class Trainer:
             total += scalar(loss) * weight
             count += weight
         self.model.train()
-        if n:
+        if n or self.parallel.cp_mesh is not None:  # cp ranks hold parts of the same batches: always summed
             total, count = self.parallel.sum_over_dp([total, count])
         return total / count
 
@@ -336,8 +340,11 @@ class Trainer:
         cfg = self.config
         if cfg.log.plot and self.parallel.is_main:
             plot_loss_curve(self.run_dir)
-        if cfg.train.sample_tokens > 0 and (self.parallel.tp_enabled or self.pipeline is not None):
-            logger.print(f"sample skipped under tensor/pipeline parallelism; run: tessera generate {self.run_dir}")
+        split = self.parallel.tp_enabled or self.pipeline is not None or self.parallel.cp_mesh is not None
+        if cfg.train.sample_tokens > 0 and split:
+            logger.print(
+                f"sample skipped under tensor/pipeline/context parallelism; run: tessera generate {self.run_dir}"
+            )
         elif (
             cfg.train.sample_tokens > 0 and cfg.model.arch == "decoder"
         ):  # every rank decodes: FSDP's gathers are collective
