@@ -43,7 +43,7 @@ from tessera.model.transformer import Stack
 
 METHODS = ("allgather", "ring")
 # Scores a ring step materializes at once (queries are processed in chunks below this many elements).
-_RING_CHUNK_ELEMENTS = 1 << 24
+_RING_CHUNK_ELEMENTS = 1 << 20
 
 AttendFn = Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -93,6 +93,8 @@ class ContextParallel:
         keys = torch.cat(kv_idx)
         docs = () if document_ids is None else (document_ids[:, :, None], torch.cat(kv_doc, 1)[:, None, :])
         mask = allowed(spec, q_idx[:, None], keys[None, :], *docs).view(-1, 1, length, keys.numel())
+        if spec.kernel != "eager":  # sdpa would turn a bool mask into a float copy per layer: share one
+            mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
         ctx = AttnContext(mask=mask)
 
         def attend(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -110,7 +112,7 @@ class ContextParallel:
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather (B, H, T_local, D) along the sequence in rank order; backward reduce-scatters."""
-    return funcol.wait_tensor(funcol.all_gather_tensor_autograd(x.contiguous(), 2, group))
+    return funcol.wait_tensor(funcol.all_gather_single_autograd(x.contiguous(), 2, group))
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, method: str = "allgather") -> None:
