@@ -31,6 +31,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "hsdp": "fp16 needs a sharded grad scaler; use bf16",
         "tp": "fp16 with DTensor gradients is not supported; use bf16",
         "pp": "the pipeline schedule runs backward itself, without the fp16 loss scaler; use bf16",
+        "cp": "context parallelism shards parameters with FSDP, which needs a sharded grad scaler for fp16; use bf16",
     },
     "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
