@@ -5,15 +5,17 @@ the single-process loss and gradients for cp = 2 and 4, both attention methods, 
 document masks, with windowed kernels and learned positions; the two broken recipes (local RoPE
 positions, a local loss mean) are far off.
 
-Run level: whole training runs (5 steps, fp32) under cp = 2, cp = 4, cp = 2 x dp_shard = 2,
-cp = 2 x tp = 2 (+SP) and pp = 2 x cp = 2, each with both methods, match the single-process run
-in loss, grad norm and validation loss within 1e-5 relative; with document masks too (refused
-with pp, which does not carry them). A checkpoint saved at cp = 2 resumes at cp = 1.
+Run level: whole training runs (5 steps, fp32, on short documents) under cp = 2, cp = 4,
+cp = 2 x dp_shard = 2, cp = 2 x tp = 2 (with and without SP) and pp = 2 x cp = 2, each with both
+methods, some with activation checkpointing, match the single-process run in loss, grad norm and
+validation loss within 1e-5 relative; with document masks and EOD loss masks too (refused with
+pp, which does not carry them). A checkpoint saved at cp = 2 resumes at cp = 1.
 """
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -40,12 +42,12 @@ CP2 = ["parallel.cp=2", "parallel.dp_shard=1"]
 WORLDS = {
     2: {
         "cp2": CP2,
-        "cp2_ring": [*CP2, *RING],
+        "cp2_ring_ac": [*CP2, *RING, "parallel.activation_checkpoint=full"],
         "cp2_docs": [*CP2, *DOCS],
         "cp2_ring_docs": [*CP2, *RING, *DOCS, "checkpoint.enabled=true", "checkpoint.every=3"],
     },
     4: {
-        "cp4_docs": ["parallel.cp=4", "parallel.dp_shard=1", *DOCS],
+        "cp4_docs_ac": ["parallel.cp=4", "parallel.dp_shard=1", *DOCS, "parallel.activation_checkpoint=op"],
         "cp4_ring": ["parallel.cp=4", "parallel.dp_shard=1", *RING],
         "cp2_fsdp2": ["parallel.cp=2", "parallel.dp_shard=2"],
         "cp2_fsdp2_ring_docs": ["parallel.cp=2", "parallel.dp_shard=2", *RING, *DOCS],
@@ -64,7 +66,7 @@ def _records(run_dir) -> list[dict]:
 
 def _curves(run_dir) -> dict[str, list[float]]:
     records = _records(run_dir)
-    return {key: [r[key] for r in records if key in r] for key in ("loss", "grad_norm", "val_loss")}
+    return {key: [r[key] for r in records if key in r] for key in ("grad_norm", "loss", "val_loss")}
 
 
 def _assert_close(got: dict[str, list[float]], want: dict[str, list[float]], rtol: float = 1e-5) -> None:
@@ -75,8 +77,17 @@ def _assert_close(got: dict[str, list[float]], want: dict[str, list[float]], rto
 
 
 @pytest.fixture(scope="module")
-def base_recipe(tmp_path_factory, cache_dir):
-    return write_tiny_recipe(tmp_path_factory.mktemp("cp") / "base.toml", cache_dir, *BASE)
+def base_recipe(tmp_path_factory, cache_dir, small_tokenizer):
+    """The tiny job on a corpus of short documents (3 to 40 words), so sequences hold several
+    documents and the cp ranks hold different numbers of loss tokens under ``mask_eod_loss``."""
+    root = tmp_path_factory.mktemp("cp")
+    rng = random.Random(0)
+    words = ["def", "return", "x", "f(x):", "*", "+", "'text'", "if", "else", "for", "in", "range(3):", "=", "1"]
+    with open(root / "docs.jsonl", "w") as f:
+        for _ in range(1500):
+            f.write(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(3, 40)))}) + "\n")
+    corpus = [f"data.source={root / 'docs.jsonl'}", f"data.tokenizer={small_tokenizer}"]
+    return write_tiny_recipe(root / "base.toml", cache_dir, *BASE, *corpus)
 
 
 @pytest.fixture(scope="module")
