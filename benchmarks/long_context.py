@@ -115,8 +115,10 @@ def sparse_part(lengths: list[int], rounds: int) -> None:
             big = [p for p in points if p[0] >= 2048]
             if len(big) >= 2:
                 n = [p[0] for p in big]
-                print(f"- {name} {kind}: memory ~ length^{_fit(n, [p[1] for p in big]):.2f}, "
-                      f"time ~ length^{_fit(n, [p[2] for p in big]):.2f} ({n[0]}..{n[-1]})")
+                print(
+                    f"- {name} {kind}: memory ~ length^{_fit(n, [p[1] for p in big]):.2f}, "
+                    f"time ~ length^{_fit(n, [p[2] for p in big]):.2f} ({n[0]}..{n[-1]})"
+                )
 
 
 def _sparse_row(name: str, length: int, row: dict) -> str:
@@ -128,8 +130,12 @@ def _sparse_row(name: str, length: int, row: dict) -> str:
         cells += ["skipped", "", f"{statistics.median(stimes):.3f} ({spread:.3f})", ""]
     else:
         dmem, dtimes = dense
-        cells += [f"{dmem / 2**20:.1f}", f"{dmem / smem:.1f}", f"{statistics.median(stimes):.3f} ({spread:.3f})",
-                  f"{statistics.median(dtimes):.3f}"]
+        cells += [
+            f"{dmem / 2**20:.1f}",
+            f"{dmem / smem:.1f}",
+            f"{statistics.median(stimes):.3f} ({spread:.3f})",
+            f"{statistics.median(dtimes):.3f}",
+        ]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -231,8 +237,12 @@ def _cp_step(model, length: int, mesh, shard_batch, loss_scale) -> dict:
     t0 = time.perf_counter()
     peak = _peak_bytes(step, ())
     seconds = time.perf_counter() - t0
-    return {"peak": peak, "seconds": seconds, "saved_other": counts.get("other", 0),
-            "saved_attention": counts.get("attention", 0)}
+    return {
+        "peak": peak,
+        "seconds": seconds,
+        "saved_other": counts.get("other", 0),
+        "saved_attention": counts.get("attention", 0),
+    }
 
 
 def cp_part(lengths: list[int], cps: list[int], methods: list[str]) -> None:
@@ -240,8 +250,11 @@ def cp_part(lengths: list[int], cps: list[int], methods: list[str]) -> None:
     results = []
     for cp in cps:
         args = [__file__, "cp-worker", "--lengths", ",".join(map(str, lengths)), "--methods", ",".join(methods)]
-        cmd = [sys.executable, *args] if cp == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}", *args]
+        cmd = (
+            [sys.executable, *args]
+            if cp == 1
+            else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}", *args]
+        )
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -255,20 +268,31 @@ def cp_part(lengths: list[int], cps: list[int], methods: list[str]) -> None:
 
 def _cp_table(results: list[dict]) -> None:
     print("## context parallelism: one training step of one sequence, per rank")
-    print("| length | cp | method | non-attention saved MiB | (cp=1)/cp MiB | ratio | attention saved MiB "
-          "| peak act+temp MiB | tokens/s |")
+    print(
+        "| length | cp | method | non-attention saved MiB | (cp=1)/cp MiB | ratio | attention saved MiB "
+        "| peak act+temp MiB | tokens/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     base = {r["length"]: r for r in results if r["cp"] == 1}
     for r in sorted(results, key=lambda r: (r["length"], r["cp"], r["method"])):
         expect = base[r["length"]]["saved_other"] / r["cp"]
-        cells = [r["length"], r["cp"], r["method"], f"{r['saved_other'] / 2**20:.1f}", f"{expect / 2**20:.1f}",
-                 f"{r['saved_other'] / expect:.3f}", f"{r['saved_attention'] / 2**20:.1f}",
-                 f"{r['peak'] / 2**20:.1f}", f"{r['length'] / r['seconds']:.0f}"]
+        cells = [
+            r["length"],
+            r["cp"],
+            r["method"],
+            f"{r['saved_other'] / 2**20:.1f}",
+            f"{expect / 2**20:.1f}",
+            f"{r['saved_other'] / expect:.3f}",
+            f"{r['saved_attention'] / 2**20:.1f}",
+            f"{r['peak'] / 2**20:.1f}",
+            f"{r['length'] / r['seconds']:.0f}",
+        ]
         print("| " + " | ".join(map(str, cells)) + " |")
     print("- expected non-attention activations per rank = (cp=1 bytes) / cp: every op outside attention is per token")
 
 
 def main() -> None:
+    """Run the parts asked for on the command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("part", nargs="?", default="all", choices=["all", "sparse", "cp", "cp-worker"])
     parser.add_argument("--lengths", default="")

@@ -85,7 +85,8 @@ def references(base_recipe, tmp_path_factory):
     accumulates two micro-batches of the per-rank size (and evaluates the same 16 sequences); cp is
     exact within each rank's batch."""
     out = tmp_path_factory.mktemp("cp_refs")
-    runs = {"plain": [], "docs": DOCS, "docs_dp2": [*DOCS, "train.batch_size=4", "train.grad_accum=2", "train.eval_batches=4"]}
+    dp2 = [*DOCS, "train.batch_size=4", "train.grad_accum=2", "train.eval_batches=4"]
+    runs = {"plain": [], "docs": DOCS, "docs_dp2": dp2}
     return {
         name: train(load_config(base_recipe, [*extra, f"train.run_dir={out}/{name}"])).run_dir
         for name, extra in runs.items()

@@ -55,7 +55,10 @@ def test_block_sparse_equals_dense_mask(name, documents, causal):
     layout = block_layout(spec, length, CPU, docs)
     assert layout is not None and layout.keys_per_query < length
     mask = attention_mask(spec, length, length, CPU, docs)
-    dense = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)  # noqa: E731
+
+    def dense(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+
     want, want_grads = _attention(q, k, v, dense)
     got, got_grads = _attention(q, k, v, lambda q, k, v: block_sparse_attention(q, k, v, layout, 0.3))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

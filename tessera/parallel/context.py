@@ -167,6 +167,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, step_mask: Callable[[int], torch.Tensor], scale: float, group) -> torch.Tensor:
+        """One ring pass: each step merges one rank's key/value block while the next one travels."""
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         b, hkv = k.shape[:2]
         q5 = q.float().view(b, hkv, -1, *q.shape[2:])
@@ -193,6 +194,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):
+        """A second ring pass recomputing each block's probabilities from the saved log-sum-exp."""
         q, k, v, out, lse = ctx.saved_tensors
         rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         q5 = q.float().view_as(out)
