@@ -65,19 +65,23 @@ def _bigbird_blocks(spec: MaskSpec) -> int:
     return -(-spec.max_len // spec.block_size)
 
 
+def _near(q: torch.Tensor, k: torch.Tensor, reach: int) -> torch.Tensor:
+    """|q - k| < reach, by comparisons only (no pairwise integer difference is materialized)."""
+    return (k > q - reach) & (k < q + reach)
+
+
 def _pattern(spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """The kernel's own pattern before causality and documents (broadcast), or None for all keys."""
-    dist = q - k
     if spec.kernel in ("longformer", "bigbird"):
         is_global = (q < spec.global_tokens) | (k < spec.global_tokens)
         if spec.kernel == "longformer":
-            return (dist.abs() < spec.window) | is_global
+            return _near(q, k, spec.window) | is_global
         n_blocks = _bigbird_blocks(spec)
         bq, bk = (q // spec.block_size).clamp(0, n_blocks - 1), (k // spec.block_size).clamp(0, n_blocks - 1)
         rand = _bigbird_random(n_blocks, spec.random_blocks, q.device)[bq, bk]
-        return ((bq - bk).abs() <= 1) | is_global | rand
+        return _near(bq, bk, 2) | is_global | rand
     if spec.window > 0:
-        return dist.abs() < spec.window
+        return _near(q, k, spec.window)
     return None
 
 

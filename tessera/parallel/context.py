@@ -85,16 +85,17 @@ class ContextParallel:
         kv_doc = self._gather_documents(document_ids)
         if self.method == "ring":
 
-            def step_mask(src: int) -> torch.Tensor:
-                docs = () if document_ids is None else (document_ids[:, :, None], kv_doc[src][:, None, :])
-                return allowed(spec, q_idx[:, None], kv_idx[src][None, :], *docs).view(-1, 1, length, length)
+            def step_mask(src: int, rows: slice) -> torch.Tensor:
+                docs = () if document_ids is None else (document_ids[:, rows, None], kv_doc[src][:, None, :])
+                mask = allowed(spec, q_idx[rows, None], kv_idx[src][None, :], *docs)
+                return mask.view(-1, 1, *mask.shape[-2:])
 
             return lambda attn, q, k, v: RingAttention.apply(q, k, v, step_mask, attn.scale, self.group)
         keys = torch.cat(kv_idx)
         docs = () if document_ids is None else (document_ids[:, :, None], torch.cat(kv_doc, 1)[:, None, :])
         mask = allowed(spec, q_idx[:, None], keys[None, :], *docs).view(-1, 1, length, keys.numel())
         if spec.kernel != "eager":  # sdpa would turn a bool mask into a float copy per layer: share one
-            mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+            mask = torch.full(mask.shape, float("-inf"), device=device).masked_fill_(mask, 0.0)
         ctx = AttnContext(mask=mask)
 
         def attend(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -161,12 +162,13 @@ def _scores(q5: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float)
 class RingAttention(torch.autograd.Function):
     """softmax(QK^T)V of local queries over every rank's keys, key/value blocks passed around the ring.
 
-    ``step_mask(src)`` is the (B|1, 1, Tq, Tk) bool mask of the local queries over rank ``src``'s
-    keys. Keys/values keep their own (GQA) head count while travelling.
+    ``step_mask(src, rows)`` is the (B|1, 1, rows, Tk) bool mask of a range of the local queries
+    over rank ``src``'s keys: built per chunk of queries, so no (Tq, Tk) tensor exists at once.
+    Keys/values keep their own (GQA) head count while travelling.
     """
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, step_mask: Callable[[int], torch.Tensor], scale: float, group) -> torch.Tensor:
+    def forward(ctx: Any, q, k, v, step_mask: Callable[[int, slice], torch.Tensor], scale: float, group):
         """One ring pass: each step merges one rank's key/value block while the next one travels."""
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         b, hkv = k.shape[:2]
@@ -176,16 +178,17 @@ class RingAttention(torch.autograd.Function):
         kk, vv = k, v
         for step in range(size):
             wait = _rotate([kk, vv], group) if step < size - 1 else None
-            mask = step_mask((rank - step) % size)
-            if mask.any():
-                for rows in _chunks(q.shape[2], b * q.shape[1] * k.shape[2]):
-                    s = _scores(q5[..., rows, :], kk, mask[..., rows, :], scale)
-                    block_lse = torch.logsumexp(s, dim=-1)
-                    p = torch.exp(s - block_lse[..., None]).nan_to_num(0.0)
-                    new = torch.logaddexp(lse[..., rows], block_lse)
-                    keep, add = (torch.exp(x - new).nan_to_num(0.0)[..., None] for x in (lse[..., rows], block_lse))
-                    out[..., rows, :] = out[..., rows, :] * keep + (p @ vv.float()[:, :, None]) * add
-                    lse[..., rows] = new
+            for rows in _chunks(q.shape[2], b * q.shape[1] * k.shape[2]):
+                mask = step_mask((rank - step) % size, rows)
+                if not mask.any():  # e.g. causal: a block entirely in these queries' future
+                    continue
+                s = _scores(q5[..., rows, :], kk, mask, scale)
+                block_lse = torch.logsumexp(s, dim=-1)
+                p = torch.exp(s - block_lse[..., None]).nan_to_num(0.0)
+                new = torch.logaddexp(lse[..., rows], block_lse)
+                keep, add = (torch.exp(x - new).nan_to_num(0.0)[..., None] for x in (lse[..., rows], block_lse))
+                out[..., rows, :] = out[..., rows, :] * keep + (p @ vv.float()[:, :, None]) * add
+                lse[..., rows] = new
             if wait is not None:
                 kk, vv = wait()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -205,9 +208,9 @@ class RingAttention(torch.autograd.Function):
         dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
         for step in range(size):
             wait = _rotate([kk, vv], ctx.group) if step < size - 1 else None
-            mask = ctx.step_mask((rank - step) % size)
-            if mask.any():
-                _ring_backward_block(q5, kk, vv, dout5, lse, delta, mask, ctx.scale, dq, dk, dv)
+            _ring_backward_block(
+                q5, kk, vv, dout5, lse, delta, ctx.step_mask, (rank - step) % size, ctx.scale, dq, dk, dv
+            )
             # The key/value gradients travel with their block; after the last hop they are home.
             dk, dv = _rotate([dk, dv], ctx.group, tag=1)()
             if wait is not None:
@@ -215,11 +218,14 @@ class RingAttention(torch.autograd.Function):
         return dq.view_as(q).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def _ring_backward_block(q5, k, v, dout5, lse, delta, mask, scale, dq, dk, dv) -> None:
-    """Accumulate one key/value block's contribution to dq, dk, dv in place."""
+def _ring_backward_block(q5, k, v, dout5, lse, delta, step_mask, src, scale, dq, dk, dv) -> None:
+    """Accumulate the contribution of rank ``src``'s key/value block to dq, dk, dv in place."""
     kf, vf = k.float()[:, :, None], v.float()[:, :, None]
     for rows in _chunks(q5.shape[-2], q5[..., 0, 0].numel() * k.shape[2]):
-        s = _scores(q5[..., rows, :], k, mask[..., rows, :], scale)
+        mask = step_mask(src, rows)
+        if not mask.any():
+            continue
+        s = _scores(q5[..., rows, :], k, mask, scale)
         p = torch.exp(s - lse[..., rows, None]).nan_to_num(0.0)
         g = dout5[..., rows, :]
         dv += (p.transpose(-2, -1) @ g).sum(2)
