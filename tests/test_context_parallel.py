@@ -108,7 +108,7 @@ def test_zigzag_split_balances_causal_work_and_covers_the_sequence():
         (["parallel.cp=2", "parallel.cp_method=ring", "model.attention.dropout=0.1"], "without dropout"),
         (["parallel.cp=2", "parallel.tp=4", "model.n_kv_heads=4", "train.seq_len=36"], "tp=4 x parallel.cp=2"),
         (["parallel.cp=2", "model.attention.kernel=linear"], "linear attention kernels"),
-        (["parallel.cp=2", "model.position.kind=alibi"], "score-bias positions"),
+        (["parallel.cp=2", "model.position.kind=alibi"], "ALiBi with cp"),
         (["parallel.cp=2", "model.moe.experts=4"], "mixture of experts with cp"),
         (["parallel.cp=2", "parallel.cp_method=zigzag"], "parallel.cp_method"),
     ],

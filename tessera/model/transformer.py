@@ -10,19 +10,27 @@ a pipeline stage is the same model with the other stages' parts removed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.model.attention import LINEAR_KERNELS, AttnContext, KVCache, SequenceSplit, SlidingKVCache
-from tessera.model.block import TransformerBlock
+from tessera.model.attention import LINEAR_KERNELS, Attention, AttnContext, SequenceSplit, SlidingKVCache
+from tessera.model.block import LayerCache, TransformerBlock
 from tessera.model.ffn import ACTIVATIONS
+from tessera.model.mamba import Mamba2Mixer, MambaMixer
 from tessera.model.masks import MaskSpec, attention_mask, block_layout
 from tessera.model.moe import Experts, MoELog
 from tessera.model.norm import build_norm
-from tessera.model.position import AbsolutePositions, RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
+from tessera.model.position import (
+    AbsolutePositions,
+    AlibiBias,
+    RelativePositionBias,
+    RotaryEmbedding,
+    rope_scaling_of,
+)
 
 _RESIDUAL_OUT = ("o_proj", "down_proj")
 
@@ -44,23 +52,19 @@ class Stack(nn.Module):
         self.rope = None
         if cfg.position.kind == "rope":
             self.rope = RotaryEmbedding(
-                head_dim,
+                cfg.mla.rope_head_dim if cfg.mla.kv_rank else head_dim,
                 cfg.max_seq_len,
                 cfg.position.rope_theta,
-                cfg.position.rope_scaling,
-                cfg.position.rope_scaling_factor,
-                cfg.position.rope_original_max_len,
+                rope_scaling_of(cfg.position, cfg.max_seq_len),
                 cfg.position.rotary_fraction,
             )
-        self.rel_bias = (
-            RelativePositionBias(
-                cfg.n_heads, cfg.position.rel_buckets, cfg.position.rel_max_distance, bidirectional=not causal
-            )
-            if cfg.position.kind == "t5_bias"
-            else None
-        )
-        if cfg.position.kind == "alibi":
-            self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        # A score bias (T5 relative buckets or ALiBi): (B|1, H, Tq, Tk) added to every layer's scores.
+        self.rel_bias: nn.Module | None = None
+        if cfg.position.kind == "t5_bias":
+            pos = cfg.position
+            self.rel_bias = RelativePositionBias(cfg.n_heads, pos.rel_buckets, pos.rel_max_distance, not causal)
+        elif cfg.position.kind == "alibi":
+            self.rel_bias = AlibiBias(cfg.n_heads)
         # A ModuleDict keyed by layer index keeps parameter names stable when stages drop layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, cross) for i in range(n_layers)})
         self.norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cfg.norm_position == "pre" else None
@@ -73,6 +77,8 @@ class Stack(nn.Module):
             cfg.attention.random_blocks,
             cfg.max_seq_len,
         )
+        # 'G' layers of model.layer_pattern: the same attention without the sliding window.
+        self.global_mask_spec = dataclasses.replace(self.mask_spec, window=0) if "G" in cfg.layer_pattern else None
         # Set from outside when each forward holds only part of every sequence (context parallelism).
         self.sequence_split: SequenceSplit | None = None
 
@@ -86,26 +92,28 @@ class Stack(nn.Module):
         device: torch.device,
         kv_start: int = 0,
     ) -> AttnContext:
-        """Mask, bias and RoPE tables for ``length`` queries at ``start`` (shared by all layers);
-        keys are positions ``kv_start .. start + length - 1`` (a sliding-window cache drops older ones)."""
+        """Mask, bias and RoPE tables for ``length`` queries at ``start`` (shared by all layers); keys
+        are positions ``kv_start .. start + length - 1`` (a sliding-window cache keeps only the last ones)."""
         if positions is not None and tuple(positions.shape) not in ((batch, length), (1, length)):
             raise ValueError(f"positions must have shape {(batch, length)}, got {tuple(positions.shape)}")
-        ctx = self._masking(length, start, document_ids, device, kv_start)
+        ctx = self._masking(self.mask_spec, length, start, document_ids, device, kv_start)
         if self.rope is not None:
             ctx.cos, ctx.sin = self.rope(start, length, positions)
-        if self.rel_bias is not None or self.cfg.position.kind == "alibi":
+        if self.rel_bias is not None:
             kv_len = start + length
             q_pos = positions if positions is not None else torch.arange(start, kv_len, device=device)[None]
             k_pos = positions if positions is not None else torch.arange(kv_start, kv_len, device=device)[None]
-            ctx.bias = (
-                self.rel_bias(q_pos, k_pos)
-                if self.rel_bias is not None
-                else alibi_bias(self.alibi_slopes, q_pos, k_pos)
-            )
+            ctx.bias = self.rel_bias(q_pos, k_pos)
         return ctx
 
     def _masking(
-        self, length: int, start: int, document_ids: torch.Tensor | None, device: torch.device, kv_start: int
+        self,
+        spec: MaskSpec,
+        length: int,
+        start: int,
+        document_ids: torch.Tensor | None,
+        device: torch.device,
+        kv_start: int,
     ) -> AttnContext:
         """Which keys each query sees: a mask, a block-sparse plan, or a split sequence's own attention."""
         kernel = self.cfg.attention.kernel
@@ -116,16 +124,27 @@ class Stack(nn.Module):
                 )
             return AttnContext(causal=self.causal)
         if self.sequence_split is not None:
-            attend = self.sequence_split.attention(self.mask_spec, length, document_ids, device)
-            return AttnContext(causal=self.causal, attend=attend)
+            return AttnContext(
+                causal=self.causal, attend=self.sequence_split.attention(spec, length, document_ids, device)
+            )
         kv_len = start + length - kv_start
-        scored = self.rel_bias is None and self.cfg.position.kind != "alibi"  # no dense score bias
-        if kernel != "eager" and scored and start == 0 and kv_start == 0:
-            blocks = block_layout(self.mask_spec, length, device, document_ids)
+        # The block-sparse kernel serves plain attention without a dense score bias (eager keeps dense
+        # weights for inspection tools; latent attention reads the mask itself).
+        sparse_ok = kernel != "eager" and self.rel_bias is None and not self.cfg.mla.kv_rank
+        if sparse_ok and start == 0 and kv_start == 0:
+            blocks = block_layout(spec, length, device, document_ids)
             if blocks is not None:
                 return AttnContext(blocks=blocks, causal=self.causal)
-        mask = attention_mask(self.mask_spec, length, kv_len, device, document_ids, kv_start)
+        mask = attention_mask(spec, length, kv_len, device, document_ids, kv_start)
         return AttnContext(mask=mask, is_causal=self.causal and mask is None and length == kv_len, causal=self.causal)
+
+    def global_context(
+        self, ctx: AttnContext, length: int, start: int, document_ids: torch.Tensor | None, device: torch.device
+    ) -> AttnContext:
+        """``ctx`` with the masking of the 'G' layers of ``model.layer_pattern`` (no sliding window;
+        they keep full caches, so their keys start at 0)."""
+        g = self._masking(self.global_mask_spec, length, start, document_ids, device, 0)
+        return dataclasses.replace(ctx, mask=g.mask, blocks=g.blocks, is_causal=g.is_causal, attend=g.attend)
 
     def embed_positions(self, h: torch.Tensor, start: int, positions: torch.Tensor | None) -> torch.Tensor:
         """Absolute positions, embedding norm and dropout on freshly embedded tokens (first stage only)."""
@@ -139,7 +158,7 @@ class Stack(nn.Module):
     def hidden_states(
         self,
         h: torch.Tensor,
-        caches: list[KVCache] | None = None,
+        caches: list[LayerCache] | None = None,
         start: int = 0,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
@@ -154,25 +173,31 @@ class Stack(nn.Module):
         if positions is None and self.sequence_split is not None:
             positions = self.sequence_split.positions(t, h.device)
         h = self.embed_positions(h, start, positions)
-        kv_start = caches[0].key_start(start) if caches else 0
+        kv_start = next((c.key_start(start) for c in caches or () if isinstance(c, SlidingKVCache)), 0)
         ctx = self.context(b, t, start, positions, document_ids, h.device, kv_start)
         ctx.moe_log = moe_log
+        global_ctx = (
+            self.global_context(ctx, t, start, document_ids, h.device) if self.global_mask_spec is not None else ctx
+        )
         for i, layer in enumerate(self.layers.values()):
-            h = layer(h, ctx, caches[i] if caches is not None else None, start, memory)
+            layer_ctx = global_ctx if layer.kind == "G" else ctx
+            h = layer(h, layer_ctx, caches[i] if caches is not None else None, start, memory)
         return self.norm(h) if self.norm is not None else h
 
-    def new_caches(
-        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
-    ) -> list[KVCache | SlidingKVCache]:
-        """One empty self-attention KV cache per layer for ``max_len`` positions: a ring buffer of the
-        window for a plain sliding window (Longformer/BigBird's global and random keys need them all)."""
-        attn = next(iter(self.layers.values())).attention
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[LayerCache]:
+        """One empty decoding cache per layer (KV, latent K/V or Mamba state), sized for ``max_len`` positions;
+        plain sliding-window attention layers keep only the window, in a ring buffer (Longformer/BigBird's
+        global and random keys, and 'G' layers, need them all)."""
         spec = self.mask_spec
-        if spec.window and spec.causal and spec.kernel not in ("longformer", "bigbird") and spec.window < max_len:
-            return [
-                SlidingKVCache(batch, attn.n_kv_heads, attn.head_dim, spec.window, dtype, device) for _ in self.layers
-            ]
-        return [KVCache(batch, attn.n_kv_heads, attn.head_dim, max_len, dtype, device) for _ in self.layers]
+        ring = spec.window and spec.causal and spec.kernel not in ("longformer", "bigbird") and spec.window < max_len
+
+        def cache(layer: TransformerBlock) -> LayerCache:
+            if ring and layer.kind == "A" and type(layer.attention) is Attention:
+                attn = layer.attention
+                return SlidingKVCache(batch, attn.n_kv_heads, attn.head_dim, spec.window, dtype, device)
+            return layer.new_cache(batch, max_len, dtype, device)
+
+        return [cache(layer) for layer in self.layers.values()]
 
 
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
@@ -191,9 +216,10 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
                 nn.init.normal_(p, mean=0.0, std=out_std if pname == "down_proj" else std)
         elif isinstance(module, AbsolutePositions):
             module.reset_parameters(std)
-        elif isinstance(module, Stack) and module.cfg.position.kind == "alibi":
-            module.alibi_slopes.copy_(alibi_slopes(cfg.n_heads))
         elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    for module in model.modules():  # after their linears: the SSM's A, D and time-step initialization
+        if isinstance(module, (MambaMixer, Mamba2Mixer)):
             module.reset_parameters()
 
 
@@ -215,7 +241,7 @@ class Decoder(Stack):
     def forward(
         self,
         tokens: torch.Tensor,
-        caches: list[KVCache] | None = None,
+        caches: list[LayerCache] | None = None,
         start: int = 0,
         *,
         positions: torch.Tensor | None = None,
@@ -230,7 +256,7 @@ class Decoder(Stack):
         h = self.hidden_states(h, caches, start, positions, document_ids, moe_log=moe_log)
         return self.output(h) if self.output is not None else h
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
         """One empty KV cache per layer, sized for ``max_len`` positions."""
         weight = self.output.weight
         return super().new_caches(batch, max_len, dtype or weight.dtype, weight.device)
@@ -327,7 +353,7 @@ class EncoderDecoder(nn.Module):
         self,
         decoder_input_ids: torch.Tensor,
         memory: torch.Tensor,
-        caches: list[KVCache] | None = None,
+        caches: list[LayerCache] | None = None,
         start: int = 0,
         moe_log: MoELog | None = None,
     ) -> torch.Tensor:
@@ -345,7 +371,7 @@ class EncoderDecoder(nn.Module):
         """Logits (B, T, vocab) of ``decoder_input_ids`` conditioned on ``input_ids``."""
         return self.decode(decoder_input_ids, self.encode(input_ids, moe_log), moe_log=moe_log)
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
         """Decoder self-attention caches."""
         weight = self.output.weight
         return self.decoder.new_caches(batch, max_len, dtype or weight.dtype, weight.device)
