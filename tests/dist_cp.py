@@ -100,6 +100,9 @@ def main() -> None:
     cases["cp2_ring_longformer_encoder"] = run_case(
         mesh, "ring", True, {"arch": "encoder", "attention": {"kernel": "longformer", "sliding_window": 3}}
     )
+    cases["cp2_ring_window_and_global_layers"] = run_case(
+        mesh, "ring", True, {"layer_pattern": "AG", "attention": {"sliding_window": 5}}
+    )
     cases["cp2_allgather_learned_positions"] = run_case(mesh, "allgather", False, {"position": {"kind": "learned"}})
     cases["bug_local_positions"] = run_case(mesh, "ring", False, {}, bug="local_positions")
     cases["bug_local_mean"] = run_case(mesh, "allgather", True, {}, bug="local_mean")

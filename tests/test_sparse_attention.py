@@ -66,8 +66,10 @@ def test_block_sparse_equals_dense_mask(name, documents, causal):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
 
 
-def test_decoder_block_path_equals_dense_eager_path_with_gradients():
+@pytest.mark.parametrize("pattern", ["A", "AG"])  # 'G' layers: the same attention without the window
+def test_decoder_block_path_equals_dense_eager_path_with_gradients(pattern):
     cfg = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, init_std=0.2)
+    cfg["layer_pattern"] = pattern
     tokens = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(3))
     docs = _documents(2, 48)
     losses, grads = [], []
