@@ -16,42 +16,39 @@ LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
 # parallelism with sequence parallelism on, so it inherits every "tp" entry (a job with sp
 # also has tp and is refused there); only what fails with sp alone is listed under "sp".
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "training": {
-        "ep": "expert parallelism is not implemented yet",
-    },
+    "training": {},
     "activation checkpointing": {},
+    "op-level selective checkpointing": {
+        "ep": "the recompute replays FSDP's hooks of the sharded experts inside the block, which op-level "
+        "checkpointing rejects; use parallel.activation_checkpoint=full or selective",
+    },
     "torch.compile": {
-        "pp": "compile is not validated with pipeline stages yet",
         "cp": "compile is not validated with context parallelism yet",
     },
     "bf16": {},
     "fp16": {
-        "fsdp": "fp16 needs a sharded grad scaler; use bf16",
-        "hsdp": "fp16 needs a sharded grad scaler; use bf16",
-        "tp": "fp16 with DTensor gradients is not supported; use bf16",
-        "pp": "the pipeline schedule runs backward itself, without the fp16 loss scaler; use bf16",
-        "cp": "context parallelism shards parameters with FSDP, which needs a sharded grad scaler for fp16; use bf16",
+        "ep": "fp16 with expert parallelism is not validated yet; use bf16",
+        "cp": "fp16 with context parallelism is not validated yet; use bf16",
     },
     "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "ddp": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "tp": "offload with tensor parallelism is not supported",
         "pp": "offload is not validated with pipeline stages yet",
+        "ep": "offload is not validated with expert parallelism yet",
     },
-    "meta init": {
-        "pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"
+    "meta init": {},
+    "tied embeddings": {},
+    "encoder (masked LM)": {
+        "cp": "context parallelism is validated end to end for decoders only",
     },
-    "tied embeddings": {
-        "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
-    },
-    "encoder / encoder-decoder": {
+    "encoder-decoder": {
+        "pp": "a pipeline would have to carry the encoder output to every decoder stage; set parallel.pp=1",
         "cp": "context parallelism is validated end to end for decoders; an encoder-decoder's cross-attention memory "
         "is not split",
     },
     "absolute positions (learned, sinusoidal)": {},
     "T5 relative-position bias": {
-        "pp": "the bias table is shared by the blocks of every stage and would need its gradients summed "
-        "across stages; use rope, alibi or learned positions",
         "cp": "the bias is built over one rank's positions, not the split sequence; use rope or learned positions",
     },
     "ALiBi": {
@@ -82,10 +79,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 
 # Pairs of layouts that do not combine, with the reason.
 UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
-    frozenset({"ddp", "tp"}): "DDP does not take DTensor parameters; use FSDP or HSDP (parallel.dp_shard > 1) with tp",
-    frozenset(
-        {"ddp", "pp"}
-    ): "DDP would all-reduce every micro-batch's gradients; use FSDP or HSDP (parallel.dp_shard > 1) with pp",
+    frozenset({"cp", "ep"}): "expert parallelism over context-parallel ranks is not validated yet",
 }
 
 
@@ -120,6 +114,8 @@ def job_features(config: Any) -> set[str]:
     features = {"training"}
     if p.activation_checkpoint != "none":
         features.add("activation checkpointing")
+    if p.activation_checkpoint == "op":
+        features.add("op-level selective checkpointing")
     if p.compile:
         features.add("torch.compile")
     if config.train.dtype in ("bf16", "fp16"):
@@ -130,8 +126,10 @@ def job_features(config: Any) -> set[str]:
         features.add("meta init")
     if m.tie_embeddings:
         features.add("tied embeddings")
-    if m.arch != "decoder":
-        features.add("encoder / encoder-decoder")
+    if m.arch == "encoder":
+        features.add("encoder (masked LM)")
+    if m.arch == "encoder_decoder":
+        features.add("encoder-decoder")
     if m.position.kind in ("learned", "sinusoidal"):
         features.add("absolute positions (learned, sinusoidal)")
     if m.position.kind == "t5_bias":

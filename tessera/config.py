@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import tomllib
 import types
@@ -68,11 +69,26 @@ class MoEConfig:
     experts: int = 0  # 0 = dense FFN everywhere
     top_k: int = 2  # 1 = switch routing
     every: int = 1  # MoE on every n-th layer (layer i is MoE when (i + 1) % every == 0)
-    router: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"  # softmax after (renormalized) or before top-k
+    first_dense: int = 0  # the first n layers keep a dense FFN (DeepSeek first_k_dense_replace)
+    # Routing scores and weights: "topk_softmax" renormalizes the softmax over the k chosen experts
+    # (Mixtral), "softmax_topk" keeps their raw softmax probabilities (Switch, OLMoE, Qwen2-MoE without
+    # norm_topk_prob), "sigmoid" scores each expert independently (DeepSeek-V3; see norm_topk).
+    router: Literal["topk_softmax", "softmax_topk", "sigmoid"] = "topk_softmax"  # Mixtral | Switch, OLMoE | DeepSeek-V3
+    norm_topk: bool = True  # sigmoid router: divide the k chosen scores by their sum (HF norm_topk_prob)
+    route_scale: float = 1.0  # multiplies the routing weights (DeepSeek routed_scaling_factor)
+    groups: int = 1  # group-limited routing: experts split into this many groups (DeepSeek-V3 n_group)
+    topk_groups: int = 1  # ... and each token picks experts from its best topk_groups groups only (topk_group)
     capacity_factor: float = 0.0  # 0 = dropless; else tokens over capacity are dropped
-    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch / GShard)
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch / GShard; DeepSeek's alpha)
+    aux_loss_scope: Literal["batch", "sequence"] = "batch"  # balance over the batch (Switch) or per sequence (DeepSeek)
     z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE)
+    # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k choice
+    # only; after every step bias += bias_update_rate * sign(mean load - expert load). A rate > 0 implies it.
+    expert_bias: bool = False  # a per-expert bias for the top-k choice only (HF e_score_correction_bias)
+    bias_update_rate: float = 0.0  # aux-free balancing: bias += rate * sign(mean - load) per step (V3: 0.001)
     shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
+    shared_ffn_hidden: int = 0  # hidden width of the shared experts together (0 = shared_experts x ffn_hidden)
+    shared_gate: bool = False  # scale the shared experts' output by sigmoid(w . x) (Qwen2-MoE shared_expert_gate)
     ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
     jitter: float = 0.0  # training only: the MoE input times U(1 - jitter, 1 + jitter) (Mixtral router_jitter_noise)
 
@@ -167,7 +183,7 @@ class ParallelConfig:
     layers_per_stage: str = ""  # comma-separated block counts per stage, e.g. "3,5"; empty balances by count
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence (zigzag split)
     cp_method: Literal["allgather", "ring"] = "allgather"  # cp attention: all-gather K/V, or pass them around a ring
-    ep: int = 1  # expert-parallel degree (not implemented yet: must be 1)
+    ep: int = 1  # expert-parallel degree: experts sharded over this many dp_shard x cp x tp ranks
     sequence_parallel: bool = True  # with tp > 1: shard norms/dropout activations along the sequence
     reshard_after_forward: bool = True  # FSDP: true is ZeRO-3, false keeps params gathered until backward (ZeRO-2)
     cpu_offload: bool = False  # FSDP: parameters, gradients and optimizer step on the CPU
@@ -213,6 +229,10 @@ class TrainConfig:
     sample_prompt: str = "def "  # prompt of the sample generated at the end of training
     sample_tokens: int = 64  # tokens generated at the end of training; 0 disables
     threads: int = 0  # torch threads per process; 0 = $OMP_NUM_THREADS, else cores / local processes
+    overwrite: bool = False  # delete an existing run's outputs in run_dir and start fresh (never written as true)
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # NaN/inf loss or grad norm: stop before the update, or skip it
+    max_nonfinite_skips: int = 5  # on_nonfinite=skip: stop after this many skipped steps in a row
+    hang_timeout_s: float = 1800.0  # no step, eval or save completes this long: dump stacks to RUN/hang/, exit; 0 off
 
 
 @dataclass
@@ -349,6 +369,16 @@ RENAMED: dict[str, str] = {
             "z_loss_coef",
             "shared_experts",
             "ffn_hidden",
+            "first_dense",
+            "norm_topk",
+            "route_scale",
+            "groups",
+            "topk_groups",
+            "aux_loss_scope",
+            "expert_bias",
+            "bias_update_rate",
+            "shared_ffn_hidden",
+            "shared_gate",
         )
     },
 }
@@ -503,18 +533,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Load a TOML recipe (or the defaults when ``path`` is None), apply overrides, validate."""
     config = JobConfig()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' does not exist; pass a TOML recipe such as configs/smoke.toml")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
-        _apply_mapping(config, data, str(path))
+        _apply_mapping(config, _read_toml(Path(path)), str(path))
     for key, value in parse_overrides(overrides or []):
         _set(config, key, value)
     validate(config)
     return config
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The tables of a TOML recipe; every way the file can be unreadable is one ConfigError."""
+    if path.is_dir():
+        raise ConfigError(f"config path '{path}' is a directory; pass a TOML recipe such as configs/smoke.toml")
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; pass a TOML recipe such as configs/smoke.toml")
+    try:
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config file '{path}' is not UTF-8 text (byte {err.start} is invalid); pass a TOML recipe"
+        ) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"config file '{path}' cannot be read ({err.strerror})") from None
 
 
 def config_from_dict(data: dict[str, Any], where: str = "config") -> JobConfig:
@@ -548,6 +589,7 @@ def _require_all(section: str, obj: Any, keys: tuple[str, ...], positive: bool) 
 
 def validate_model(m: ModelConfig) -> None:
     """The [model] checks alone (also for configs that come from elsewhere, e.g. an HF checkpoint)."""
+    _require_finite("model", m)
     _require_all("model", m, ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"), positive=True)
     _require_all(
         "model",
@@ -645,8 +687,9 @@ def _validate_position(m: ModelConfig) -> None:
 
 
 def _validate_moe(moe: MoEConfig) -> None:
-    _require_all("model.moe", moe, ("experts", "shared_experts", "ffn_hidden"), positive=False)
-    _require_all("model.moe", moe, ("every",), positive=True)
+    _require_all("model.moe", moe, ("experts", "shared_experts", "ffn_hidden", "first_dense"), positive=False)
+    _require_all("model.moe", moe, ("shared_ffn_hidden", "bias_update_rate"), positive=False)
+    _require_all("model.moe", moe, ("every", "groups", "topk_groups", "route_scale"), positive=True)
     if not moe.experts:
         return
     _require(
@@ -658,6 +701,20 @@ def _validate_moe(moe: MoEConfig) -> None:
     _require(
         moe.aux_loss_coef >= 0 and moe.z_loss_coef >= 0,
         "model.moe.aux_loss_coef and model.moe.z_loss_coef must be >= 0",
+    )
+    _require(
+        moe.experts % moe.groups == 0,
+        f"model.moe.groups={moe.groups} must divide model.moe.experts={moe.experts} (equal expert groups)",
+    )
+    per_group = moe.experts // moe.groups
+    _require(
+        moe.topk_groups <= moe.groups and moe.top_k <= moe.topk_groups * per_group,
+        f"model.moe.topk_groups={moe.topk_groups} groups of {per_group} experts cannot hold top_k={moe.top_k}; "
+        f"use topk_groups in [1, groups={moe.groups}] with topk_groups * experts / groups >= top_k",
+    )
+    _require(
+        not moe.shared_gate or moe.shared_experts > 0,
+        "model.moe.shared_gate gates the shared experts; set model.moe.shared_experts > 0",
     )
 
 
@@ -753,9 +810,21 @@ def span_count(length: int, density: float, mean_span: float) -> int:
     return max(round(noise / mean_span), 1)
 
 
+def _require_finite(prefix: str, obj: Any) -> None:
+    """Every float field under ``obj`` is a finite number (NaN and infinity pass most range checks)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _require_finite(f"{prefix}.{f.name}", value)
+        elif isinstance(value, float):
+            _require(math.isfinite(value), f"{prefix}.{f.name} must be a finite number, got {value}")
+
+
 def validate(config: JobConfig) -> None:
     """Cross-field checks: everything that can be known wrong before a process starts."""
     validate_model(config.model)
+    for section in SECTIONS:
+        _require_finite(section, getattr(config, section))
     _validate_objective(config.model, config.train)
     _validate_train(config.train, config.model)
     _validate_optim(config.optim, config.train)
@@ -784,6 +853,9 @@ def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
     )
     _require(t.threads >= 0, f"train.threads must be >= 0 (0 = auto), got {t.threads}")
     _require(bool(t.run_dir), "train.run_dir must not be empty")
+    _require(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32) (numpy and megatron seeds), got {t.seed}")
+    _require(t.max_nonfinite_skips >= 1, f"train.max_nonfinite_skips must be >= 1, got {t.max_nonfinite_skips}")
+    _require(t.hang_timeout_s >= 0, f"train.hang_timeout_s must be >= 0 (0 = no watchdog), got {t.hang_timeout_s}")
 
 
 def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:
@@ -800,6 +872,7 @@ def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:
     )
     _require(0.0 < o.decay_fraction <= 1.0, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
     _require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
+    _require(o.eps > 0, f"optim.eps must be positive (AdamW divides by sqrt(v) + eps), got {o.eps}")
 
 
 def _validate_data(d: DataConfig) -> None:

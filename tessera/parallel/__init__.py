@@ -10,6 +10,7 @@ from tessera.parallel.blocks import block_containers
 from tessera.parallel.activation import apply_activation_checkpointing, apply_compile
 from tessera.parallel.context import apply_context_parallel
 from tessera.parallel.dims import ParallelDims
+from tessera.parallel.expert import apply_expert_parallel
 from tessera.parallel.grads import clip_grad_norm
 from tessera.parallel.fsdp import apply_ddp, apply_fsdp
 from tessera.parallel.tensor import apply_tensor_parallel
@@ -29,6 +30,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.M
     tp_mesh = dims.submesh("tp")
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, p.sequence_parallel)
+    ep_mesh = dims.submesh("ep")
+    if ep_mesh is not None:
+        apply_expert_parallel(model, ep_mesh, tp_mesh)
     cp_mesh = dims.submesh("cp")
     if cp_mesh is not None:  # attention over the sequence split across the cp ranks (no parameters of its own)
         apply_context_parallel(model, cp_mesh, p.cp_method)
@@ -37,12 +41,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.M
         apply_compile(block_containers(model))
     if uses_fsdp(dims):
         mesh = dims.submesh("hsdp") or dims.submesh("fsdp")
-        apply_fsdp(model, mesh, _PARAM_DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload)
+        experts = (dims.submesh("ehsdp") or dims.submesh("efsdp"), dims.dp * dims.cp) if ep_mesh is not None else None
+        apply_fsdp(model, mesh, _PARAM_DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload, experts)
     elif dims.dp_replicate > 1:
         model = apply_ddp(model, dims.submesh("dp"))
     return model
 
 
 def uses_fsdp(dims: ParallelDims) -> bool:
-    """Whether parameters are sharded (FSDP/HSDP), which then also handles mixed precision."""
-    return dims.dp_shard * dims.cp > 1
+    """Whether FSDP2 wraps the model (and then also handles mixed precision): when parameters are
+    sharded, and for plain data parallelism beside TP or PP, where DDP cannot take DTensor
+    parameters or per-micro-batch backward: FSDP2 on a (replicate, shard=1) mesh replicates."""
+    return dims.dp_shard * dims.cp > 1 or (dims.dp_replicate > 1 and (dims.tp > 1 or dims.pp > 1))

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+import torch
 
 from tessera.config import ConfigError, JobConfig, LogConfig
 from tessera.status import RunLock
@@ -26,6 +29,17 @@ def _duration(seconds: float) -> str:
     return (
         f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
     )
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (JSON has no NaN or infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def format_step(record: dict[str, Any], total_steps: int, eta_s: float | None) -> str:
@@ -55,6 +69,14 @@ def _bar_text(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def _add(a: Any, b: Any) -> Any:
+    return [_add(x, y) for x, y in zip(a, b, strict=True)] if isinstance(a, list) else a + b
+
+
+def _scale(a: Any, factor: float) -> Any:
+    return [_scale(x, factor) for x in a] if isinstance(a, list) else a * factor
+
+
 class StepWindow:
     """The steps since the last logged one, reduced to what is logged.
 
@@ -73,9 +95,10 @@ class StepWindow:
         self.steps, self.tokens, self.seconds = 0, 0, 0.0
 
     def add(self, metrics: dict[str, float], tokens: int, seconds: float) -> None:
-        """One optimizer step's metrics, tokens and wall seconds."""
+        """One optimizer step's metrics, tokens and wall seconds (tables, e.g. MoE load per layer and
+        expert, are averaged element by element)."""
         for key, value in metrics.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value
+            self.sums[key] = _add(self.sums[key], value) if key in self.sums else value
         self.last = dict(metrics)
         self.steps, self.tokens, self.seconds = self.steps + 1, self.tokens + tokens, self.seconds + seconds
 
@@ -83,7 +106,7 @@ class StepWindow:
         """The window's record fields (empty when no step was added); starts a new window."""
         if not self.steps:
             return {}
-        record = {key: total / self.steps for key, total in self.sums.items()}
+        record = {key: _scale(total, 1.0 / self.steps) for key, total in self.sums.items()}
         record["lr"] = self.last.get("lr", 0.0)
         tokens_per_s = self.tokens / max(self.seconds, 1e-12)
         mfu = min(1.0, tokens_per_s * self.flops_per_token / self.peak) if self.peak else 0.0
@@ -107,6 +130,10 @@ def _scalars(record: dict[str, Any]) -> dict[str, float]:
     return {
         tensorboard_tag(k): v for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float))
     }
+
+
+def _tables(record: dict[str, Any]) -> dict[str, list[list[float]]]:
+    return {k: v for k, v in record.items() if isinstance(v, list) and v and isinstance(v[0], list)}
 
 
 def check_sinks(log: LogConfig) -> None:
@@ -219,7 +246,7 @@ class MetricsLogger:
 
     def _open_sinks(self, tensorboard: bool, wandb: LogConfig | None, config: dict[str, Any]) -> None:
         self.lock = RunLock(self.run_dir).acquire()
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -248,11 +275,14 @@ class MetricsLogger:
         if self.jsonl is None:
             return
         record = {**record, "time": round(time.time(), 3)}
-        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for tag, value in _scalars(record).items():
                 self.tb.add_scalar(tag, value, record["step"])
+            for key, rows in _tables(record).items():  # e.g. MoE load per layer and expert: one histogram a row
+                for i, row in enumerate(rows):
+                    self.tb.add_histogram(f"{tensorboard_tag(key)}/{i}", torch.tensor(row), record["step"])
         if self.wandb is not None:
             self.wandb.log(record)
         if self.lock is not None:
@@ -317,9 +347,17 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl."""
+    """All records of a run's metrics.jsonl (a line torn by a crash mid-write is skipped)."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
 
 
 def plot_loss_curve(run_dir: str | Path) -> Path:
@@ -330,8 +368,8 @@ def plot_loss_curve(run_dir: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:
         ax.plot(*zip(*train), label="train loss (logging-window mean)", linewidth=1)
