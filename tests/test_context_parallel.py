@@ -8,8 +8,8 @@ positions, a local loss mean) are far off.
 Run level: whole training runs (5 steps, fp32, on short documents) under cp = 2, cp = 4,
 cp = 2 x dp_shard = 2, cp = 2 x tp = 2 (with and without SP) and pp = 2 x cp = 2, each with both
 methods, some with activation checkpointing, match the single-process run in loss, grad norm and
-validation loss within 1e-5 relative; with document masks and EOD loss masks too (refused with
-pp, which does not carry them). A checkpoint saved at cp = 2 resumes at cp = 1.
+validation loss within 1e-5 relative; with document masks and EOD loss masks too (the pipeline
+carries them from stage to stage). A checkpoint saved at cp = 2 resumes at cp = 1.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ WORLDS = {
         "cp2_tp2_sp_docs": [*CP2, "parallel.tp=2", *DOCS],
         "cp2_tp2_ring": [*CP2, "parallel.tp=2", "parallel.sequence_parallel=false", *RING],
         "pp2_cp2": [*CP2, "parallel.pp=2"],
-        "pp2_cp2_ring": [*CP2, "parallel.pp=2", *RING],
+        "pp2_cp2_ring_docs": [*CP2, "parallel.pp=2", *RING, *DOCS],
     },
 }
 
