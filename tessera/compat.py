@@ -16,9 +16,7 @@ LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep", "deeps
 # parallelism with sequence parallelism on, so it inherits every "tp" entry (a job with sp
 # also has tp and is refused there); only what fails with sp alone is listed under "sp".
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "training": {
-        "cp": "context parallelism is not implemented yet",
-    },
+    "training": {},
     "activation checkpointing": {},
     "op-level selective checkpointing": {
         "ep": "the recompute replays FSDP's hooks of the sharded experts inside the block, which op-level "
@@ -28,10 +26,12 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "torch.compile": {
         "deepspeed": "compile is not validated with the DeepSpeed engine yet; set parallel.compile=false",
+        "cp": "compile is not validated with context parallelism yet",
     },
     "bf16": {},
     "fp16": {
         "ep": "fp16 with expert parallelism is not validated yet; use bf16",
+        "cp": "fp16 with context parallelism is not validated yet; use bf16",
         "deepspeed": "fp16 with the DeepSpeed engine is not validated yet (its CPU accelerator refuses fp16); use bf16",
     },
     "cpu offload (CUDA)": {
@@ -46,13 +46,28 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "deepspeed": "the DeepSpeed engine partitions a built model; set parallel.meta_init=false",
     },
     "tied embeddings": {},
-    "encoder (masked LM)": {},
-    "encoder-decoder": {},
+    "encoder (masked LM)": {
+        "cp": "context parallelism is validated end to end for decoders only",
+    },
+    "encoder-decoder": {
+        "cp": "context parallelism is validated end to end for decoders; an encoder-decoder's cross-attention memory "
+        "is not split",
+    },
     "absolute positions (learned, sinusoidal)": {},
-    "T5 relative-position bias": {},
-    "ALiBi": {},
-    "sparse/linear attention kernels": {},
-    "mixture of experts": {},
+    "T5 relative-position bias": {
+        "cp": "the bias is built over one rank's positions, not the split sequence; use rope or learned positions",
+    },
+    "ALiBi": {
+        "cp": "the bias is built over one rank's positions, not the split sequence; use rope or learned positions",
+    },
+    "sparse attention kernels (longformer, bigbird)": {},
+    "linear attention kernels (linear, performer)": {
+        "cp": "the kernel's prefix sums over keys are not split across ranks; use sdpa, eager or a sparse kernel",
+    },
+    "mixture of experts": {
+        "cp": "the router's load-balancing and z losses would see one rank's slice of each sequence, not the batch's "
+        "tokens",
+    },
     "QK-norm over all heads": {
         "tp": "the norm spans every head's channels, which tensor parallelism splits over ranks",
     },
@@ -73,7 +88,8 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "latent attention": {
         "tp": "the tensor-parallel plan does not cover latent attention's projections",
-        "cp": "ring attention is written for standard attention's keys and values, not the latent cache",
+        "cp": "context parallelism's attention (all-gather or ring) exchanges standard attention's keys and values, "
+        "not the latent cache",
     },
 }
 
@@ -108,9 +124,10 @@ def job_layouts(parallel: Any, world_size: int | None = None) -> set[str]:
         if world_size is None:
             return layouts
         dp_shard = max(1, world_size // (parallel.dp_replicate * parallel.tp * parallel.pp * parallel.cp))
+    sharded = dp_shard * parallel.cp > 1  # FSDP shards parameters over dp_shard x cp
     if parallel.dp_replicate > 1:
-        layouts.add("hsdp" if dp_shard > 1 else "ddp")
-    elif dp_shard > 1:
+        layouts.add("hsdp" if sharded else "ddp")
+    elif sharded:
         layouts.add("fsdp")
     return layouts or {"single"}
 
@@ -143,8 +160,10 @@ def job_features(config: Any) -> set[str]:
         features.add("T5 relative-position bias")
     if m.position.kind == "alibi":
         features.add("ALiBi")
-    if m.attention.kernel not in ("sdpa", "eager"):
-        features.add("sparse/linear attention kernels")
+    if m.attention.kernel in ("longformer", "bigbird"):
+        features.add("sparse attention kernels (longformer, bigbird)")
+    if m.attention.kernel in ("linear", "performer"):
+        features.add("linear attention kernels (linear, performer)")
     if m.moe.experts > 1:
         features.add("mixture of experts")
     if m.attention.qk_norm and m.attention.qk_norm_scope == "all":

@@ -183,7 +183,8 @@ class ParallelConfig:
     microbatches: int = 0  # micro-batches per pipeline step; 0 means pp
     pp_virtual_stages: int = 0  # stages per pp rank; 0 means 2 for interleaved/zero-bubble schedules, else 1
     layers_per_stage: str = ""  # comma-separated block counts per stage, e.g. "3,5"; empty balances by count
-    cp: int = 1  # context-parallel degree (not implemented yet: must be 1)
+    cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence (zigzag split)
+    cp_method: Literal["allgather", "ring"] = "allgather"  # cp attention: all-gather K/V, or pass them around a ring
     ep: int = 1  # expert-parallel degree: experts sharded over this many dp_shard x cp x tp ranks
     sequence_parallel: bool = True  # with tp > 1: shard norms/dropout activations along the sequence
     reshard_after_forward: bool = True  # FSDP: true is ZeRO-3, false keeps params gathered until backward (ZeRO-2)

@@ -76,6 +76,7 @@ def check_layout(config: JobConfig, world_size: int | None = None) -> None:
     p = config.parallel
     _check_degrees(p)
     _check_tensor_parallel(config)
+    _check_context_parallel(config)
     dp_shard = resolve_dp_shard(p, world_size) if world_size is not None else p.dp_shard
     dp = p.dp_replicate * dp_shard if dp_shard != -1 else None
     _check_pipeline_plan(config)
@@ -124,9 +125,26 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         "round the vocabulary up to a multiple of tp",
     )
     _require(
-        not p.sequence_parallel or t.seq_len % p.tp == 0,
-        f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallelism splits it); "
-        "change seq_len or set parallel.sequence_parallel=false",
+        not p.sequence_parallel or t.seq_len % (p.tp * p.cp) == 0,
+        f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}"
+        + (f" x parallel.cp={p.cp}" if p.cp > 1 else "")
+        + " (sequence parallelism splits each rank's tokens); change seq_len or set parallel.sequence_parallel=false",
+    )
+
+
+def _check_context_parallel(config: JobConfig) -> None:
+    p, m, t = config.parallel, config.model, config.train
+    if p.cp == 1:
+        return
+    _require(
+        t.seq_len % (2 * p.cp) == 0,
+        f"train.seq_len={t.seq_len} is not divisible by 2 x parallel.cp={2 * p.cp} (context parallelism cuts each "
+        f"sequence into 2*cp equal chunks, two per rank); make seq_len a multiple of {2 * p.cp}",
+    )
+    _require(
+        p.cp_method != "ring" or m.attention.dropout == 0,
+        f"parallel.cp_method='ring' computes attention without dropout, but model.attention.dropout="
+        f"{m.attention.dropout}; set it to 0 or use parallel.cp_method=allgather",
     )
 
 

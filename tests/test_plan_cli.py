@@ -124,8 +124,8 @@ def test_shape_of_a_full_size_recipe_matches_its_published_size():
 
 
 def test_enumeration_follows_the_compatibility_matrix(monkeypatch):
-    """Only layouts the matrix allows: pp for an encoder-decoder until the matrix refuses it; ep is allowed,
-    cp appears once the matrix allows it."""
+    """Only layouts the matrix allows: pp for an encoder-decoder until the matrix refuses it; cp for a dense
+    decoder, not (yet) with MoE; ep is allowed, cp appears for MoE once the matrix allows it."""
     from tessera import compat
     from tessera.plan.layouts import candidate_layouts
 
@@ -137,7 +137,10 @@ def test_enumeration_follows_the_compatibility_matrix(monkeypatch):
     moe = load_config("configs/tiny/mixtral.toml", ["train.batch_size=8", "parallel.tp=1"])
     before = list(candidate_layouts(moe, 4, 8))
     assert before and all(lay.cp == 1 for lay in before) and any(lay.ep > 1 for lay in before)  # ep: issue 13
-    monkeypatch.setitem(compat.UNSUPPORTED, "training", {})
+    dense = load_config("configs/tiny/llama.toml", ["train.batch_size=8"])
+    assert any(lay.cp > 1 for lay in candidate_layouts(dense, 4, 8))  # cp: issue 14
+    monkeypatch.setitem(compat.UNSUPPORTED, "mixture of experts", {})
+    monkeypatch.setattr(compat, "UNSUPPORTED_PAIRS", {})
     after = list(candidate_layouts(moe, 4, 8))
     assert any(lay.cp > 1 for lay in after) and any(lay.ep > 1 for lay in after)
     assert all(moe.model.moe.experts % lay.ep == 0 and lay.shard % lay.ep == 0 for lay in after)

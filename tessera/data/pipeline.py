@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.config import ConfigError, JobConfig
+from tessera.config import JobConfig
 from tessera.data.batch import Collate
 from tessera.data.blend import BlendedSamples, build_splits
 from tessera.data.dataset import PackedSplit

@@ -2,9 +2,14 @@
 
 ``sdpa`` calls ``F.scaled_dot_product_attention`` (flash/memory-efficient on GPU); ``eager`` writes
 softmax(QK^T * scale + bias)V out in float32 and hands the weights to ``weights_observer`` when an
-inspection tool has set one (the linear kernels hand it their implicit weights); ``longformer``
-and ``bigbird`` are those sparsity patterns (see masks.py) as sdpa masks; ``linear`` (elu + 1)
+inspection tool has set one (the linear kernels hand it their implicit weights); ``linear`` (elu + 1)
 and ``performer`` (FAVOR+ random features) replace the softmax by a kernel feature map.
+
+Windowed patterns (``sdpa`` with a sliding window, ``longformer``, ``bigbird``; see masks.py) run
+block-sparse over whole sequences (:func:`block_sparse_attention`): each query block attends only
+the key blocks its pattern reaches, gathered into one batched sdpa call, so memory and work grow as
+O(length x window). Decoding with a sliding window keeps only the window in a ring buffer
+(:class:`SlidingKVCache`).
 """
 
 from __future__ import annotations
@@ -12,13 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ModelConfig
+from tessera.model.masks import BlockLayout, MaskSpec
 from tessera.model.norm import RMSNorm
 from tessera.model.position import apply_rope
 
@@ -38,6 +44,10 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    def key_start(self, start: int) -> int:
+        """Position of the first key :meth:`update` returns for queries from ``start``: all are kept."""
+        return 0
+
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write positions ``start..start+T-1`` and return all keys/values up to there."""
         end = start + k.shape[2]
@@ -47,17 +57,106 @@ class KVCache:
         return self.k[:, :, :end].to(k.dtype), self.v[:, :, :end].to(v.dtype)
 
 
+class SlidingKVCache:
+    """Keys and values of the last ``window`` positions only, in a ring buffer (slot = position % window).
+
+    A query at position p sees keys p - window + 1 .. p, so older ones are never read again: memory
+    stays O(window) however long the generation.
+    """
+
+    def __init__(
+        self, batch: int, n_kv_heads: int, head_dim: int, window: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (batch, n_kv_heads, window, head_dim)
+        self.window = window
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def key_start(self, start: int) -> int:
+        """Position of the first key :meth:`update` returns for queries from ``start``."""
+        return max(0, start - self.window)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of positions ``key_start(start) .. start+T-1`` (the kept ones, then the new
+        ``T``); then keep the last ``window`` of them."""
+        kept = torch.arange(self.key_start(start), start, device=k.device) % self.window
+        keys, values = torch.cat([self.k[:, :, kept], k], dim=2), torch.cat([self.v[:, :, kept], v], dim=2)
+        new = min(k.shape[2], self.window)
+        slots = torch.arange(start + k.shape[2] - new, start + k.shape[2], device=k.device) % self.window
+        self.k[:, :, slots] = k[:, :, -new:]
+        self.v[:, :, slots] = v[:, :, -new:]
+        return keys, values
+
+
+def block_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, scale: float, dropout: float = 0.0
+) -> torch.Tensor:
+    """softmax(QK^T)V of (B, H, T, D) queries restricted to ``layout``'s blocks (see masks.block_layout).
+
+    Each query block and its gathered key blocks (plus the global keys) form one item of a batched
+    sdpa call; the global query rows are one more dense call over all keys. Keys and values may
+    have fewer heads than queries (GQA).
+    """
+    b, n, t = layout.block, layout.n_blocks, q.shape[2]
+    batch, heads, _, dim = q.shape
+    pad = n * b - t
+    qb = F.pad(q, (0, 0, 0, pad)).view(batch, heads, n, b, dim).transpose(1, 2).reshape(batch * n, heads, b, dim)
+    kb, vb = _key_blocks(k, layout, pad), _key_blocks(v, layout, pad)
+    mask = layout.mask.expand(batch, *layout.mask.shape[1:]).reshape(batch * n, 1, b, -1)
+    gqa = kb.shape[1] != heads
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    out = out.view(batch, n, heads, b, dim).transpose(1, 2).reshape(batch, heads, n * b, dim)[:, :, :t]
+    g = layout.n_global
+    if not g:
+        return out
+    rows = F.scaled_dot_product_attention(
+        q[:, :, :g], k, v, attn_mask=layout.global_mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
+    )
+    return torch.cat([rows, out[:, :, g:]], dim=2)
+
+
+def _key_blocks(x: torch.Tensor, layout: BlockLayout, pad: int) -> torch.Tensor:
+    """(B, H, T, D) keys or values -> (B * n_blocks, H, slots * block + n_global, D) per query block."""
+    batch, heads, _, dim = x.shape
+    n, b = layout.n_blocks, layout.block
+    blocks = F.pad(x, (0, 0, 0, pad)).view(batch, heads, n, b, dim)[:, :, layout.key_blocks].flatten(3, 4)
+    if layout.n_global:
+        glob = x[:, :, None, : layout.n_global].expand(batch, heads, n, layout.n_global, dim)
+        blocks = torch.cat([blocks, glob], dim=3)
+    return blocks.transpose(1, 2).reshape(batch * n, heads, -1, dim)
+
+
 @dataclass
 class AttnContext:
     """What all layers of one forward share: the mask, a score bias and the RoPE tables."""
 
     mask: torch.Tensor | None = None  # bool (B|1, 1, Tq, Tk), True where attention is allowed
+    blocks: BlockLayout | None = None  # a windowed pattern's block-sparse plan (instead of ``mask``)
     bias: torch.Tensor | None = None  # float (B|1, H, Tq, Tk) added to the scores (T5 bias, ALiBi)
     is_causal: bool = False  # plain causal over a square block: sdpa's fast path, no mask tensor
     causal: bool = False  # the linear kernels' only mask
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
-    moe_log: "MoELog | None" = None  # where MoE layers record their routing (see tessera.model.moe.MoELog)
+    moe_log: MoELog | None = None  # where MoE layers record their routing (see tessera.model.moe.MoELog)
+    # Replaces every layer's attention core, (layer, q, k, v) -> output: set when this forward holds
+    # only part of each sequence and its queries must reach the other parts' keys (see SequenceSplit).
+    attend: Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+class SequenceSplit(Protocol):
+    """A forward that holds only some tokens of each sequence (context parallelism sets one on a
+    :class:`~tessera.model.transformer.Stack` from outside; the zoo only calls it)."""
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """(1, length) positions, in the whole sequence, of this forward's ``length`` tokens."""
+        ...
+
+    def attention(
+        self, spec: MaskSpec, length: int, document_ids: torch.Tensor | None, device: torch.device
+    ) -> Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The attention core of one forward's layers (:attr:`AttnContext.attend`); it may exchange
+        per-batch metadata (document ids) once here, for all layers."""
+        ...
 
 
 def _allowed(ctx: AttnContext, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
@@ -165,13 +264,16 @@ class Attention(nn.Module):
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         if cache is not None:
             k, v = cache.update(k, v, start)
-        out = self._attend(q, k, v, ctx)
+        out = ctx.attend(self, q, k, v) if ctx.attend is not None else self.attend(q, k, v, ctx)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """The kernel: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys/values under ``ctx``'s mask."""
         if self.kernel in LINEAR_KERNELS:
             return self._linear(q, k, v, ctx)
         dropout = self.attn_dropout if self.training else 0.0
+        if ctx.blocks is not None:
+            return block_sparse_attention(q, k, v, ctx.blocks, self.scale, dropout)
         if self.kernel != "eager":
             gqa = k.shape[1] != q.shape[1]
             if ctx.bias is None:

@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from tessera.config import ModelConfig, layer_heads
-from tessera.model.attention import Attention, AttnContext, KVCache
+from tessera.model.attention import Attention, AttnContext, KVCache, SlidingKVCache
 from tessera.model.ffn import FeedForward, ffn_hidden_size
 from tessera.model.mamba import MambaCache, build_mamba
 from tessera.model.mla import LatentAttention, LatentCache
 from tessera.model.moe import MoE, is_moe_layer
 from tessera.model.norm import build_norm
 
-LayerCache = KVCache | LatentCache | MambaCache
+LayerCache = KVCache | SlidingKVCache | LatentCache | MambaCache
 
 
 def layer_kind(cfg: ModelConfig, layer_id: int) -> str:

@@ -1,19 +1,27 @@
 """Which keys each query may see: causal, sliding window, documents, Longformer and BigBird patterns.
 
-Masks are boolean, True where attention is allowed, shaped (B or 1, 1, Tq, Tk). Queries are the
-last ``Tq`` of ``Tk`` positions (index ``start + i``), so the same code serves training and
-KV-cached decoding. The sparse patterns are applied as masks over dense scores: the numbers are
-those of the sparse kernels, the memory is not.
+One rule, :func:`allowed`, decides for any query and key positions (broadcast tensors), so the same
+code serves whole sequences, KV-cached decoding (queries are the last ``Tq`` of the keys), the
+blocks of the block-sparse kernels and context parallelism's global token indices. Masks are
+boolean, True where attention is allowed.
+
+:func:`attention_mask` is the dense (Tq, Tk) mask. :func:`block_layout` is the block-sparse plan of
+the windowed patterns (sliding window, Longformer, BigBird): queries in blocks, each attending only
+the key blocks its pattern can reach plus the global tokens, so memory and work grow as
+O(length x window) instead of O(length^2).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 # BigBird's random blocks come from this fixed seed, so every layer, step and process agrees.
 _BIGBIRD_SEED = 0
+# Block edge of the sliding-window kernels: a query block reaches ceil((window - 1) / block) blocks back.
+_WINDOW_BLOCK = 128
 
 
 @dataclass
@@ -28,53 +36,102 @@ class MaskSpec:
     random_blocks: int = 1
     max_len: int = 2048
 
+    @property
+    def windowed(self) -> bool:
+        """Whether the pattern limits each query to nearby keys (plus global and random ones)."""
+        return self.kernel in ("longformer", "bigbird") or self.window > 0
+
+    @property
+    def n_global(self) -> int:
+        """Positions that attend and are attended everywhere (Longformer, BigBird)."""
+        return self.global_tokens if self.kernel in ("longformer", "bigbird") else 0
+
+
+@functools.lru_cache(maxsize=8)
+def _bigbird_order(n_blocks: int) -> torch.Tensor:
+    """(n_blocks, n_blocks) key blocks of each query block in random order (fixed per size)."""
+    gen = torch.Generator().manual_seed(_BIGBIRD_SEED)
+    return torch.rand(n_blocks, n_blocks, generator=gen).argsort(dim=-1)
+
 
 def _bigbird_random(n_blocks: int, random_blocks: int, device: torch.device) -> torch.Tensor:
     """(n_blocks, n_blocks) bool: the random key blocks of each query block (fixed per size)."""
-    gen = torch.Generator().manual_seed(_BIGBIRD_SEED)
-    order = torch.rand(n_blocks, n_blocks, generator=gen).argsort(dim=-1)[:, :random_blocks]
     picked = torch.zeros(n_blocks, n_blocks, dtype=torch.bool)
-    picked.scatter_(1, order, True)
+    picked.scatter_(1, _bigbird_order(n_blocks)[:, :random_blocks], True)
     return picked.to(device)
 
 
+def _bigbird_blocks(spec: MaskSpec) -> int:
+    return -(-spec.max_len // spec.block_size)
+
+
+def _near(q: torch.Tensor, k: torch.Tensor, reach: int) -> torch.Tensor:
+    """|q - k| < reach, by comparisons only (no pairwise integer difference is materialized)."""
+    return (k > q - reach) & (k < q + reach)
+
+
 def _pattern(spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """The kernel's own (Tq, Tk) pattern before causality and documents, or None for all keys."""
-    dist = q[:, None] - k[None, :]
-    if spec.kernel == "longformer":
-        is_global = (q[:, None] < spec.global_tokens) | (k[None, :] < spec.global_tokens)
-        return (dist.abs() < spec.window) | is_global
-    if spec.kernel == "bigbird":
-        bq, bk = q // spec.block_size, k // spec.block_size
-        n_blocks = -(-spec.max_len // spec.block_size)
-        rand = _bigbird_random(n_blocks, spec.random_blocks, q.device)[bq][:, bk]
-        is_global = (q[:, None] < spec.global_tokens) | (k[None, :] < spec.global_tokens)
-        return ((bq[:, None] - bk[None, :]).abs() <= 1) | is_global | rand
+    """The kernel's own pattern before causality and documents (broadcast), or None for all keys."""
+    if spec.kernel in ("longformer", "bigbird"):
+        is_global = (q < spec.global_tokens) | (k < spec.global_tokens)
+        if spec.kernel == "longformer":
+            return _near(q, k, spec.window) | is_global
+        n_blocks = _bigbird_blocks(spec)
+        bq, bk = (q // spec.block_size).clamp(0, n_blocks - 1), (k // spec.block_size).clamp(0, n_blocks - 1)
+        rand = _bigbird_random(n_blocks, spec.random_blocks, q.device)[bq, bk]
+        return _near(bq, bk, 2) | is_global | rand
     if spec.window > 0:
-        return dist.abs() < spec.window
+        return _near(q, k, spec.window)
     return None
 
 
+def allowed(
+    spec: MaskSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool, True where a query at position ``q`` may attend a key at position ``k``.
+
+    All arguments broadcast against each other (e.g. ``q`` (Tq, 1), ``k`` (1, Tk), documents
+    (B, Tq, 1) and (B, 1, Tk)); positions are indices in the full sequence.
+    """
+    ok = _pattern(spec, q, k)
+    if spec.causal:
+        ok = k <= q if ok is None else ok & (k <= q)
+    if q_doc is not None:
+        same = q_doc == k_doc
+        ok = same if ok is None else ok & same
+    if ok is None:
+        ok = torch.ones(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool, device=q.device)
+    return ok
+
+
 def attention_mask(
-    spec: MaskSpec, q_len: int, kv_len: int, device: torch.device, document_ids: torch.Tensor | None = None
+    spec: MaskSpec,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    document_ids: torch.Tensor | None = None,
+    kv_start: int = 0,
 ) -> torch.Tensor | None:
     """Boolean mask (B or 1, 1, q_len, kv_len), or None when every query may see every key it
-    would under plain causal attention over a square (q_len == kv_len) block, or all keys."""
-    q = torch.arange(kv_len - q_len, kv_len, device=device)
-    k = torch.arange(kv_len, device=device)
-    mask = _pattern(spec, q, k)
-    if mask is None and document_ids is None and q_len == 1:  # one decoding step: the last query sees every key
+    would under plain causal attention over a square (q_len == kv_len) block, or all keys.
+
+    Keys are positions ``kv_start .. kv_start + kv_len - 1`` (a sliding-window cache keeps only
+    the last ones), queries the last ``q_len`` of them.
+    """
+    # No mask: full self-attention, one decoding step (the last query sees every key), or non-causal.
+    if not spec.windowed and document_ids is None and (q_len in (kv_len, 1) or not spec.causal):
         return None
-    if spec.causal and (mask is not None or q_len != kv_len or document_ids is not None):
-        causal = k[None, :] <= q[:, None]
-        mask = causal if mask is None else mask & causal
+    k = torch.arange(kv_start, kv_start + kv_len, device=device)
+    q = k[kv_len - q_len :]
     if document_ids is not None:
         if q_len != kv_len:
             raise ValueError("document_ids cannot be combined with a KV cache; pass them for full sequences only")
-        same = document_ids[:, :, None] == document_ids[:, None, :]
-        mask = same if mask is None else mask[None] & same
-        return mask[:, None]
-    return None if mask is None else mask[None, None]
+        return allowed(spec, q[:, None], k[None, :], document_ids[:, :, None], document_ids[:, None, :])[:, None]
+    return allowed(spec, q[:, None], k[None, :])[None, None]
 
 
 def left_padding_mask(
@@ -99,3 +156,95 @@ def left_padded_positions(left_pad: torch.Tensor, start: int, length: int) -> to
     """(B, length) positions of cache slots ``start ..`` counted from each row's first real token (0 on padding)."""
     slots = torch.arange(start, start + length, device=left_pad.device)
     return (slots[None, :] - left_pad[:, None]).clamp_min(0)
+
+
+@dataclass
+class BlockLayout:
+    """The block-sparse plan of one forward, shared by all its layers.
+
+    Query block ``i`` (``block`` positions) attends the key blocks ``key_blocks[i]`` and the
+    first ``n_global`` keys, under ``mask`` (B or 1, n_blocks, block, slots * block + n_global);
+    the first ``n_global`` queries attend every key they may, under ``global_mask``
+    (B or 1, 1, n_global, length). Padded query positions (past ``length``) attend only themselves.
+    """
+
+    block: int
+    length: int
+    key_blocks: torch.Tensor
+    mask: torch.Tensor
+    n_global: int = 0
+    global_mask: torch.Tensor | None = None
+
+    @property
+    def n_blocks(self) -> int:
+        """Query (and key) blocks of the padded sequence."""
+        return self.key_blocks.shape[0]
+
+    @property
+    def keys_per_query(self) -> int:
+        """Keys each query block scores: its key blocks and the global keys."""
+        return self.mask.shape[-1]
+
+
+def _key_slots(spec: MaskSpec, block: int, n_blocks: int, device: torch.device) -> torch.Tensor:
+    """(n_blocks, slots) key-block ids of each query block: the neighbours its pattern reaches and
+    BigBird's random blocks (ids may repeat or fall outside the sequence: see _unique_in_range)."""
+    reach = 1 if spec.kernel == "bigbird" else -(-(spec.window - 1) // block)
+    offsets = torch.arange(-reach, (0 if spec.causal else reach) + 1, device=device)
+    slots = torch.arange(n_blocks, device=device)[:, None] + offsets
+    if spec.kernel == "bigbird" and spec.random_blocks:
+        order = _bigbird_order(_bigbird_blocks(spec))[:, : spec.random_blocks].to(device)
+        rows = torch.arange(n_blocks, device=device).clamp(max=order.shape[0] - 1)
+        slots = torch.cat([slots, order[rows]], dim=1)
+    return slots
+
+
+def _unique_in_range(slots: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """(n_blocks, slots) bool: the slot names a real block not named by an earlier slot of its row."""
+    ok = (slots >= 0) & (slots < n_blocks)
+    earlier = (slots[:, :, None] == slots[:, None, :]).tril(-1).any(-1)
+    return ok & ~earlier
+
+
+def block_layout(
+    spec: MaskSpec, length: int, device: torch.device, document_ids: torch.Tensor | None = None
+) -> BlockLayout | None:
+    """The block-sparse plan of ``spec``'s pattern over ``length`` tokens, or None when the pattern
+    is dense (no window) or its blocks would score as many keys as dense attention."""
+    if not spec.windowed:
+        return None
+    n_global = min(spec.n_global, length)
+    block = spec.block_size if spec.kernel == "bigbird" else min(spec.window, _WINDOW_BLOCK)
+    n_blocks = -(-length // block)
+    slots = _key_slots(spec, block, n_blocks, device)
+    if slots.shape[1] * block + n_global >= length:
+        return None
+    key_blocks = slots.clamp(0, n_blocks - 1)
+    q = torch.arange(n_blocks * block, device=device).view(n_blocks, block, 1)
+    k = (key_blocks[:, :, None] * block + torch.arange(block, device=device)).view(n_blocks, 1, -1)
+    g = torch.arange(n_global, device=device)
+    docs = _padded_documents(document_ids, n_blocks * block)  # (B, padded) or None
+    q_doc = None if docs is None else docs.view(-1, n_blocks, block, 1)
+    k_doc = None if docs is None else docs[:, k]
+    g_doc = None if docs is None else docs[:, None, None, :n_global]
+    key_ok = (
+        _unique_in_range(slots, n_blocks).repeat_interleave(block, dim=1)[:, None, :] & (k < length) & (k >= n_global)
+    )
+    local = allowed(spec, q, k, q_doc, k_doc) & key_ok
+    local = local | ((q >= length) & (k == q))  # padding queries see themselves: no empty softmax rows
+    glob = allowed(spec, q, g, q_doc, g_doc)
+    mask = torch.cat([local, glob], dim=-1).view(-1, n_blocks, block, local.shape[-1] + n_global)
+    rows = None
+    if n_global:
+        row_doc = None if docs is None else (docs[:, :n_global, None], docs[:, None, :length])
+        rows = allowed(spec, g[:, None], torch.arange(length, device=device), *(row_doc or ())).view(
+            -1, 1, n_global, length
+        )
+    return BlockLayout(block, length, key_blocks, mask, n_global, rows)
+
+
+def _padded_documents(document_ids: torch.Tensor | None, padded: int) -> torch.Tensor | None:
+    """Document ids (B, padded), padding positions in a document of their own (-1)."""
+    if document_ids is None:
+        return None
+    return torch.nn.functional.pad(document_ids, (0, padded - document_ids.shape[1]), value=-1)

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.model.attention import LINEAR_KERNELS, AttnContext
+from tessera.model.attention import LINEAR_KERNELS, Attention, AttnContext, SequenceSplit, SlidingKVCache
 from tessera.model.block import LayerCache, TransformerBlock
 from tessera.model.ffn import ACTIVATIONS
 from tessera.model.mamba import Mamba2Mixer, MambaMixer
-from tessera.model.masks import MaskSpec, attention_mask, left_padded_positions, left_padding_mask
+from tessera.model.masks import MaskSpec, attention_mask, block_layout, left_padded_positions, left_padding_mask
 from tessera.model.moe import Experts, MoELog
 from tessera.model.mtp import MTPLog, build_mtp, predict_ahead
 from tessera.model.norm import build_norm
@@ -94,6 +94,8 @@ class Stack(nn.Module):
         )
         # 'G' layers of model.layer_pattern: the same attention without the sliding window.
         self.global_mask_spec = dataclasses.replace(self.mask_spec, window=0) if "G" in cfg.layer_pattern else None
+        # Set from outside when each forward holds only part of every sequence (context parallelism).
+        self.sequence_split: SequenceSplit | None = None
 
     def context(
         self,
@@ -103,38 +105,61 @@ class Stack(nn.Module):
         positions: torch.Tensor | None,
         document_ids: torch.Tensor | None,
         device: torch.device,
+        kv_start: int = 0,
     ) -> AttnContext:
-        """Mask, bias and RoPE tables for ``length`` queries at ``start`` (shared by all layers)."""
-        kv_len = start + length
-        if positions is not None and positions.shape != (batch, length):
+        """Mask, bias and RoPE tables for ``length`` queries at ``start`` (shared by all layers); keys
+        are positions ``kv_start .. start + length - 1`` (a sliding-window cache keeps only the last ones)."""
+        if positions is not None and tuple(positions.shape) not in ((batch, length), (1, length)):
             raise ValueError(f"positions must have shape {(batch, length)}, got {tuple(positions.shape)}")
-        if self.cfg.attention.kernel in LINEAR_KERNELS:
-            if document_ids is not None:
-                raise ValueError(
-                    f"model.attention='{self.cfg.attention.kernel}' cannot block attention across documents; use sdpa "
-                    "or eager"
-                )
-            ctx = AttnContext(causal=self.causal)
-        else:
-            mask = attention_mask(self.mask_spec, length, kv_len, device, document_ids)
-            ctx = AttnContext(
-                mask=mask, is_causal=self.causal and mask is None and length == kv_len, causal=self.causal
-            )
+        ctx = self._masking(self.mask_spec, length, start, document_ids, device, kv_start)
         if self.rope is not None:
             ctx.cos, ctx.sin = self.rope(start, length, positions)
         if self.rel_bias is not None:
+            kv_len = start + length
             q_pos = positions if positions is not None else torch.arange(start, kv_len, device=device)[None]
-            k_pos = positions if positions is not None else torch.arange(kv_len, device=device)[None]
+            k_pos = positions if positions is not None else torch.arange(kv_start, kv_len, device=device)[None]
             ctx.bias = self.rel_bias(q_pos, k_pos)
         return ctx
+
+    def _masking(
+        self,
+        spec: MaskSpec,
+        length: int,
+        start: int,
+        document_ids: torch.Tensor | None,
+        device: torch.device,
+        kv_start: int,
+    ) -> AttnContext:
+        """Which keys each query sees: a mask, a block-sparse plan, or a split sequence's own attention."""
+        kernel = self.cfg.attention.kernel
+        if kernel in LINEAR_KERNELS:
+            if document_ids is not None:
+                raise ValueError(
+                    f"model.attention='{kernel}' cannot block attention across documents; use sdpa or eager"
+                )
+            return AttnContext(causal=self.causal)
+        if self.sequence_split is not None:
+            return AttnContext(
+                causal=self.causal, attend=self.sequence_split.attention(spec, length, document_ids, device)
+            )
+        kv_len = start + length - kv_start
+        # The block-sparse kernel serves plain attention without a dense score bias (eager keeps dense
+        # weights for inspection tools; latent attention reads the mask itself).
+        sparse_ok = kernel != "eager" and self.rel_bias is None and not self.cfg.mla.kv_rank
+        if sparse_ok and start == 0 and kv_start == 0:
+            blocks = block_layout(spec, length, device, document_ids)
+            if blocks is not None:
+                return AttnContext(blocks=blocks, causal=self.causal)
+        mask = attention_mask(spec, length, kv_len, device, document_ids, kv_start)
+        return AttnContext(mask=mask, is_causal=self.causal and mask is None and length == kv_len, causal=self.causal)
 
     def global_context(
         self, ctx: AttnContext, length: int, start: int, document_ids: torch.Tensor | None, device: torch.device
     ) -> AttnContext:
-        """``ctx`` with the mask of the 'G' layers of ``model.layer_pattern`` (no sliding window)."""
-        kv_len = start + length
-        mask = attention_mask(self.global_mask_spec, length, kv_len, device, document_ids)
-        return dataclasses.replace(ctx, mask=mask, is_causal=self.causal and mask is None and length == kv_len)
+        """``ctx`` with the masking of the 'G' layers of ``model.layer_pattern`` (no sliding window;
+        they keep full caches, so their keys start at 0)."""
+        g = self._masking(self.global_mask_spec, length, start, document_ids, device, 0)
+        return dataclasses.replace(ctx, mask=g.mask, blocks=g.blocks, is_causal=g.is_causal, attend=g.attend)
 
     def embed_positions(self, h: torch.Tensor, start: int, positions: torch.Tensor | None) -> torch.Tensor:
         """Absolute positions, embedding norm and dropout on freshly embedded tokens (first stage only)."""
@@ -163,11 +188,14 @@ class Stack(nn.Module):
         """
         b, t, _ = h.shape
         if left_pad is not None:
-            positions = self._check_padding(left_pad, start, t, positions)
+            positions = self._check_padding(left_pad, start, t, positions, caches)
+        if positions is None and self.sequence_split is not None:
+            positions = self.sequence_split.positions(t, h.device)
         h = self.embed_positions(h, start, positions)
+        kv_start = next((c.key_start(start) for c in caches or () if isinstance(c, SlidingKVCache)), 0)
         # Score biases are relative: padding shifts queries and keys alike, so they keep the slot positions.
         ctx_positions = positions if left_pad is None or self.rel_bias is None else None
-        ctx = self.context(b, t, start, ctx_positions, document_ids, h.device)
+        ctx = self.context(b, t, start, ctx_positions, document_ids, h.device, kv_start)
         ctx.moe_log = moe_log
         global_ctx = (
             self.global_context(ctx, t, start, document_ids, h.device) if self.global_mask_spec is not None else ctx
@@ -180,9 +208,19 @@ class Stack(nn.Module):
         return self.norm(h) if self.norm is not None else h
 
     def _check_padding(
-        self, left_pad: torch.Tensor, start: int, length: int, positions: torch.Tensor | None
+        self,
+        left_pad: torch.Tensor,
+        start: int,
+        length: int,
+        positions: torch.Tensor | None,
+        caches: list[LayerCache] | None,
     ) -> torch.Tensor:
         """The positions of a left-padded batch (counted from each row's first real token)."""
+        if any(isinstance(c, SlidingKVCache) for c in caches or ()):
+            raise ValueError(
+                "left padding with a sliding-window ring-buffer cache is not supported; generate rows of "
+                "different lengths one at a time"
+            )
         if self.cfg.attention.kernel in LINEAR_KERNELS or any(
             layer.mamba is not None for layer in self.layers.values()
         ):
@@ -198,8 +236,19 @@ class Stack(nn.Module):
         return dataclasses.replace(ctx, mask=mask, is_causal=False)
 
     def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[LayerCache]:
-        """One empty decoding cache per layer (KV, latent K/V or Mamba state), sized for ``max_len`` positions."""
-        return [layer.new_cache(batch, max_len, dtype, device) for layer in self.layers.values()]
+        """One empty decoding cache per layer (KV, latent K/V or Mamba state), sized for ``max_len`` positions;
+        plain sliding-window attention layers keep only the window, in a ring buffer (Longformer/BigBird's
+        global and random keys, and 'G' layers, need them all)."""
+        spec = self.mask_spec
+        ring = spec.window and spec.causal and spec.kernel not in ("longformer", "bigbird") and spec.window < max_len
+
+        def cache(layer: TransformerBlock) -> LayerCache:
+            if ring and layer.kind == "A" and type(layer.attention) is Attention:
+                attn = layer.attention
+                return SlidingKVCache(batch, attn.n_kv_heads, attn.head_dim, spec.window, dtype, device)
+            return layer.new_cache(batch, max_len, dtype, device)
+
+        return [cache(layer) for layer in self.layers.values()]
 
 
 ModuleSeed = Callable[[str, nn.Module], int]  # (module name, module) -> seed of its random draws

@@ -8,6 +8,7 @@ from torch import nn
 from tessera.config import JobConfig
 from tessera.parallel.blocks import block_containers
 from tessera.parallel.activation import apply_activation_checkpointing, apply_compile
+from tessera.parallel.context import apply_context_parallel
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.expert import apply_expert_parallel
 from tessera.parallel.grads import clip_grad_norm
@@ -20,7 +21,7 @@ _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.Module:
-    """Apply TP/SP -> EP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to ``model``.
+    """Apply TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to ``model``.
 
     ``dims.build_mesh`` must have run. Returns the model to train (the same module, or its
     DDP wrapper).
@@ -32,6 +33,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.M
     ep_mesh = dims.submesh("ep")
     if ep_mesh is not None:
         apply_expert_parallel(model, ep_mesh, tp_mesh)
+    cp_mesh = dims.submesh("cp")
+    if cp_mesh is not None:  # attention over the sequence split across the cp ranks (no parameters of its own)
+        apply_context_parallel(model, cp_mesh, p.cp_method)
     apply_activation_checkpointing(block_containers(model), p.activation_checkpoint, p.ac_every)
     if p.compile:
         apply_compile(block_containers(model))

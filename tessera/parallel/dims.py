@@ -16,8 +16,9 @@ class ParallelDims:
 
     ``dp_shard = -1`` takes whatever the world size leaves. The mesh is built once, lazily, with
     dimensions ``(pp, dp_replicate, dp_shard, cp, tp)`` (size-1 ones omitted) and named
-    flattened views: ``dp`` (batch sharding: replicate x shard) and ``fsdp`` (parameter
-    sharding: shard x cp). Expert parallelism (as torchtitan) carves ``ep`` out of
+    flattened views: ``dp`` (batch sharding: replicate x shard), ``fsdp`` (parameter
+    sharding: shard x cp) and, with cp, ``dp_cp`` (the ranks whose losses make up one global
+    batch: replicate x shard x cp). Expert parallelism (as torchtitan) carves ``ep`` out of
     ``dp_shard x cp x tp``: dp_shard splits into ``(efsdp, dp_shard_in_ep)`` and
     ``ep = dp_shard_in_ep x cp x tp``; the experts are then FSDP-sharded over ``efsdp`` (with
     dp_replicate: ``ehsdp``), the rest of the model as without ep. The ranks keep their
@@ -87,6 +88,10 @@ class ParallelDims:
             self._named["efsdp"] = mesh["efsdp"]
             if "dp_replicate" in names:
                 self._named["ehsdp"] = mesh[("dp_replicate", "efsdp")]
+        if "cp" in real and "dp_replicate" not in names:  # the loss mesh is the fsdp view itself
+            self._named["dp_cp"] = self._named["fsdp"]
+        elif "cp" in real:
+            self._add_view(mesh, "dp_cp", tuple(n for n in ("dp_replicate", *shard_dims, "cp") if n in viewable))
         self._mesh = mesh
         return mesh
 
@@ -102,6 +107,6 @@ class ParallelDims:
         return bool(dims)
 
     def submesh(self, name: str) -> DeviceMesh | None:
-        """A named sub-mesh ("dp", "fsdp", "hsdp", "tp", "cp", "pp", and with ep > 1 "ep", "efsdp", "ehsdp");
-        None when trivial or before ``build_mesh``."""
+        """A named sub-mesh ("dp", "fsdp", "hsdp", "tp", "cp", "pp", with cp "dp_cp", and with ep > 1 "ep",
+        "efsdp", "ehsdp"); None when trivial or before ``build_mesh``."""
         return self._named.get(name)

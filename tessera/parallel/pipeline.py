@@ -302,6 +302,7 @@ class _Targets:
     denominator: float | torch.Tensor
     label_smoothing: float
     scale: float = 1.0  # the fp16 loss scale (1 otherwise)
+    token_scale: float = 1.0  # context parallelism: this rank's share of the global token mean
     mtp_denominators: tuple[float, ...] = ()  # each MTP depth's target tokens in the local batch x grad_accum
 
 
@@ -345,7 +346,8 @@ class Pipeline:
         labels, mask = (target[..., 0], target[..., 1].bool()) if self._targets.masked else (target, None)
         logits, ahead = (output[0], list(output[1:])) if isinstance(output, tuple) else (output, [])
         count = labels.numel() if mask is None else mask.sum().double()  # a tensor: no host sync
-        loss = self._loss_fn(logits, labels, self._targets.label_smoothing, mask) * (count / self._targets.denominator)
+        scale = count / self._targets.denominator * self._targets.token_scale
+        loss = self._loss_fn(logits, labels, self._targets.label_smoothing, mask) * scale
         if ahead:  # weighted like the main loss: each micro-batch's share of the local batch's depth-k mean
             losses = mtp_losses(ahead, labels, mask, self._loss_fn, self._targets.label_smoothing)
             counts = mtp_token_counts(labels, mask, len(ahead))
@@ -369,9 +371,10 @@ class Pipeline:
         train: bool,
         model_kwargs: dict[str, torch.Tensor] | None = None,
         loss_scale: float = 1.0,
+        token_scale: float = 1.0,
     ) -> torch.Tensor:
         smoothing = self.label_smoothing if train else 0.0
-        self._targets = _Targets(loss_mask is not None, denominator, smoothing, loss_scale)
+        self._targets = _Targets(loss_mask is not None, denominator, smoothing, loss_scale, token_scale)
         if train and self.mtp_depth:
             counts = mtp_token_counts(labels, loss_mask, self.mtp_depth)
             self._targets.mtp_denominators = tuple(max(c, 1) * self._grad_accum for c in counts)
@@ -413,19 +416,22 @@ class Pipeline:
         grad_accum: int,
         model_kwargs: dict[str, torch.Tensor] | None = None,
         loss_scale: float = 1.0,
+        token_scale: float = 1.0,
     ) -> torch.Tensor:
         """Forward and backward of one local batch through the pipeline; returns its loss / grad_accum.
 
         The number (a float64 scalar tensor, not read here) is the same on every pp rank (the last
         stage's losses plus every stage's MoE losses, summed over the pp group). ``loss_scale`` (fp16)
         multiplies every gradient, as the grad scaler's ``scale(loss)`` does outside a pipeline; the
-        returned loss is unscaled.
+        returned loss is unscaled. ``token_scale`` multiplies the token loss and is kept in the returned
+        loss (context parallelism: this rank's share of the global token mean).
         """
         for hooks in self.hooks:
             hooks.aux_scale, hooks.grad_scale = 1.0 / (grad_accum * self.microbatches), loss_scale
         self._grad_accum = grad_accum
         tokens = labels.numel() if loss_mask is None else loss_mask.sum().clamp(min=1)
-        return self._run(args, labels, loss_mask, tokens * grad_accum, True, model_kwargs, loss_scale)
+        denominator = tokens * grad_accum
+        return self._run(args, labels, loss_mask, denominator, True, model_kwargs, loss_scale, token_scale)
 
     def reduce_shared_grads(self) -> None:
         """Sum the gradients of parameters used on several pp ranks (before clipping and stepping)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from tessera.config import ConfigError, JobConfig
 from tessera.layout import check_layout
 from tessera.parallel import ParallelDims, parallelize, uses_fsdp
+from tessera.parallel.context import loss_scale, shard_batch
 from tessera.parallel.env import DistEnv, device_for, init_distributed
 from tessera.parallel.pipeline import LossFn, Pipeline, build_pipeline
 
@@ -48,9 +50,31 @@ class ParallelContext:
         """``loss_parallel`` when the head's logits are vocab-sharded (tensor parallelism)."""
         return loss_parallel() if self.tp_enabled else contextlib.nullcontext()
 
+    @property
+    def cp_mesh(self):
+        """The context-parallel mesh (None without context parallelism)."""
+        return self.dims.submesh("cp")
+
+    def split_batch(
+        self,
+        args: tuple[torch.Tensor, ...],
+        kwargs: dict[str, Any],
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+    ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor, torch.Tensor | None]:
+        """This rank's slice of every sequence of a batch under context parallelism, else the batch."""
+        if self.cp_mesh is None:
+            return args, kwargs, labels, loss_mask
+        return shard_batch(args, kwargs, labels, loss_mask, self.cp_mesh)
+
+    def loss_scale(self, labels: torch.Tensor, loss_mask: torch.Tensor | None) -> float:
+        """Factor on this rank's mean token loss: 1, or under context parallelism cp * local / global
+        tokens (its share of the batch loss, for FSDP's average over dp_shard x cp)."""
+        return 1.0 if self.cp_mesh is None else loss_scale(labels, loss_mask, self.cp_mesh)
+
     def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        """Average a per-rank scalar tensor over the data-parallel ranks (no host sync)."""
-        mesh = self.dims.submesh("dp")
+        """Average a per-rank scalar tensor over the data-parallel (and context-parallel) ranks (no host sync)."""
+        mesh = self.dims.submesh("dp_cp") or self.dims.submesh("dp")
         if mesh is None:
             return value
         t = value.detach().clone().reshape(1)
@@ -58,8 +82,8 @@ class ParallelContext:
         return t[0] / mesh.size()
 
     def sum_over_dp(self, values: list[float]) -> list[float]:
-        """Sum per-rank numbers over the data-parallel ranks."""
-        mesh = self.dims.submesh("dp")
+        """Sum per-rank numbers over the data-parallel (and context-parallel) ranks."""
+        mesh = self.dims.submesh("dp_cp") or self.dims.submesh("dp")
         if mesh is None:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.device)

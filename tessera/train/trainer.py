@@ -262,14 +262,18 @@ class Trainer:
         moe_logs: list[MoELog] = []
         for _ in range(accum):
             args, kwargs, labels, loss_mask = self._micro_batch()
+            scale = self.parallel.loss_scale(labels, loss_mask)  # cp: local tokens' share of the global mean
             if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
-                    scale = self._pipeline_loss_scale()
-                    losses.append(self.pipeline.step(args, labels, loss_mask, accum, kwargs, scale))
+                    fp16_scale = self._pipeline_loss_scale()
+                    losses.append(
+                        self.pipeline.step(args, labels, loss_mask, accum, kwargs, fp16_scale, token_scale=scale)
+                    )
                 continue
             moe_logs.append(MoELog())
             with self._loss_context():
-                loss = self._loss(args, kwargs, labels, loss_mask, cfg.train.label_smoothing, moe_logs[-1]) / accum
+                smoothing = cfg.train.label_smoothing
+                loss = self._loss(args, kwargs, labels, loss_mask, smoothing, moe_logs[-1], token_scale=scale) / accum
                 if self.engine is not None:
                     self.engine.backward(loss)
                 else:
@@ -294,7 +298,8 @@ class Trainer:
 
     def _micro_batch(self) -> MicroBatch:
         """The next micro-batch through the objective (on the host: no device syncs), then on the device."""
-        return on_device(self.objective(self.data.train.next_batch()), self.device)
+        parts = self.parallel.split_batch(*self.objective(self.data.train.next_batch()))  # cp: this rank's slice
+        return on_device(parts, self.device)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """``loss_parallel`` for the unfused loss on vocab-sharded logits (the fused loss needs none)."""
@@ -317,9 +322,11 @@ class Trainer:
         label_smoothing: float,
         moe_log: MoELog | None,
         training: bool = True,
+        token_scale: float = 1.0,
     ) -> torch.Tensor:
-        """The micro-batch's mean loss plus (training) its distillation, multi-token-prediction and MoE
-        losses; the head is fused into the loss unless ``train.fused_loss=false``."""
+        """The micro-batch's mean loss (times ``token_scale``: under context parallelism this rank's share
+        of the global token mean) plus (training) its distillation, multi-token-prediction and MoE losses;
+        the head is fused into the loss unless ``train.fused_loss=false``."""
         cfg = self.config.train
         mtp = self.mtp_loss if training else None
         extra = mtp.forward_kwargs() if mtp is not None else {}
@@ -331,8 +338,10 @@ class Trainer:
                 logits = self.model(*args, **kwargs, moe_log=moe_log, **extra)
         if not self._fused_loss:
             loss = lm_loss(logits, labels, label_smoothing, loss_mask)
-            if self.distill is not None and training:
-                loss = self.distill.add(loss, logits, args, kwargs, loss_mask)
+        if token_scale != 1.0:
+            loss = loss * token_scale
+        if self.distill is not None and training:  # never fused: it reads the student's logits
+            loss = self.distill.add(loss, logits, args, kwargs, loss_mask)
         if mtp is not None:
             loss = mtp.add(loss, labels, loss_mask)
         aux = moe_loss(moe_log) if moe_log is not None else None  # MoE load-balancing and router z-losses
@@ -375,7 +384,8 @@ class Trainer:
         self.model.eval()
         total, count = 0.0, 0.0
         for start in starts:
-            parts = self.objective(self.data.collate([dataset[i] for i in range(start, start + size)]))
+            batch = self.data.collate([dataset[i] for i in range(start, start + size)])
+            parts = self.parallel.split_batch(*self.objective(batch))  # cp: this rank's slice (on the host)
             weight = parts[2].numel() if parts[3] is None else int(parts[3].sum())  # on the host
             args, kwargs, labels, loss_mask = on_device(parts, self.device)
             if self.pipeline is not None:
@@ -386,7 +396,7 @@ class Trainer:
                     total += scalar(self._loss(args, kwargs, labels, loss_mask, 0.0, None, training=False)) * weight
             count += weight
         self.model.train()
-        if n:
+        if n or self.parallel.cp_mesh is not None:  # cp ranks hold parts of the same batches: always summed
             total, count = self.parallel.sum_over_dp([total, count])
         return total / count
 
@@ -527,8 +537,11 @@ class Trainer:
         cfg = self.config
         if cfg.log.plot and self.parallel.is_main:
             plot_loss_curve(self.run_dir)
-        if cfg.train.sample_tokens > 0 and (self.parallel.tp_enabled or self.pipeline is not None):
-            logger.print(f"sample skipped under tensor/pipeline parallelism; run: tessera generate {self.run_dir}")
+        split = self.parallel.tp_enabled or self.pipeline is not None or self.parallel.cp_mesh is not None
+        if cfg.train.sample_tokens > 0 and split:
+            logger.print(
+                f"sample skipped under tensor/pipeline/context parallelism; run: tessera generate {self.run_dir}"
+            )
         elif (
             cfg.train.sample_tokens > 0 and cfg.model.arch == "decoder"
         ):  # every rank decodes: FSDP's gathers are collective

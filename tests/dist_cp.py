@@ -1,0 +1,117 @@
+"""Test driver run under torchrun (4 processes): context-parallel model forward/backward against one process.
+
+    torchrun --nproc-per-node 4 tests/dist_cp.py OUT.json
+
+For cp = 2 (two groups of 2 ranks) and cp = 4, each attention method, with and without document
+masks and with windowed kernels, a tiny decoder runs on this rank's zigzag slice; the summed loss
+and the gradients summed over the cp group (what FSDP's reduction over dp_shard x cp does after the
+loss is scaled by cp) are compared with the same model run on the whole sequence in one process.
+Two negative controls break the recipe on purpose (local RoPE positions; a local loss mean) and
+must be far off. Rank 0 writes every case's max errors to OUT.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from tessera.config import model_config
+from tessera.model import build_model
+from tessera.parallel.context import apply_context_parallel, loss_scale, shard_batch
+
+T, B, V = 32, 2, 64
+
+
+def _batch(seed: int, documents: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (B, T + 1), generator=gen)
+    loss_mask = torch.rand(B, T, generator=gen) > 0.3
+    kwargs = {}
+    if documents:
+        doc = torch.tensor([[0] * 9 + [1] * 15 + [2] * 8, [0] * 20 + [1] * 12])
+        start = torch.cat([torch.ones(B, 1, dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], 1)
+        seq = torch.arange(T).expand(B, T)
+        kwargs = {"positions": seq - torch.cummax(torch.where(start, seq, 0), 1).values, "document_ids": doc}
+    return tokens[:, :-1], tokens[:, 1:], loss_mask, kwargs
+
+
+def _loss_sum(model, inputs, labels, loss_mask, kwargs) -> torch.Tensor:
+    logits = model(inputs, **kwargs)
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+    return (losses * loss_mask.flatten()).sum()
+
+
+def run_case(mesh, method: str, documents: bool, model_kw: dict, bug: str = "") -> dict[str, float]:
+    """Relative error of the loss and of every gradient (max |diff| / max |reference|), CP against one process."""
+    torch.manual_seed(0)
+    base = dict(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, init_std=0.2)
+    cfg = model_config(**{**base, **model_kw})
+    ref = build_model(cfg)
+    inputs, labels, loss_mask, kwargs = _batch(1, documents)
+    ref_loss = _loss_sum(ref, inputs, labels, loss_mask, kwargs) / loss_mask.sum()
+    ref_loss.backward()
+    cp = copy.deepcopy(ref)
+    cp.zero_grad()
+    apply_context_parallel(cp, mesh, method)
+    if bug == "local_positions":
+        cp.sequence_split.positions = lambda length, device: torch.arange(length, device=device)[None]
+    (x,), kw, y, m = shard_batch((inputs,), kwargs, labels, loss_mask, mesh)
+    local_mean = _loss_sum(cp, x, y, m, kw) / m.sum()
+    scale = 1.0 if bug == "local_mean" else loss_scale(y, m, mesh)  # cp * local / global tokens
+    (local_mean * scale).backward()
+    group = mesh.get_group()
+    total = (local_mean * scale).detach() / mesh.size()  # FSDP averages over cp: the loss likewise
+    dist.all_reduce(total, group=group)
+    errors = {"loss": ((total - ref_loss.detach()).abs() / ref_loss.abs()).item()}
+    ref_grads = dict(ref.named_parameters())
+    for name, p in cp.named_parameters():
+        grad = p.grad.clone() / mesh.size()
+        dist.all_reduce(grad, group=group)
+        want = ref_grads[name].grad
+        errors[name] = ((grad - want).abs().max() / want.abs().max()).item()
+    return errors
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out = sys.argv[1]
+    world = dist.get_world_size()
+    meshes = {"cp4": init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]}
+    meshes["cp2"] = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))["cp"]
+    window = {"attention": {"sliding_window": 5}}
+    cases = {}
+    for mesh_name, mesh in meshes.items():
+        for method in ("allgather", "ring"):
+            for documents in (False, True):
+                name = f"{mesh_name}_{method}_{'docs' if documents else 'nodocs'}"
+                cases[name] = run_case(mesh, method, documents, {})
+            cases[f"{mesh_name}_{method}_window_docs"] = run_case(mesh, method, True, window)
+    mesh = meshes["cp2"]
+    cases["cp2_allgather_bigbird"] = run_case(
+        mesh, "allgather", False, {"attention": {"kernel": "bigbird", "block_size": 4, "global_tokens": 2}}
+    )
+    cases["cp2_ring_longformer_encoder"] = run_case(
+        mesh, "ring", True, {"arch": "encoder", "attention": {"kernel": "longformer", "sliding_window": 3}}
+    )
+    cases["cp2_ring_window_and_global_layers"] = run_case(
+        mesh, "ring", True, {"layer_pattern": "AG", "attention": {"sliding_window": 5}}
+    )
+    cases["cp2_allgather_learned_positions"] = run_case(mesh, "allgather", False, {"position": {"kind": "learned"}})
+    cases["bug_local_positions"] = run_case(mesh, "ring", False, {}, bug="local_positions")
+    cases["bug_local_mean"] = run_case(mesh, "allgather", True, {}, bug="local_mean")
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(cases, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
