@@ -7,7 +7,6 @@ from pathlib import Path
 from torch import nn
 
 from tessera.config import config_from_dict
-from tessera.data.sources import DataError
 from tessera.data.tokenizer import Tokenizer
 from tessera.model import build_model
 from tessera.model.hf import is_hf_dir, load_hf
@@ -48,10 +47,8 @@ def _load_checkpoint(ckpt: Path) -> nn.Module:
 
 
 def load_with_tokenizer(path: str | Path) -> tuple[nn.Module, Tokenizer]:
-    """Model (eval mode, CPU) of a tessera run or checkpoint and the tokenizer the run trained with."""
+    """Model (eval mode, CPU) of a tessera run or checkpoint and the tokenizer the run trained with
+    (``tokenizer.json`` or ``tokenizer.model`` in the run directory, see :meth:`Tokenizer.save`)."""
     ckpt = find_checkpoint(path)
     model = _load_checkpoint(ckpt)
-    tokenizer_path = ckpt.parent.parent / "tokenizer.model"
-    if not tokenizer_path.is_file():
-        raise DataError(f"'{tokenizer_path}' is missing; copy the run's tokenizer there")
-    return model, Tokenizer(tokenizer_path)
+    return model, Tokenizer(ckpt.parent.parent)

@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
     tok_train = tok_sub.add_parser("train", help="train (or reuse from the cache) the recipe's SentencePiece tokenizer", allow_abbrev=False)
     tok_train.add_argument("config", nargs="?", default=None, help="TOML recipe (its data and model.vocab_size sections); defaults if omitted")
+    tok_train.add_argument("--kind", choices=("sentencepiece", "bpe"), default=None, help="train SentencePiece BPE (.model) or an HF byte-level BPE (tokenizer.json); default: data.tokenizer")
 
     gen = sub.add_parser("generate", help="sample text from a run directory or checkpoint", allow_abbrev=False)
     gen.add_argument("path", help="run directory (newest checkpoint) or checkpoint directory")
@@ -79,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="tokenize a corpus into a megatron-core indexed dataset (PREFIX.bin/.idx)", allow_abbrev=False)
     prep.add_argument("source", help="'default' (this Python's stdlib), a text/JSON/JSONL/Parquet/Arrow file or folder, or hf:NAME")
     prep.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
-    prep.add_argument("--tokenizer", default="default", help="SentencePiece .model; 'default' trains one on the source, kept as PREFIX.tokenizer.model")
+    prep.add_argument("--tokenizer", default="default", help="SentencePiece .model, HF tokenizer.json or HF tokenizer directory; 'default' trains SentencePiece on the source, kept as PREFIX.tokenizer.model")
     prep.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the trained tokenizer")
     prep.add_argument("--text-field", default="text", help="field of JSON/Parquet/Arrow rows that holds the text")
     prep.add_argument("--num-proc", type=int, default=1, help="tokenization worker processes")
@@ -91,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     inspect = data_sub.add_parser("inspect", help="documents, tokens, length histogram and decoded samples of an indexed dataset", allow_abbrev=False)
     inspect.add_argument("path", help="dataset prefix (PREFIX.bin/.idx), or either file")
-    inspect.add_argument("--tokenizer", default="", help="SentencePiece .model to decode with (default: PREFIX.tokenizer.model if present)")
+    inspect.add_argument("--tokenizer", default="", help=".model, tokenizer.json or HF tokenizer directory to decode with (default: PREFIX.tokenizer.model if present)")
     inspect.add_argument("--samples", type=int, default=3, help="decoded documents to show")
     return parser
 
@@ -130,7 +131,7 @@ def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = load_config(args.config, overrides)
     docs, corpus_hash = load_corpus(config.data.source, config.data.max_chars, config.data.text_field)
-    tokenizer, cached = build_tokenizer(config, docs, corpus_hash)
+    tokenizer, cached = build_tokenizer(config, docs, corpus_hash, {"sentencepiece": "default", "bpe": "bpe", None: ""}[args.kind])
     print(f"{'reused cached' if cached else 'trained'} tokenizer: {tokenizer.path} ({tokenizer.vocab_size} tokens)")
     return 0
 
@@ -177,7 +178,7 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.model import generate
 
     model, tokenizer = load_with_tokenizer(args.path)
-    ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(args.prompt)])
+    ids = torch.tensor([tokenizer.prompt_ids(args.prompt)])
     temperature = 0.0 if args.greedy else args.temperature
     gen = torch.Generator().manual_seed(args.seed)
     out = generate(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, tokenizer.eos_id, gen)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from tessera.config import JobConfig, resolved_objective, span_count, validate
+from tessera.data.tokenizer import copy_tokenizer_files
 from tessera.model import build_model
 from tessera.model.hf import load_state, read_hf, save_hf
 from tessera.train.checkpoint import Checkpointer
@@ -38,8 +39,7 @@ def hf_import(hf_dir: str | Path, out_dir: str | Path) -> Path:
     load_state(model, state)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.toml").write_text(job.to_toml())
-    if (hf_dir / "tokenizer.model").is_file():
-        shutil.copyfile(hf_dir / "tokenizer.model", out_dir / "tokenizer.model")
+    copy_tokenizer_files(hf_dir, out_dir)  # the run keeps the source model's tokenizer
     extra = {
         "config": job.to_dict(),
         "model": job.to_dict()["model"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +136,7 @@ class Trainer:
 
     def _write_run_files(self) -> None:
         (self.run_dir / "config.toml").write_text(self.config.to_toml())
-        shutil.copyfile(self.data.tokenizer.path, self.run_dir / "tokenizer.model")
+        self.data.tokenizer.save(self.run_dir)  # tokenizer.model or tokenizer.json (+ its config)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # Under FSDP its mixed-precision policy casts parameters instead of autocast.
@@ -238,7 +237,7 @@ class Trainer:
     def sample(self, prompt: str, tokens: int) -> str:
         """A continuation of ``prompt`` (temperature 0.8, top-k 50) from a seeded private generator."""
         tok = self.data.tokenizer
-        ids = torch.tensor([[tok.bos_id] + tok.encode(prompt)], device=self.device)
+        ids = torch.tensor([tok.prompt_ids(prompt)], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
         with self._autocast():
             out = generate(self.model, ids, tokens, temperature=0.8, top_k=50, eos_id=tok.eos_id, generator=gen)
@@ -295,6 +294,8 @@ class Trainer:
                     result.val_losses[self.step] = self._log_eval(logger, record)
                 elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
                     logger.log(record)
+                if line := self.data.log_blend_phase(self.step, self.run_dir if self.parallel.is_main else None):
+                    logger.print(line)  # data.blend_schedule: the realized mix of the phase that just ended
                 saved = self._should_save()
                 if saved:
                     self.save()
