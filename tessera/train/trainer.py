@@ -17,11 +17,13 @@ from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
 from tessera.data.pipeline import DataBundle, Split, build_data
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
-from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
+from tessera.train.async_checkpoint import build_checkpointer
+from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.train.metrics import MetricsLogger, plot_loss_curve
 from tessera.train.optim import build_optimizer, build_scheduler
 from tessera.train.preemption import PreemptionGuard
+from tessera.train.save_schedule import SaveSchedule
 from tessera.parallel import clip_grad_norm
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
 
@@ -95,7 +97,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
-        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.parallel.is_main)
+        c = config.checkpoint
+        self.checkpointer = build_checkpointer(self.run_dir, c.keep_last, self.parallel.is_main, c.async_save)
+        self.save_schedule = SaveSchedule(c.every, c.every_minutes, config.train.steps, c.enabled, self.device)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
         self.flops_per_token = flops_per_token(
@@ -252,8 +256,7 @@ class Trainer:
         )
 
     def _should_save(self) -> bool:
-        c = self.config.checkpoint
-        return c.enabled and (self.step % c.every == 0 or self.step == self.config.train.steps)
+        return self.save_schedule.due(self.step)  # steps, last step, every_minutes (decided by all ranks)
 
     def fit(self) -> TrainResult:
         """Train to ``train.steps`` (resuming first when asked), then plot and sample."""
@@ -300,11 +303,15 @@ class Trainer:
                 if saved:
                     self.save()
                 if self.step < cfg.train.steps and preemption.stop_requested(self.device):
-                    checkpoint = latest_checkpoint(self.run_dir) if saved else self.save()
+                    if not saved:
+                        self.save()
+                    self.checkpointer.wait()  # checkpoint.async: exit only once the save in flight is complete
+                    checkpoint = latest_checkpoint(self.run_dir)
                     logger.print(preemption.record(self.step, checkpoint))
                     result.preempted = preemption.reason
                     break
         finally:
+            self.checkpointer.wait()  # checkpoint.async: the last save is complete before the run ends
             preemption.uninstall()
             logger.close()
         result.seconds = time.perf_counter() - started
