@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -64,6 +65,7 @@ class AsyncCheckpointer(Checkpointer):
         )
         self._pending: Future | None = None  # resolves to the renamed checkpoint once committed
         self._pending_name = ""
+        self.write_seconds = 0.0  # the last save, from its start to its rename (rank 0) or end of write
         if not self.distributed:  # DCP warns on every single-process save, from the writer thread
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -73,6 +75,7 @@ class AsyncCheckpointer(Checkpointer):
         Collective under torch.distributed. Waits first for the previous save (at most one in flight).
         """
         self.wait()
+        started = time.perf_counter()
         final, tmp = self.root / f"step_{step:08d}", self.root / f"step_{step:08d}.tmp"
         if self.is_main:
             if tmp.exists():
@@ -87,11 +90,11 @@ class AsyncCheckpointer(Checkpointer):
             tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.group, async_stager=self.stager
         )
         committed: Future = Future()
-        written.add_done_callback(lambda f: self._commit(f, committed, tmp, final, meta))
+        written.add_done_callback(lambda f: self._commit(f, committed, tmp, final, meta, started))
         self._pending, self._pending_name = committed, final.name
         return final
 
-    def _commit(self, written: Future, committed: Future, tmp: Path, final: Path, meta: str) -> None:
+    def _commit(self, written: Future, committed: Future, tmp: Path, final: Path, meta: str, started: float) -> None:
         """Runs on the writer thread once DCP finished: rank 0 writes meta.json, renames, prunes."""
         try:
             written.result()
@@ -103,6 +106,7 @@ class AsyncCheckpointer(Checkpointer):
                 self._prune()
                 for stale in self.root.glob("step_*.tmp"):  # left by a crash mid-write: never completed
                     shutil.rmtree(stale, ignore_errors=True)
+            self.write_seconds = time.perf_counter() - started
             committed.set_result(final)
         except Exception as err:  # noqa: BLE001 - handed to the training thread, which raises it in wait()
             if self.is_main:
