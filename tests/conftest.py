@@ -96,11 +96,38 @@ def step_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
-def assert_losses_close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
+def step_records(run_dir: Path, after: int = 0) -> list[dict]:
+    """The training-step records of a run's metrics.jsonl past step ``after`` (those a resumed run wrote)."""
+    import json
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r and r["step"] > after]
+
+
+def assert_runs_match(run_dir: Path, reference_dir: Path, rtol: float = 1e-5, after: int = 0, checksum: bool = True) -> int:
+    """Parity of two runs: per-step loss AND grad norm within ``rtol`` for the steps after ``after``
+    (AdamW hides a wrong gradient scale from the loss, not from the grad norm) and, at the end, the
+    per-tensor sum of squares of the parameters. Returns how many steps were compared."""
+    import json
+
+    got, want = step_records(run_dir, after), step_records(reference_dir, after)
+    assert [r["step"] for r in got] == [r["step"] for r in want] and got, (got, want)
+    assert_losses_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol, what="grad norm")
+    assert_losses_close([r["loss"] for r in got], [r["loss"] for r in want], rtol, what="loss")
+    if checksum:
+        mine = json.loads((Path(run_dir) / "summary.json").read_text())["param_sumsq"]
+        ref = json.loads((Path(reference_dir) / "summary.json").read_text())["param_sumsq"]
+        assert mine.keys() == ref.keys(), sorted(set(mine) ^ set(ref))
+        for name, value in ref.items():
+            assert abs(mine[name] - value) <= rtol * abs(value) + 1e-12, f"param {name}: sum of squares {mine[name]} vs {value}"
+    return len(got)
+
+
+def assert_losses_close(got: list[float], want: list[float], rtol: float = 1e-5, what: str = "loss") -> None:
     """Same number of steps, every step within ``rtol`` relative (the parity criterion)."""
     assert len(got) == len(want) and len(want) > 0, (got, want)
     for step, (a, b) in enumerate(zip(got, want), 1):
-        assert abs(a - b) <= rtol * abs(b), f"step {step}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e} > {rtol})"
+        assert abs(a - b) <= rtol * abs(b), f"{what} at step {step}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e} > {rtol})"
 
 
 def write_tiny_recipe(path: Path, cache_dir: Path, *overrides: str) -> Path:

@@ -1,8 +1,17 @@
-"""Recipes: full-size parameter counts match the published models; every tiny recipe trains."""
+"""Recipes: full-size parameter counts match the published models; every tiny recipe trains, and
+its first 20 steps reproduce the golden loss and grad-norm curve in tests/golden/<family>.json.
+
+Golden curves make a numerics change a visible diff in review. Regenerate them (only when a
+change of numbers is intended and explained in the commit) with
+``TESSERA_REGENERATE_GOLDEN=1 python -m pytest tests/test_recipes.py -k tiny``.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +22,8 @@ from tessera.model import build_model, count_parameters
 from tessera.train.trainer import train
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN_STEPS = 20
 
 # Published parameter counts (HF transformers' models of the same configs count the same).
 PUBLISHED = {
@@ -41,16 +52,39 @@ def test_every_family_has_a_tiny_recipe():
     assert set(TINY) >= {"llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"}
 
 
+def _environment() -> dict[str, str]:
+    """What the golden numbers depend on besides tessera: the corpus (this Python's stdlib) and kernels."""
+    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
+
+
+def _check_golden(family: str, records: list[dict]) -> None:
+    curve = {k: [r[k] for r in records[:GOLDEN_STEPS]] for k in ("loss", "grad_norm")}
+    path = GOLDEN / f"{family}.json"
+    if os.environ.get("TESSERA_REGENERATE_GOLDEN"):
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"environment": _environment(), **curve}, indent=1) + "\n")
+        return
+    assert path.is_file(), f"no golden curve for {family}; regenerate: see the docstring of {__file__}"
+    golden = json.loads(path.read_text())
+    if golden["environment"] != _environment():
+        pytest.skip(f"golden curve recorded under {golden['environment']}, this is {_environment()}")
+    for key in ("loss", "grad_norm"):
+        for step, (got, want) in enumerate(zip(curve[key], golden[key], strict=True), 1):
+            assert abs(got - want) <= 1e-5 * abs(want), f"{family} {key} at step {step}: {got} vs golden {want}"
+
+
 @pytest.mark.parametrize("family", TINY)
-def test_tiny_recipe_trains(family, tmp_path, cache_dir):
+def test_tiny_recipe_trains_and_matches_its_golden_curve(family, tmp_path, cache_dir):
     overrides = [
         f"train.run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "train.steps=30", "train.eval_every=0",
         "train.eval_batches=1", "train.sample_tokens=0", "checkpoint.enabled=false", "log.progress=none",
-        "log.tensorboard=false", "log.plot=false", "log.peak_flops=1e12",
+        "log.tensorboard=false", "log.plot=false", "log.peak_flops=1e12", "log.every=1", "train.dtype=fp32",
     ]
     result = train(load_config(CONFIGS / "tiny" / f"{family}.toml", overrides))
     first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
     assert last < first - 0.5, f"{family}: loss {first:.3f} -> {last:.3f}"
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]
     if family == "mixtral":  # the trainer logs the MoE losses and expert load
-        records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-        assert all(r["moe_aux_loss"] > 0 and r["moe_load_max"] >= 1 for r in records if "loss" in r)
+        assert all(r["moe_aux_loss"] > 0 and r["moe_load_max"] >= 1 for r in records)
+    _check_golden(family, records)

@@ -25,6 +25,7 @@ from tessera.train.optim import build_optimizer, build_scheduler
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.save_schedule import SaveSchedule
 from tessera.parallel import clip_grad_norm
+from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,8 +86,6 @@ class Trainer:
         self.run_dir = Path(config.train.run_dir)
         self.device = resolve_device(config.train.device)
         self.dtype = DTYPES[config.train.dtype]
-        if self.dtype == torch.float16 and self.device.type == "cpu":
-            raise ConfigError("train.dtype='fp16' needs a GPU; use train.dtype=bf16 or fp32 on CPU")
         self.resume_from = resolve_resume(config)
         self.parallel = setup_parallel(config, self.device)
         self.device = self.parallel.device
@@ -351,6 +350,7 @@ class Trainer:
         ):  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
+        param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
         if not self.parallel.is_main:
             return
         summary = {
@@ -358,6 +358,7 @@ class Trainer:
             "seconds": result.seconds,
             "val_losses": result.val_losses,
             "final_loss": result.losses[-1] if result.losses else None,
+            "param_sumsq": param_sumsq,  # per tensor, layout-independent: the parity tests' final check
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         vals = list(result.val_losses.values())
