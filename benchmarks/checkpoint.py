@@ -43,7 +43,7 @@ def _config(args: argparse.Namespace):
     keys = [
         f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.dim // 64}",
         f"model.vocab_size={args.vocab}", "model.tie_embeddings=true", f"model.max_seq_len={args.seq}",
-        f"train.seq_len={args.seq}", f"train.batch_size={int(os.environ.get('WORLD_SIZE', 1))}",
+        f"train.seq_len={args.seq}", f"train.batch_size={int(os.environ.get('WORLD_SIZE', '1'))}",
         f"train.device={device}", "optim.warmup_steps=0", "data.tokenizer=unused.model",
     ]  # fmt: skip
     return load_config(None, keys)
@@ -63,7 +63,7 @@ def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args, 
 
 
 def _one_save(checkpointer, step: int, model, optimizer, args, device, parallel) -> dict[str, float]:
-    """Save, run ``args.steps`` steps (overlapping an async write), wait, then load it back."""
+    """Save, run ``args.steps`` steps (overlapping an async write), wait for the checkpoint to be complete."""
     parallel.barrier()
     started = time.perf_counter()
     path = checkpointer.save(step, model, optimizer, {"benchmark": True})
@@ -71,12 +71,21 @@ def _one_save(checkpointer, step: int, model, optimizer, args, device, parallel)
     steps = [_train_step(model, optimizer, args, device) for _ in range(args.steps)]
     checkpointer.wait()
     write = checkpointer.write_seconds if hasattr(checkpointer, "write_seconds") else stall
+    size = sum(f.stat().st_size for f in path.iterdir())
+    return {"stall": stall, "write": write, "step": statistics.mean(steps), "bytes": size}
+
+
+def _one_load(checkpointer, model, optimizer, parallel) -> float:
+    """Seconds to restore model, optimizer and RNG from the run's newest checkpoint (the resume).
+
+    Timed after all saves: a load replaces the optimizer's state tensors, which the async stager
+    then allocates again (as the first save after a real resume does)."""
+    from tessera.train.checkpoint import latest_checkpoint
+
     parallel.barrier()
     started = time.perf_counter()
-    checkpointer.load(path, model, optimizer)
-    load = time.perf_counter() - started
-    size = sum(f.stat().st_size for f in path.iterdir())
-    return {"stall": stall, "write": write, "step": statistics.mean(steps), "load": load, "bytes": size}
+    checkpointer.load(latest_checkpoint(checkpointer.root.parent), model, optimizer)
+    return time.perf_counter() - started
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -107,13 +116,15 @@ def worker(args: argparse.Namespace) -> None:
             rows.append(
                 {"mode": mode, **_one_save(checkpointers[mode], r + 1, model, optimizer, args, device, parallel)}
             )
+    for row in rows:
+        row["load"] = _one_load(checkpointers[row["mode"]], model, optimizer, parallel)
     if dist.is_initialized():  # the slowest rank is what the loop waits for
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, rows)
         rows = [{k: max(o[i][k] for o in everyone) if k != "mode" else v for k, v in row.items()} for i, row in enumerate(rows)]  # fmt: skip
     if parallel.is_main:
         n_params = sum(p.numel() for p in model.parameters())  # FSDP: the local shard's count
-        world = int(os.environ.get("WORLD_SIZE", 1))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
         print(
             "RESULT "
             + json.dumps({"rows": rows, "base_step": statistics.mean(base), "params_local": n_params, "world": world})
@@ -136,15 +147,21 @@ def report(result: dict) -> list[str]:
     ratio = [a / s for a, s in zip(async_stall, sync_stall)]
     slowdown = [r["step"] / result["base_step"] - 1 for r in by["async"]]
     lines = [
-        f"{world} rank(s), checkpoint {gb:.2f} GB (model, AdamW state, RNG), "
-        f"training step {result['base_step']:.2f} s without a write",
+        (
+            f"{world} rank(s), checkpoint {gb:.2f} GB (model, AdamW state, RNG), "
+            f"training step {result['base_step']:.2f} s without a write"
+        ),
         f"  sync  save (= stall)       {_summary(sync_stall)} s   {gb / statistics.median(sync_stall):.2f} GB/s",
-        f"  async stall (staging)      {_summary(async_stall)} s   = {_summary([100 * x for x in ratio], '{:.1f}')}% "
-        "of the sync save (target <= 10%)",
+        (
+            f"  async stall (staging)      {_summary(async_stall)} s   = {_summary([100 * x for x in ratio], '{:.1f}')}% "
+            "of the sync save (target <= 10%)"
+        ),
         f"  async write (background)   {_summary([r['write'] for r in by['async']])} s",
         f"  step slowdown during write {_summary([100 * x for x in slowdown], '{:.0f}')}%",
-        f"  load (resume)              {_summary([r['load'] for r in rows])} s   "
-        f"{gb / statistics.median(r['load'] for r in rows):.2f} GB/s",
+        (
+            f"  load (resume)              {_summary([r['load'] for r in rows])} s   "
+            f"{gb / statistics.median(r['load'] for r in rows):.2f} GB/s"
+        ),
     ]
     return lines
 

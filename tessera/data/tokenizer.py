@@ -113,8 +113,8 @@ def _locate(path: Path) -> Path:
             if (path / name).is_file():
                 return path / name
         raise DataError(
-            f"'{path}' holds no {TOKENIZER_JSON} or {SENTENCEPIECE_MODEL}; point data.tokenizer at a tokenizer file "
-            "or directory"
+            f"'{path}' holds no {TOKENIZER_JSON} or {SENTENCEPIECE_MODEL}; give a tokenizer file or a directory "
+            "holding one (a run directory keeps the tokenizer it trained with)"
         )
     if not path.is_file():
         raise DataError(
