@@ -34,7 +34,7 @@ wait_for() {
 }
 
 write_conf() {
-    local dir=$1 nodes=$2 cpus=$3 user
+    local dir=$1 nodes=$2 cpus=$3 socket=$4 user
     user=$(id -un)
     local names=()
     {
@@ -45,7 +45,7 @@ write_conf() {
         echo "AuthType=auth/munge"
         echo "CredType=cred/munge"
         # cred_expire is also how long a requeued job waits before it may start again (default 120 s).
-        echo "AuthInfo=socket=$dir/munge.sock,cred_expire=5"
+        echo "AuthInfo=socket=$socket,cred_expire=5"
         echo "SlurmUser=$user"
         echo "SlurmdUser=$user"
         echo "StateSaveLocation=$dir/state"
@@ -92,15 +92,22 @@ start() {
     if [[ -z "$dir" ]]; then dir=$(mktemp -d /tmp/tessera-slurm.XXXXXX); fi
     mkdir -p "$dir/state"
     dir=$(cd "$dir" && pwd)
-    chmod 755 "$dir" # munged insists that everyone may reach its socket
     for i in $(seq "$nodes"); do mkdir -p "$dir/spool/n$i"; done
 
+    # munged wants every directory above its socket to be searchable by everyone, which DIR's
+    # parents need not be (mktemp -d makes 0700 directories): the socket lives in its own
+    # directory under /tmp instead (also short enough for a unix socket path).
+    local sockdir
+    sockdir=$(mktemp -d /tmp/tessera-munge.XXXXXX)
+    chmod 755 "$sockdir"
+    echo "$sockdir" >"$dir/munge.sockdir"
     mungekey --create --force --keyfile="$dir/munge.key"
     chmod 600 "$dir/munge.key"
-    munged --key-file="$dir/munge.key" --socket="$dir/munge.sock" --pid-file="$dir/munged.pid" \
-        --log-file="$dir/munged.log" --seed-file="$dir/munged.seed"
+    munged --key-file="$dir/munge.key" --socket="$sockdir/munge.sock" --pid-file="$dir/munged.pid" \
+        --log-file="$dir/munged.log" --seed-file="$dir/munged.seed" ||
+        { echo "local_cluster: munged did not start; see $dir/munged.log" >&2; exit 1; }
 
-    write_conf "$dir" "$nodes" "$cpus"
+    write_conf "$dir" "$nodes" "$cpus" "$sockdir/munge.sock"
     export SLURM_CONF=$dir/slurm.conf
     slurmctld -f "$SLURM_CONF" -c
     wait_for 20 scontrol ping || { echo "local_cluster: slurmctld did not answer; see $dir/slurmctld.log" >&2; exit 1; }
@@ -128,6 +135,7 @@ stop() {
     stop_pid "$dir/slurmctld.pid"
     stop_pid "$dir/munged.pid"
     rm -f "$dir"/*.pid
+    if [[ -f "$dir/munge.sockdir" ]]; then rm -rf "$(cat "$dir/munge.sockdir")" "$dir/munge.sockdir"; fi
     echo "local_cluster: stopped (logs in $dir)"
 }
 

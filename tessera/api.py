@@ -52,3 +52,28 @@ def load_with_tokenizer(path: str | Path) -> tuple[nn.Module, Tokenizer]:
     ckpt = find_checkpoint(path)
     model = _load_checkpoint(ckpt)
     return model, Tokenizer(ckpt.parent.parent)
+
+
+def generate_text(
+    path: str | Path,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> tuple[str, str]:
+    """``prompt`` and its continuation sampled from a run or checkpoint (``tessera generate``), and
+    a line on the decoding cache's size (bytes per token of context)."""
+    import torch
+
+    from tessera.model import generate
+    from tessera.model.generate import cache_footprint
+
+    model, tokenizer = load_with_tokenizer(path)
+    ids = torch.tensor([tokenizer.prompt_ids(prompt)])
+    gen = torch.Generator().manual_seed(seed)
+    out = generate(model, ids, max_new_tokens, temperature, top_k, top_p, tokenizer.eos_id, gen)
+    per_token, fixed = cache_footprint(model)
+    cache = f"decoding cache: {per_token:,} bytes per token of context, {fixed:,} bytes fixed"
+    return prompt + tokenizer.decode(out[0].tolist()), cache

@@ -1,13 +1,24 @@
-"""``tessera <command>``: parse, validate, delegate. No logic lives here."""
+"""``tessera <command>``: parse, validate, delegate. No logic lives here.
+
+Each command is one ``_add_<command>`` function that registers its sub-parser and points it at
+its handler ``_cmd_<command>(args, overrides) -> exit code``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tessera.config import ConfigError, load_config
 
+Handler = Callable[[argparse.Namespace, list[str]], int]
+Subparsers = argparse._SubParsersAction
+
+OVERRIDES_HELP = (
+    "Overrides follow the recipe as dotted keys, in either form: model.n_layers=4 or --model.n_layers 4. "
+    "`tessera config keys [SECTION]` lists every key with its type, default, allowed values and meaning."
+)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -18,89 +29,248 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (ConfigError, DataError, CheckpointError, LaunchError)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tessera", description="Pretrain transformer language models, from one CPU to a GPU cluster.", allow_abbrev=False)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_convert_parser(sub)
-    _add_parity(sub)
+def _command(sub: Subparsers, name: str, handler: Handler, help: str, **kwargs) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help, description=help, allow_abbrev=False, **kwargs)
+    parser.set_defaults(handler=handler)
+    return parser
 
-    train = sub.add_parser("train", help="train a model from a TOML recipe", allow_abbrev=False)
+
+def _no_overrides(command: str, overrides: list[str]) -> None:
+    if overrides:
+        raise ConfigError(f"tessera {command} takes no config overrides, got {' '.join(overrides)}")
+
+
+# ---------------------------------------------------------------- train
+
+
+def _add_train(sub: Subparsers) -> None:
+    train = _command(
+        sub,
+        "train",
+        _cmd_train,
+        "train a model from a TOML recipe (resumes from the newest checkpoint)",
+        epilog=OVERRIDES_HELP,
+    )
     train.add_argument("config", help="TOML recipe, e.g. configs/smoke.toml")
-    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.add_argument(
+        "--print-config", action="store_true", help="print the resolved config, with each key's comment, and exit"
+    )
 
-    tok = sub.add_parser("tokenizer", help="tokenizer tools", allow_abbrev=False)
-    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
-    tok_train = tok_sub.add_parser("train", help="train (or reuse from the cache) the recipe's SentencePiece tokenizer", allow_abbrev=False)
-    tok_train.add_argument("config", nargs="?", default=None, help="TOML recipe (its data and model.vocab_size sections); defaults if omitted")
-    tok_train.add_argument("--kind", choices=("sentencepiece", "bpe"), default=None, help="train SentencePiece BPE (.model) or an HF byte-level BPE (tokenizer.json); default: data.tokenizer")
 
-    gen = sub.add_parser("generate", help="sample text from a run directory or checkpoint", allow_abbrev=False)
-    gen.add_argument("path", help="run directory (newest checkpoint) or checkpoint directory")
-    gen.add_argument("--prompt", default="", help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    gen.add_argument("--greedy", action="store_true", help="same as --temperature 0")
-    gen.add_argument("--seed", type=int, default=0)
+def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    config = load_config(args.config, overrides)
+    if args.print_config:
+        from tessera.configdoc import commented_toml
 
-    launch = sub.add_parser("launch", help="train on several processes/nodes with torchrun (or accelerate launch)", allow_abbrev=False)
+        print(commented_toml(config), end="")
+        return 0
+    from tessera.status import claim_run
+    from tessera.train.metrics import check_sinks
+    from tessera.train.preemption import PREEMPTED_EXIT_CODE
+    from tessera.train.trainer import train_and_exit
+
+    check_sinks(config.log)
+    with claim_run(config.train.run_dir):  # before anything is built: the run is busy from now on
+        return PREEMPTED_EXIT_CODE if train_and_exit(config).preempted else 0
+
+
+# ---------------------------------------------------------------- config
+
+
+def _add_config(sub: Subparsers) -> None:
+    config = _command(sub, "config", _cmd_config, "recipe keys: documentation generated from tessera's config classes")
+    actions = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    keys = actions.add_parser("keys", help="every key: type, default, allowed values and meaning", allow_abbrev=False)
+    keys.add_argument(
+        "section",
+        nargs="?",
+        default="",
+        help="a section (model), a sub-section (model.attention) or a key (train.steps)",
+    )
+
+
+def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
+    _no_overrides("config", overrides)
+    from tessera.configdoc import keys_table
+
+    print(keys_table(args.section))
+    return 0
+
+
+# ---------------------------------------------------------------- status
+
+
+def _add_status(sub: Subparsers) -> None:
+    status = _command(
+        sub, "status", _cmd_status, "a run at a glance: step, losses, tokens, checkpoint, whether it is running, ETA"
+    )
+    status.add_argument("run_dir", help="the run directory (train.run_dir), e.g. runs/smoke")
+
+
+def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
+    _no_overrides("status", overrides)
+    from tessera.status import run_status
+
+    print(run_status(args.run_dir))
+    return 0
+
+
+# ---------------------------------------------------------------- launch, slurm, parity
+
+
+def _add_launch(sub: Subparsers) -> None:
+    launch = _command(
+        sub,
+        "launch",
+        _cmd_launch,
+        "train on several processes/nodes with torchrun (or accelerate launch)",
+        epilog=OVERRIDES_HELP,
+    )
     launch.add_argument("config", help="TOML recipe; overrides follow as for train")
     launch.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    launch.add_argument("--nproc-per-node", type=int, default=0, help="processes per node (default: the GPU count, or up to 4 on CPU)")
+    launch.add_argument(
+        "--nproc-per-node", type=int, default=0, help="processes per node (default: the GPU count, or up to 4 on CPU)"
+    )
     launch.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the first node; needed with --nnodes > 1")
     launch.add_argument("--rdzv-backend", default="c10d", help="c10d (elastic, default) or static (fixed node ranks)")
     launch.add_argument("--rdzv-id", default="", help="job id shared by all nodes (default: from train.run_dir)")
     launch.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous only)")
     launch.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group after a failure")
-    launch.add_argument("--via", choices=("torchrun", "accelerate"), default="torchrun", help="launcher (accelerate: also writes RUN_DIR/accelerate.yaml)")
+    launch.add_argument(
+        "--via",
+        choices=("torchrun", "accelerate"),
+        default="torchrun",
+        help="launcher, run by this Python (accelerate: also writes RUN_DIR/accelerate.yaml)",
+    )
     launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
 
-    sl = sub.add_parser("slurm", help="write (and submit) a SLURM sbatch script that trains on N nodes", allow_abbrev=False)
-    sl.add_argument("config", help="TOML recipe; overrides follow as for train")
+
+def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.launcher.torchrun import launch
+
+    return launch(
+        args.config,
+        overrides,
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_backend=args.rdzv_backend,
+        rdzv_id=args.rdzv_id,
+        node_rank=args.node_rank,
+        max_restarts=args.max_restarts,
+        via=args.via,
+        dry_run=args.dry_run,
+    )
+
+
+def _add_slurm_allocation(sl: argparse.ArgumentParser) -> None:
     sl.add_argument("--nodes", type=int, default=1, help="number of nodes")
-    sl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (processes) per node; on a CPU job, processes per node")
-    sl.add_argument("--device", default="auto", help="gpu, cpu, or auto (train.device, else whether this machine sees a GPU)")
+    sl.add_argument(
+        "--gpus-per-node", type=int, default=8, help="GPUs (processes) per node; on a CPU job, processes per node"
+    )
+    sl.add_argument(
+        "--device",
+        default="auto",
+        help="gpu, cpu, or auto: cpu when train.device=cpu, else gpu (what the job needs, not what this node has)",
+    )
     sl.add_argument("--partition", default="")
     sl.add_argument("--time", default="", help="time limit, e.g. 04:00:00 or 2-00:00:00")
     sl.add_argument("--account", default="")
     sl.add_argument("--qos", default="")
     sl.add_argument("--exclusive", action="store_true", help="whole nodes only")
     sl.add_argument("--job-name", default="", help="default: the run directory's name")
-    sl.add_argument("--cpus-per-task", type=int, default=0, help="cores per node task (default: SLURM's on GPU jobs, one per process on CPU)")
+    sl.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=0,
+        help="cores per node task (default: SLURM's on GPU jobs, one per process on CPU)",
+    )
     sl.add_argument("--mem", default="", help="memory per node, e.g. 0 (all) or 480G")
-    sl.add_argument("--signal-seconds", type=int, default=300, help="send SIGUSR1 this long before the time limit: checkpoint and requeue")
-    sl.add_argument("--rdzv-port", type=int, default=0, help="rendezvous port on the first node (default 29500 + job id % 1000)")
+    sl.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="extra sbatch option, e.g. --sbatch=--constraint=h100 (repeatable)",
+    )
+
+
+def _add_slurm(sub: Subparsers) -> None:
+    sl = _command(
+        sub,
+        "slurm",
+        _cmd_slurm,
+        "write (and submit) a SLURM sbatch script that trains on N nodes",
+        epilog=OVERRIDES_HELP,
+    )
+    sl.add_argument("config", help="TOML recipe; overrides follow as for train")
+    _add_slurm_allocation(sl)
+    sl.add_argument(
+        "--signal-seconds",
+        type=int,
+        default=300,
+        help="send SIGUSR1 this long before the time limit: checkpoint and requeue",
+    )
+    sl.add_argument(
+        "--rdzv-port", type=int, default=0, help="rendezvous port on the first node (default 29500 + job id %% 1000)"
+    )
     sl.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of a failed worker group")
-    sl.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="extra sbatch option, e.g. --sbatch=--constraint=h100 (repeatable)")
-    sl.add_argument("--setup", action="append", default=[], metavar="LINE", help="shell line run before srun, e.g. 'source .venv/bin/activate' (repeatable)")
+    sl.add_argument(
+        "--python",
+        default="",
+        help=f"the Python the job runs (default: this one, {sys.executable})".replace("%", "%%"),
+    )
+    sl.add_argument(
+        "--setup",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="shell line run before srun, e.g. 'module load cuda' (repeatable)",
+    )
     sl.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     sl.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
 
-    prep = sub.add_parser("prepare", help="tokenize a corpus into a megatron-core indexed dataset (PREFIX.bin/.idx)", allow_abbrev=False)
-    prep.add_argument("source", help="'default' (this Python's stdlib), a text/JSON/JSONL/Parquet/Arrow file or folder, or hf:NAME")
-    prep.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
-    prep.add_argument("--tokenizer", default="default", help="SentencePiece .model, HF tokenizer.json or HF tokenizer directory; 'default' trains SentencePiece on the source, kept as PREFIX.tokenizer.model")
-    prep.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the trained tokenizer")
-    prep.add_argument("--text-field", default="text", help="field of JSON/Parquet/Arrow rows that holds the text")
-    prep.add_argument("--num-proc", type=int, default=1, help="tokenization worker processes")
-    prep.add_argument("--max-chars", type=int, default=0, help="stop after this many characters (0 = all)")
-    prep.add_argument("--tokenizer-chars", type=int, default=10_000_000, help="characters the default tokenizer trains on")
-    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    data = sub.add_parser("data", help="dataset tools", allow_abbrev=False)
-    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
-    inspect = data_sub.add_parser("inspect", help="documents, tokens, length histogram and decoded samples of an indexed dataset", allow_abbrev=False)
-    inspect.add_argument("path", help="dataset prefix (PREFIX.bin/.idx), or either file")
-    inspect.add_argument("--tokenizer", default="", help=".model, tokenizer.json or HF tokenizer directory to decode with (default: PREFIX.tokenizer.model if present)")
-    inspect.add_argument("--samples", type=int, default=3, help="decoded documents to show")
-    return parser
+def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.launcher.slurm import SlurmSpec, slurm
+
+    spec = SlurmSpec(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        device=args.device,
+        partition=args.partition,
+        time=args.time,
+        account=args.account,
+        qos=args.qos,
+        exclusive=args.exclusive,
+        job_name=args.job_name,
+        cpus_per_task=args.cpus_per_task,
+        mem=args.mem,
+        signal_seconds=args.signal_seconds,
+        rdzv_port=args.rdzv_port,
+        max_restarts=args.max_restarts,
+        sbatch_options=args.sbatch,
+        setup=args.setup,
+        python=args.python or sys.executable,
+    )
+    return slurm(args.config, overrides, spec, args.argv, args.submit, args.dry_run)
 
 
-def _add_parity(sub: argparse._SubParsersAction) -> None:
-    par = sub.add_parser("parity", help="compare per-step losses of one recipe under several parallel layouts", allow_abbrev=False)
+def _add_parity(sub: Subparsers) -> None:
+    par = _command(
+        sub,
+        "parity",
+        _cmd_parity,
+        "compare per-step losses of one recipe under several parallel layouts",
+        epilog=OVERRIDES_HELP,
+    )
     par.add_argument("config", help="TOML recipe")
-    par.add_argument("--layouts", nargs="+", required=True, help='layouts such as single "dp_shard=2" "tp=2" "dp_shard=2,tp=2"; the first is the reference')
+    par.add_argument(
+        "--layouts",
+        nargs="+",
+        required=True,
+        help='layouts such as single "dp_shard=2" "tp=2" "dp_shard=2,tp=2"; the first is the reference',
+    )
     par.add_argument("--steps", type=int, default=5)
     par.add_argument("--rtol", type=float, default=1e-5)
     par.add_argument("--work-dir", default=None, help="where the runs write (default: a temporary directory)")
@@ -114,15 +284,111 @@ def _cmd_parity(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0 if ok else 1
 
 
-def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    config = load_config(args.config, overrides)
-    if args.print_config:
-        print(config.to_toml())
-        return 0
-    from tessera.train.preemption import PREEMPTED_EXIT_CODE
-    from tessera.train.trainer import train_and_exit
+# ---------------------------------------------------------------- data and tokenizers
 
-    return PREEMPTED_EXIT_CODE if train_and_exit(config).preempted else 0
+
+def _add_prepare(sub: Subparsers) -> None:
+    prep = _command(
+        sub, "prepare", _cmd_prepare, "tokenize a corpus into a megatron-core indexed dataset (PREFIX.bin/.idx)"
+    )
+    prep.add_argument(
+        "source", help="'default' (this Python's stdlib), a text/JSON/JSONL/Parquet/Arrow file or folder, or hf:NAME"
+    )
+    prep.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
+    prep.add_argument(
+        "--tokenizer",
+        default="default",
+        help="SentencePiece .model, HF tokenizer.json or HF tokenizer directory; 'default' trains SentencePiece on the "
+        "source. Either is kept as PREFIX.tokenizer.model",
+    )
+    prep.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the trained tokenizer")
+    prep.add_argument("--text-field", default="text", help="field of JSON/Parquet/Arrow rows that holds the text")
+    prep.add_argument("--num-proc", type=int, default=1, help="tokenization worker processes")
+    prep.add_argument("--max-chars", type=int, default=0, help="stop after this many characters (0 = all)")
+    prep.add_argument(
+        "--tokenizer-chars", type=int, default=10_000_000, help="characters the default tokenizer trains on"
+    )
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
+    _no_overrides("prepare", overrides)
+    limits = (
+        ("--vocab-size", args.vocab_size, 260),
+        ("--num-proc", args.num_proc, 1),
+        ("--max-chars", args.max_chars, 0),
+        ("--tokenizer-chars", args.tokenizer_chars, 1),
+    )
+    for flag, value, low in limits:
+        if value < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    from tessera.data.pipeline import cache_dir
+    from tessera.data.prepare import prepare_corpus
+
+    summary, tokenizer = prepare_corpus(
+        args.source,
+        args.output,
+        args.tokenizer,
+        args.vocab_size,
+        args.text_field,
+        args.max_chars,
+        args.tokenizer_chars,
+        args.num_proc,
+        cache_dir(),
+        not args.no_progress,
+    )
+    print(f"prepared {summary.line()}; tokenizer {tokenizer.path} ({tokenizer.vocab_size} tokens)")
+    return 0
+
+
+def _add_data(sub: Subparsers) -> None:
+    data = _command(sub, "data", _cmd_data, "dataset tools")
+    actions = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    inspect = actions.add_parser(
+        "inspect",
+        help="documents, tokens, length histogram and decoded samples of an indexed dataset",
+        allow_abbrev=False,
+    )
+    inspect.add_argument("path", help="dataset prefix (PREFIX.bin/.idx), or either file")
+    inspect.add_argument(
+        "--tokenizer",
+        default="",
+        help=".model, tokenizer.json or HF tokenizer directory to decode with (default: the one tessera prepare recorded)",
+    )
+    inspect.add_argument("--samples", type=int, default=3, help="decoded documents to show")
+
+
+def _cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
+    _no_overrides(f"data {args.data_command}", overrides)
+    if args.samples < 0:
+        raise ConfigError(f"--samples must be >= 0, got {args.samples}")
+    from tessera.data.inspect import inspect_dataset
+
+    print(inspect_dataset(args.path, args.tokenizer, args.samples))
+    return 0
+
+
+def _add_tokenizer(sub: Subparsers) -> None:
+    tok = _command(sub, "tokenizer", _cmd_tokenizer, "tokenizer tools")
+    actions = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    train = actions.add_parser(
+        "train",
+        help="train (or reuse from the cache) the recipe's tokenizer: SentencePiece, or --kind bpe",
+        allow_abbrev=False,
+        epilog=OVERRIDES_HELP,
+    )
+    train.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="TOML recipe (its data and model.vocab_size sections); defaults if omitted",
+    )
+    train.add_argument(
+        "--kind",
+        choices=("sentencepiece", "bpe"),
+        default=None,
+        help="SentencePiece BPE (.model) or an HF byte-level BPE (tokenizer.json); default: the recipe's data.tokenizer",
+    )
 
 
 def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -131,29 +397,73 @@ def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = load_config(args.config, overrides)
     docs, corpus_hash = load_corpus(config.data.source, config.data.max_chars, config.data.text_field)
-    tokenizer, cached = build_tokenizer(config, docs, corpus_hash, {"sentencepiece": "default", "bpe": "bpe", None: ""}[args.kind])
+    spec = {"sentencepiece": "default", "bpe": "bpe", None: ""}[args.kind]
+    tokenizer, cached = build_tokenizer(config, docs, corpus_hash, spec)
     print(f"{'reused cached' if cached else 'trained'} tokenizer: {tokenizer.path} ({tokenizer.vocab_size} tokens)")
     return 0
 
 
-def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
-    conv = sub.add_parser("convert", help="convert between HF transformers checkpoints and tessera", allow_abbrev=False)
-    conv_sub = conv.add_subparsers(dest="convert_command", required=True, metavar="ACTION")
-    imp = conv_sub.add_parser("hf-import", help="HF model directory (config.json + safetensors) -> tessera run directory", allow_abbrev=False)
-    imp.add_argument("hf_dir", help="HF model directory: llama, mistral, qwen2, gpt2, mixtral, bert or t5")
+# ---------------------------------------------------------------- models: generate, convert
+
+
+def _add_generate(sub: Subparsers) -> None:
+    gen = _command(sub, "generate", _cmd_generate, "sample text from a run directory or checkpoint")
+    gen.add_argument("path", help="run directory (newest checkpoint) or checkpoint directory")
+    gen.add_argument("--prompt", default="", help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--greedy", action="store_true", help="same as --temperature 0")
+    gen.add_argument("--seed", type=int, default=0)
+
+
+def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    _no_overrides("generate", overrides)
+    if args.max_new_tokens <= 0:
+        raise ConfigError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    from tessera.api import generate_text
+
+    temperature = 0.0 if args.greedy else args.temperature
+    text, cache = generate_text(
+        args.path, args.prompt, args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed
+    )
+    print(text)
+    print(cache, file=sys.stderr)
+    return 0
+
+
+def _add_convert(sub: Subparsers) -> None:
+    conv = _command(sub, "convert", _cmd_convert, "convert between HF transformers checkpoints and tessera")
+    actions = conv.add_subparsers(dest="convert_command", required=True, metavar="ACTION")
+    imp = actions.add_parser(
+        "hf-import", help="HF model directory (config.json + safetensors) -> tessera run directory", allow_abbrev=False
+    )
+    imp.add_argument(
+        "hf_dir",
+        help="HF model directory: llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, "
+        "gpt2, bert, t5, mamba, mamba2 or jamba",
+    )
     imp.add_argument("out_dir", help="tessera run directory to write (one checkpoint, step 0)")
-    exp = conv_sub.add_parser("hf-export", help="tessera run or checkpoint directory -> HF model directory", allow_abbrev=False)
+    exp = actions.add_parser(
+        "hf-export", help="tessera run or checkpoint directory -> HF model directory", allow_abbrev=False
+    )
     exp.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
-    exp.add_argument("out_dir", help="HF model directory to write (config.json + model.safetensors)")
+    exp.add_argument(
+        "out_dir", help="HF model directory to write (config, safetensors, tokenizer, generation config, model card)"
+    )
     exp.add_argument("--family", default=None, help="HF family to write (default: detected from the model config)")
-    cons = conv_sub.add_parser("consolidate", help="tessera run or checkpoint (any layout) -> one model.safetensors", allow_abbrev=False)
+    cons = actions.add_parser(
+        "consolidate", help="tessera run or checkpoint (any layout) -> one model.safetensors", allow_abbrev=False
+    )
     cons.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
     cons.add_argument("out_dir", help="directory to write model.safetensors (and config.toml) into")
 
 
 def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ConfigError(f"tessera convert takes no config overrides, got {' '.join(overrides)}")
+    _no_overrides("convert", overrides)
     from tessera.convert import consolidate, hf_export, hf_import
 
     if args.convert_command == "hf-import":
@@ -165,88 +475,42 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ConfigError(f"tessera generate takes no config overrides, got {' '.join(overrides)}")
-    if args.max_new_tokens <= 0:
-        raise ConfigError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
-    import torch
+# ---------------------------------------------------------------- entry point
 
-    from tessera.api import load_with_tokenizer
-    from tessera.model import generate
-
-    model, tokenizer = load_with_tokenizer(args.path)
-    ids = torch.tensor([tokenizer.prompt_ids(args.prompt)])
-    temperature = 0.0 if args.greedy else args.temperature
-    gen = torch.Generator().manual_seed(args.seed)
-    out = generate(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, tokenizer.eos_id, gen)
-    print(args.prompt + tokenizer.decode(out[0].tolist()))
-    return 0
+COMMANDS = (
+    _add_train,
+    _add_launch,
+    _add_slurm,
+    _add_parity,
+    _add_status,
+    _add_config,
+    _add_prepare,
+    _add_data,
+    _add_tokenizer,
+    _add_generate,
+    _add_convert,
+)
 
 
-def _cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ConfigError(f"tessera prepare takes no config overrides, got {' '.join(overrides)}")
-    for flag, value, low in (("--vocab-size", args.vocab_size, 260), ("--num-proc", args.num_proc, 1), ("--max-chars", args.max_chars, 0), ("--tokenizer-chars", args.tokenizer_chars, 1)):
-        if value < low:
-            raise ConfigError(f"{flag} must be >= {low}, got {value}")
-    from tessera.data.pipeline import cache_dir
-    from tessera.data.prepare import prepare_corpus
-
-    summary, tokenizer = prepare_corpus(
-        args.source, args.output, args.tokenizer, args.vocab_size, args.text_field, args.max_chars, args.tokenizer_chars, args.num_proc, cache_dir(), not args.no_progress
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tessera`` argument parser with every command registered."""
+    parser = argparse.ArgumentParser(
+        prog="tessera",
+        description="Pretrain transformer language models, from one CPU to a GPU cluster.",
+        allow_abbrev=False,
     )
-    print(f"prepared {summary.line()}; tokenizer {tokenizer.path} ({tokenizer.vocab_size} tokens)")
-    return 0
-
-
-def _cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ConfigError(f"tessera data {args.data_command} takes no config overrides, got {' '.join(overrides)}")
-    if args.samples < 0:
-        raise ConfigError(f"--samples must be >= 0, got {args.samples}")
-    from tessera.data.inspect import inspect_dataset
-
-    print(inspect_dataset(args.path, args.tokenizer, args.samples))
-    return 0
-
-
-def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
-    from tessera.launcher.torchrun import launch
-
-    return launch(
-        args.config, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
-        rdzv_id=args.rdzv_id, node_rank=args.node_rank, max_restarts=args.max_restarts, via=args.via, dry_run=args.dry_run,
-    )
-
-
-def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
-    from tessera.launcher.slurm import SlurmSpec, slurm
-
-    spec = SlurmSpec(
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node, device=args.device, partition=args.partition, time=args.time, account=args.account,
-        qos=args.qos, exclusive=args.exclusive, job_name=args.job_name, cpus_per_task=args.cpus_per_task, mem=args.mem,
-        signal_seconds=args.signal_seconds, rdzv_port=args.rdzv_port, max_restarts=args.max_restarts, sbatch_options=args.sbatch, setup=args.setup,
-    )
-    return slurm(args.config, overrides, spec, args.argv, args.submit, args.dry_run)
-
-
-COMMANDS = {"launch": _cmd_launch, "slurm": _cmd_slurm, "train": _cmd_train, "tokenizer": _cmd_tokenizer, "generate": _cmd_generate, "prepare": _cmd_prepare, "data": _cmd_data}
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit code (2 for user errors)."""
-    parser = _parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return COMMANDS[args.command](args, extra)
+        return args.handler(args, extra)
     except _user_errors() as err:
         print(f"tessera: error: {err}", file=sys.stderr)
         return 2
-
-
-COMMANDS["convert"] = _cmd_convert
-COMMANDS["parity"] = _cmd_parity

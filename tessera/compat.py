@@ -22,7 +22,6 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "activation checkpointing": {},
     "torch.compile": {
-        "tp": "compile is not validated with tensor parallelism yet",
         "pp": "compile is not validated with pipeline stages yet",
     },
     "bf16": {},
@@ -42,19 +41,28 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"
     },
     "tied embeddings": {
-        "tp": "a tied embedding cannot be both row- and column-sharded; set model.tie_embeddings=false",
         "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
     },
-    "encoder / encoder-decoder": {"tp": "the tensor-parallel plan covers decoder-only models"},
-    "absolute positions (learned, sinusoidal)": {
-        "sp": "position tables are added before the sequence is sharded; set parallel.sequence_parallel=false"
+    "encoder / encoder-decoder": {},
+    "absolute positions (learned, sinusoidal)": {},
+    "T5 relative-position bias": {
+        "pp": "the bias table is shared by the blocks of every stage and would need its gradients summed "
+        "across stages; use rope, alibi or learned positions",
     },
-    "score-bias positions (t5_bias, alibi)": {
-        "tp": "the bias tables are not sharded by head yet",
-        "pp": "the score-bias module is shared by the blocks of every stage; use rope or learned positions",
-    },
-    "sparse/linear attention kernels": {"tp": "only the sdpa and eager kernels are sharded"},
+    "ALiBi": {},
+    "sparse/linear attention kernels": {},
     "mixture of experts": {},
+    "QK-norm over all heads": {
+        "tp": "the norm spans every head's channels, which tensor parallelism splits over ranks",
+    },
+    "Mamba layers": {
+        "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
+        "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
+    },
+    "latent attention": {
+        "tp": "the tensor-parallel plan does not cover latent attention's projections",
+        "cp": "ring attention is written for standard attention's keys and values, not the latent cache",
+    },
 }
 
 
@@ -111,12 +119,20 @@ def job_features(config: Any) -> set[str]:
         features.add("encoder / encoder-decoder")
     if m.position.kind in ("learned", "sinusoidal"):
         features.add("absolute positions (learned, sinusoidal)")
-    if m.position.kind in ("t5_bias", "alibi"):
-        features.add("score-bias positions (t5_bias, alibi)")
+    if m.position.kind == "t5_bias":
+        features.add("T5 relative-position bias")
+    if m.position.kind == "alibi":
+        features.add("ALiBi")
     if m.attention.kernel not in ("sdpa", "eager"):
         features.add("sparse/linear attention kernels")
     if m.moe.experts > 1:
         features.add("mixture of experts")
+    if m.attention.qk_norm and m.attention.qk_norm_scope == "all":
+        features.add("QK-norm over all heads")
+    if "M" in m.layer_pattern:
+        features.add("Mamba layers")
+    if m.mla.kv_rank:
+        features.add("latent attention")
     return features
 
 

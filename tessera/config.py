@@ -29,11 +29,14 @@ __all__ = ["ConfigError", "JobConfig", "ModelConfig", "load_config", "model_conf
 class AttentionConfig:
     """[model.attention]: the attention kernel and its options."""
 
-    kernel: Literal["sdpa", "eager", "longformer", "bigbird", "linear", "performer"] = "sdpa"
+    kernel: Literal["sdpa", "eager", "longformer", "bigbird", "linear", "performer"] = "sdpa"  # eager: fp32 softmax
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2, GPT-2, BERT)
+    o_bias: bool = False  # a bias on o_proj also when model.bias is false (Llama attention_bias)
     dropout: float = 0.0  # on the attention weights
     scale: float = 0.0  # softmax scale; 0 means 1/sqrt(head_dim) (T5 uses 1)
+    scale_by_layer: bool = False  # divide the scale by layer index + 1 (GPT-2 scale_attn_by_inverse_layer_idx)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys
+    qk_norm_scope: Literal["head", "all"] = "head"  # qk_norm per head (Qwen3) or over all heads' channels (OLMoE)
     sliding_window: int = 0  # keys within this many positions (Mistral); the local width for longformer
     global_tokens: int = 0  # longformer/bigbird: the first positions attend and are attended everywhere
     block_size: int = 16  # bigbird block
@@ -45,14 +48,17 @@ class AttentionConfig:
 class PositionConfig:
     """[model.position]: how token positions enter the model."""
 
-    kind: Literal["rope", "learned", "sinusoidal", "t5_bias", "alibi", "none"] = "rope"
-    rope_theta: float = 10000.0
-    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
-    rope_scaling_factor: float = 1.0
-    rope_original_max_len: int = 0  # yarn: the pre-extension context (0 = max_seq_len / factor)
+    kind: Literal["rope", "learned", "sinusoidal", "t5_bias", "alibi", "none"] = "rope"  # t5_bias/alibi: score biases
+    rope_theta: float = 10000.0  # RoPE base frequency
+    rope_scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"  # context extension of RoPE
+    rope_scaling_factor: float = 1.0  # how many times longer than the original context
+    rope_original_max_len: int = 0  # yarn, llama3: the pre-extension context (0 = max_seq_len / factor)
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by the factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
+    rope_attention_factor: float = 0.0  # yarn: the cos/sin magnitude (0 = 0.1 * ln(factor) + 1)
     rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
     rel_buckets: int = 32  # T5 relative-position buckets
-    rel_max_distance: int = 128
+    rel_max_distance: int = 128  # T5: distances beyond this share the last bucket
 
 
 @dataclass
@@ -64,10 +70,45 @@ class MoEConfig:
     every: int = 1  # MoE on every n-th layer (layer i is MoE when (i + 1) % every == 0)
     router: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"  # softmax after (renormalized) or before top-k
     capacity_factor: float = 0.0  # 0 = dropless; else tokens over capacity are dropped
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    shared_experts: int = 0
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch / GShard)
+    z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE)
+    shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
     ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
+    jitter: float = 0.0  # training only: the MoE input times U(1 - jitter, 1 + jitter) (Mixtral router_jitter_noise)
+
+
+@dataclass
+class MambaConfig:
+    """[model.mamba]: the selective state-space mixer of the "M" layers of model.layer_pattern."""
+
+    version: int = 1  # 1 = Mamba (S6, a state per channel), 2 = Mamba-2 (SSD, a scalar decay per head)
+    state: int = 16  # d_state: SSM state size (per channel for Mamba-1, per head for Mamba-2)
+    conv: int = 4  # width of the causal depthwise convolution
+    expand: int = 2  # inner width = expand * dim
+    dt_rank: int = 0  # Mamba-1: rank of the time-step projection (0 = ceil(dim / 16))
+    head_dim: int = 64  # Mamba-2: channels per SSM head (heads = inner width / head_dim)
+    groups: int = 1  # Mamba-2: B/C groups shared by the heads (like grouped-query attention)
+    chunk: int = 64  # the training scan's chunk length (memory vs. parallelism; not the numbers)
+    conv_bias: bool = True  # a bias on the depthwise convolution
+    proj_bias: bool = False  # biases on in_proj and out_proj
+    dt_norm: bool = False  # RMSNorm on the time step, B and C (Jamba)
+    ffn: bool = True  # Mamba layers also get the FFN/MoE sublayer (Jamba); false = the mixer alone (Mamba)
+
+
+@dataclass
+class MLAConfig:
+    """[model.mla]: multi-head latent attention (DeepSeek-V2/V3) in place of standard attention.
+
+    Keys and values are rebuilt from one compressed latent of ``kv_rank`` channels per token plus
+    a ``rope_head_dim`` RoPE key shared by all heads; the KV cache stores only those two.
+    """
+
+    kv_rank: int = 0  # kv_lora_rank; 0 keeps standard attention
+    q_rank: int = 0  # q_lora_rank: low-rank query compression (0 = one full query projection)
+    rope_head_dim: int = 64  # qk_rope_head_dim: the rotated part of each query/key head
+    nope_head_dim: int = 128  # qk_nope_head_dim: the unrotated part of each query/key head
+    v_head_dim: int = 128  # v_head_dim: the width of each value head
+    mscale: float = 0.0  # yarn mscale_all_dim: the softmax scale times (0.1 * mscale * ln(factor) + 1)^2
 
 
 @dataclass
@@ -75,55 +116,61 @@ class ModelConfig:
     """Architecture of the transformer (the zoo picks components from these names)."""
 
     arch: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"  # causal LM, MLM encoder (BERT), seq2seq (T5)
-    vocab_size: int = 2048
-    dim: int = 128
-    n_layers: int = 4
+    vocab_size: int = 2048  # embedding rows: the tokenizer's vocabulary plus sentinel_tokens
+    dim: int = 128  # hidden size
+    n_layers: int = 4  # transformer blocks (the encoder's, for encoder_decoder)
     n_decoder_layers: int = 0  # encoder_decoder: decoder depth (0 = n_layers)
-    n_heads: int = 4
+    n_heads: int = 4  # attention (query) heads
     n_kv_heads: int = 0  # 0 means n_heads (multi-head); 1 is multi-query; else grouped-query
     head_dim: int = 0  # 0 means dim // n_heads
     ffn_hidden: int = 0  # 0 derives it from ffn_multiplier and multiple_of
     ffn_multiplier: float = 0.0  # 0 means 4x for plain FFNs and 8/3x for gated ones
-    multiple_of: int = 32
-    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    norm_eps: float = 1e-5
+    multiple_of: int = 32  # a derived ffn_hidden is rounded up to a multiple of this
+    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"  # swiglu/geglu are gated
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # the normalization layer everywhere
+    norm_eps: float = 1e-5  # epsilon of every norm
     norm_position: Literal["pre", "post"] = "pre"  # post-norm (BERT) has no final norm
     bias: bool = False  # biases on o_proj and the FFN linears (GPT-2, BERT)
+    ffn_bias: bool = False  # biases on the FFN linears also when bias is false (Llama mlp_bias)
     embed_norm: bool = False  # a norm right after the embeddings (BERT)
     type_vocab_size: int = 0  # BERT token-type embeddings (type 0 is added when none are given)
     output_dim_scale: bool = False  # multiply the final hidden by dim**-0.5 before the head (T5 v1.0)
-    tie_embeddings: bool = False
-    max_seq_len: int = 2048
+    tie_embeddings: bool = False  # the output head shares the token-embedding weight
+    max_seq_len: int = 2048  # longest sequence the position tables and caches allow
     dropout: float = 0.0  # residual and FFN dropout
-    init_std: float = 0.02
+    init_std: float = 0.02  # normal init std (output projections scaled down by depth)
     objective: Literal["auto", "causal_lm", "masked_lm", "span_corruption"] = "auto"  # auto follows arch
     mask_prob: float = 0.15  # masked_lm: fraction masked; span_corruption: noise density
-    mean_span_length: float = 3.0
+    mean_span_length: float = 3.0  # span_corruption: mean noise-span length
     sentinel_tokens: int = 0  # ids reserved at the top of the vocab for [MASK] / T5 sentinels
+    # A = attention ([model.attention], latent if [model.mla] is on), G = global attention (A without the
+    # sliding window), M = Mamba ([model.mamba]); "" = all A.
+    layer_pattern: str = ""  # each layer's mixer, one letter per layer, repeated to n_layers (Jamba: "MMMMAMMM")
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     position: PositionConfig = field(default_factory=PositionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
 
 
 @dataclass
 class ParallelConfig:
     """Parallel degrees; their product must equal the world size (dp_shard=-1 takes the rest)."""
 
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    pp: int = 1
+    dp_replicate: int = 1  # replicas of the model (DDP, or the replicate dimension of HSDP)
+    dp_shard: int = -1  # ranks sharding params, grads and optimizer state (FSDP); -1 = the processes left
+    tp: int = 1  # tensor-parallel degree (Megatron-style column/row-parallel linears, vocab-parallel head)
+    pp: int = 1  # pipeline stages (the outermost mesh dimension)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"] = "1f1b"  # pipeline schedule (pp > 1)
     microbatches: int = 0  # micro-batches per pipeline step; 0 means pp
     pp_virtual_stages: int = 0  # stages per pp rank; 0 means 2 for interleaved/zero-bubble schedules, else 1
     layers_per_stage: str = ""  # comma-separated block counts per stage, e.g. "3,5"; empty balances by count
-    cp: int = 1
-    ep: int = 1
+    cp: int = 1  # context-parallel degree (not implemented yet: must be 1)
+    ep: int = 1  # expert-parallel degree (not implemented yet: must be 1)
     sequence_parallel: bool = True  # with tp > 1: shard norms/dropout activations along the sequence
     reshard_after_forward: bool = True  # FSDP: true is ZeRO-3, false keeps params gathered until backward (ZeRO-2)
     cpu_offload: bool = False  # FSDP: parameters, gradients and optimizer step on the CPU
-    activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"
+    activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"  # selective = every ac_every-th block
     ac_every: int = 2  # selective: checkpoint every n-th block
     compile: bool = False  # torch.compile each transformer block
     meta_init: bool = False  # build on the meta device, shard, then initialize (for models too big for one host)
@@ -133,15 +180,15 @@ class ParallelConfig:
 class OptimConfig:
     """AdamW and the learning-rate schedule."""
 
-    name: Literal["adamw"] = "adamw"
-    lr: float = 3e-4
+    name: Literal["adamw"] = "adamw"  # the optimizer (no decay on norms, biases, embeddings)
+    lr: float = 3e-4  # peak learning rate, reached after warmup_steps
     min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of lr
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    warmup_steps: int = 100
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"  # decay after warmup; wsd: warmup-stable-decay
+    warmup_steps: int = 100  # linear warmup from 0 to lr
     decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
 
@@ -150,20 +197,21 @@ class OptimConfig:
 class TrainConfig:
     """The training loop: length, batch, precision, evaluation, where outputs go."""
 
-    run_dir: str = "runs/default"
-    steps: int = 1000
+    run_dir: str = "runs/default"  # where config, checkpoints, metrics and plots go
+    steps: int = 1000  # optimizer steps to train
     batch_size: int = 8  # sequences per micro-batch, over all data-parallel ranks together
-    grad_accum: int = 1
-    seq_len: int = 256
-    seed: int = 1234
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    seq_len: int = 256  # tokens per training sequence
+    seed: int = 1234  # seeds weights, data order and sampling
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute precision: autocast (or FSDP mixed precision)
     device: str = "auto"  # auto | cpu | cuda
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # cross-entropy label smoothing
     eval_every: int = 100  # 0 disables periodic evaluation (a final one still runs)
-    eval_batches: int = 8
+    eval_batches: int = 8  # global batches of the validation split per evaluation
     resume: str = "auto"  # auto | none | path to a checkpoint directory
-    sample_prompt: str = "def "
+    sample_prompt: str = "def "  # prompt of the sample generated at the end of training
     sample_tokens: int = 64  # tokens generated at the end of training; 0 disables
+    threads: int = 0  # torch threads per process; 0 = $OMP_NUM_THREADS, else cores / local processes
 
 
 @dataclass
@@ -192,22 +240,26 @@ class DataConfig:
 class CheckpointConfig:
     """DCP checkpoints in the run directory."""
 
-    enabled: bool = True
+    enabled: bool = True  # save checkpoints at all
     every: int = 500  # steps between saves; the last step always saves
     every_minutes: float = 0.0  # also save when this many minutes passed since the last save (0 = off)
     async_save: bool = False  # write in the background (DCP async_save) while training goes on; alias "async"
-    keep_last: int = 3
+    keep_last: int = 3  # older checkpoints are deleted
 
 
 @dataclass
 class LogConfig:
-    """Console, metrics.jsonl, TensorBoard and the loss plot."""
+    """Console, metrics.jsonl, TensorBoard, Weights & Biases and the loss plot."""
 
-    every: int = 10
-    progress: Literal["auto", "bar", "lines", "none"] = "auto"
-    tensorboard: bool = True
-    plot: bool = True
-    peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 measures (CPU) or looks up (GPU)
+    every: int = 10  # steps per logged record (loss and grad norm are means over them)
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a terminal, else lines
+    tensorboard: bool = True  # TensorBoard events in RUN_DIR/tensorboard
+    plot: bool = True  # draw RUN_DIR/loss_curve.png at the end
+    peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 measures (CPU, cached per machine) or looks up (GPU)
+    wandb: bool = False  # also log to Weights & Biases (pip install 'tessera[wandb]')
+    wandb_project: str = "tessera"  # W&B project
+    wandb_run_name: str = ""  # W&B run name; "" = the run directory's name
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"  # auto: $WANDB_MODE, else online if logged in
 
 
 @dataclass
@@ -527,15 +579,12 @@ def validate_model(m: ModelConfig) -> None:
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
     _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
     _require(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
-    _require(
-        m.vocab_size >= 260,
-        f"model.vocab_size={m.vocab_size} is too small for a byte-fallback tokenizer; use at least 260",
-    )
     _require(0.0 < m.mask_prob < 1.0, f"model.mask_prob must be in (0, 1), got {m.mask_prob}")
     _require(m.mean_span_length >= 1.0, f"model.mean_span_length must be >= 1, got {m.mean_span_length}")
     _validate_attention(m)
     _validate_position(m)
     _validate_moe(m.moe)
+    _validate_mixers(m)
 
 
 def _validate_attention(m: ModelConfig) -> None:
@@ -564,7 +613,7 @@ def _validate_position(m: ModelConfig) -> None:
     _require_all("model.position", pos, ("rel_buckets", "rel_max_distance"), positive=True)
     _require_all("model.position", pos, ("rope_original_max_len",), positive=False)
     _require(pos.rope_theta > 0, f"model.position.rope_theta must be positive, got {pos.rope_theta}")
-    head_dim = m.head_dim or m.dim // m.n_heads
+    head_dim = m.mla.rope_head_dim if m.mla.kv_rank else m.head_dim or m.dim // m.n_heads
     rot = int(head_dim * pos.rotary_fraction)
     _require(
         0.0 < pos.rotary_fraction <= 1.0, f"model.position.rotary_fraction must be in (0, 1], got {pos.rotary_fraction}"
@@ -578,6 +627,15 @@ def _validate_position(m: ModelConfig) -> None:
     _require(
         pos.rope_scaling_factor >= 1.0,
         f"model.position.rope_scaling_factor must be >= 1, got {pos.rope_scaling_factor}",
+    )
+    _require(
+        pos.rope_scaling != "llama3" or 0 < pos.rope_low_freq_factor < pos.rope_high_freq_factor,
+        "model.position.rope_low_freq_factor must be positive and below model.position.rope_high_freq_factor, got "
+        f"{pos.rope_low_freq_factor} and {pos.rope_high_freq_factor}",
+    )
+    _require(
+        pos.rope_attention_factor >= 0,
+        f"model.position.rope_attention_factor must be >= 0, got {pos.rope_attention_factor}",
     )
     _require(
         pos.rel_buckets % 2 == 0 and pos.rel_buckets >= 4,
@@ -606,6 +664,64 @@ def _validate_moe(moe: MoEConfig) -> None:
     )
 
 
+LAYER_KINDS = {"A": "attention", "G": "global attention", "M": "Mamba"}
+
+
+def _validate_mixers(m: ModelConfig) -> None:
+    """model.layer_pattern, [model.mamba] and [model.mla]."""
+    pattern = m.layer_pattern
+    bad = sorted(set(pattern) - set(LAYER_KINDS))
+    _require(
+        not bad,
+        f"model.layer_pattern={pattern!r} has {bad[0]!r}; use one letter per layer: "
+        + ", ".join(f"{k} ({v})" for k, v in LAYER_KINDS.items())
+        if bad
+        else "",
+    )
+    _require(
+        not pattern or m.n_layers % len(pattern) == 0,
+        f"model.layer_pattern has {len(pattern)} letters, which do not tile model.n_layers={m.n_layers}; use a "
+        "divisor of n_layers letters",
+    )
+    _require(
+        m.arch == "decoder" or not (set(pattern) - {"A"} or m.mla.kv_rank),
+        f"model.layer_pattern and model.mla are for decoders, not model.arch='{m.arch}'",
+    )
+    _require(
+        "G" not in pattern or (m.attention.sliding_window > 0 and m.attention.kernel in ("sdpa", "eager")),
+        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and the sdpa or "
+        "eager kernel",
+    )
+    if "M" in pattern:
+        _validate_mamba(m)
+    mla = m.mla
+    if mla.kv_rank:
+        _require_all("model.mla", mla, ("rope_head_dim", "v_head_dim"), positive=True)
+        _require_all("model.mla", mla, ("q_rank", "nope_head_dim", "mscale"), positive=False)
+        _require(
+            m.position.kind == "rope" and m.attention.kernel in ("sdpa", "eager"),
+            "model.mla needs model.position.kind='rope' and model.attention.kernel sdpa or eager",
+        )
+    _require(0.0 <= m.moe.jitter < 1.0, f"model.moe.jitter must be in [0, 1), got {m.moe.jitter}")
+
+
+def _validate_mamba(m: ModelConfig) -> None:
+    mamba = m.mamba
+    _require(mamba.version in (1, 2), f"model.mamba.version must be 1 or 2, got {mamba.version}")
+    _require_all("model.mamba", mamba, ("state", "conv", "expand", "head_dim", "groups", "chunk"), positive=True)
+    _require_all("model.mamba", mamba, ("dt_rank",), positive=False)
+    _require(
+        mamba.version == 1 or not mamba.dt_norm, "model.mamba.dt_norm (Jamba) is a Mamba-1 option; set version = 1"
+    )
+    if mamba.version == 2:
+        inner = mamba.expand * m.dim
+        _require(
+            inner % mamba.head_dim == 0 and (inner // mamba.head_dim) % mamba.groups == 0,
+            f"model.mamba: the inner width expand*dim={inner} must split into heads of head_dim={mamba.head_dim}, "
+            f"and the heads into groups={mamba.groups}",
+        )
+
+
 def _validate_objective(m: ModelConfig, t: TrainConfig) -> None:
     """The training objective fits the architecture and has its reserved token ids."""
     objective = resolved_objective(m)
@@ -622,9 +738,8 @@ def _validate_objective(m: ModelConfig, t: TrainConfig) -> None:
         f"reserved at the top of the vocab), got {m.sentinel_tokens}",
     )
     _require(
-        m.vocab_size - m.sentinel_tokens >= 260,
-        f"model.vocab_size - model.sentinel_tokens = {m.vocab_size - m.sentinel_tokens} leaves too few ids for the "
-        "tokenizer; use at least 260",
+        m.vocab_size > m.sentinel_tokens,
+        f"model.sentinel_tokens={m.sentinel_tokens} leaves no ids of model.vocab_size={m.vocab_size} for the tokenizer",
     )
 
 
@@ -649,6 +764,11 @@ def validate(config: JobConfig) -> None:
     _validate_optim(config.optim, config.train)
     check_layout(config)
     _validate_data(config.data)
+    _require(
+        not (config.data.document_mask and "M" in config.model.layer_pattern),
+        "data.document_mask cannot reset Mamba layers' state at document boundaries; set data.document_mask=false "
+        "or use attention layers only",
+    )
     _validate_blend_schedule(config.data.blend_schedule, config.train.steps)
     _validate_output(config)
 
@@ -666,6 +786,7 @@ def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
         t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
         f"train.device={t.device!r} must be auto, cpu or cuda",
     )
+    _require(t.threads >= 0, f"train.threads must be >= 0 (0 = auto), got {t.threads}")
     _require(bool(t.run_dir), "train.run_dir must not be empty")
 
 

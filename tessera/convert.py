@@ -49,10 +49,17 @@ def hf_import(hf_dir: str | Path, out_dir: str | Path) -> Path:
 
 
 def hf_export(checkpoint: str | Path, out_dir: str | Path, family: str | None = None) -> str:
-    """Write the model of a tessera run or checkpoint directory as an HF model directory; returns the family."""
-    from tessera.api import load
+    """Write the model of a tessera run or checkpoint directory as an HF model directory (weights, config,
+    tokenizer, generation config, model card); returns the family."""
+    from tessera.api import find_checkpoint, load
+    from tessera.hf_dir import complete_hf_dir
+    from tessera.model import count_parameters
 
-    return save_hf(load(checkpoint), out_dir, family)
+    ckpt = find_checkpoint(checkpoint)
+    model = load(ckpt)
+    family = save_hf(model, out_dir, family)
+    complete_hf_dir(Path(out_dir), ckpt, family, count_parameters(model))
+    return family
 
 
 def consolidate(checkpoint: str | Path, out_dir: str | Path) -> Path:

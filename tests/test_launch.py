@@ -46,7 +46,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 def test_standalone_command_runs_tessera_train_with_overrides():
     spec = make_spec(1, 4)
     cmd = torchrun_command(spec, "configs/smoke.toml", ["--train.steps", "5"])
-    assert cmd[:2] == ["torchrun", "--standalone"]
+    assert cmd[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]  # this Python: no PATH needed
     assert "--nproc-per-node=4" in cmd and "--max-restarts=0" in cmd
     assert cmd[-6:] == ["-m", "tessera", "train", "configs/smoke.toml", "--train.steps", "5"]
 
@@ -115,7 +115,7 @@ def test_dry_run_prints_the_validated_command(tiny_config, tmp_path, capsys):
     config = write_config(tiny_config, tmp_path / "job.toml")
     assert main(["launch", str(config), "--nproc-per-node", "2", "--train.steps", "3", "--dry-run"]) == 0
     printed = shlex.split(capsys.readouterr().out.strip())
-    assert printed == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "-m", "tessera", "train", str(config), "--train.steps", "3"]
+    assert printed == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "-m", "tessera", "train", str(config), "--train.steps", "3"]
     assert main(["launch", str(config), "--train.stepz", "3", "--dry-run"]) == 2
     assert "unknown config key 'train.stepz'" in capsys.readouterr().err
 
@@ -130,7 +130,7 @@ def test_accelerate_config_is_what_accelerate_reads(tiny_config, tmp_path, capsy
     assert (loaded.num_machines, loaded.num_processes, loaded.main_process_ip, loaded.main_process_port) == (2, 4, "127.0.0.1", 29411)
     assert (loaded.rdzv_backend, loaded.same_network, loaded.distributed_type.value) == ("c10d", False, "MULTI_GPU")
     printed = shlex.split(capsys.readouterr().out.splitlines()[-1])
-    assert printed[:4] == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "accelerate", "launch", f"--config_file={yaml_path}"]
+    assert printed[:5] == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "accelerate.commands.launch", f"--config_file={yaml_path}"]
     assert printed[-4:] == ["-m", "tessera", "train", str(config)]
 
 
@@ -140,7 +140,8 @@ def test_accelerate_single_node_uses_a_free_port():
 
     text = accelerate_config(spec, JobConfig())
     assert "num_processes: 2" in text and "main_process_port: 0" in text and "rdzv_backend: static" in text
-    assert accelerate_command(spec, "a.yaml", "c.toml", ["x.y=1"]) == ["accelerate", "launch", "--config_file=a.yaml", "--max_restarts=0", "-m", "tessera", "train", "c.toml", "x.y=1"]
+    assert accelerate_command(spec, "a.yaml", "c.toml", ["x.y=1"]) == [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file=a.yaml", "--max_restarts=0", "-m", "tessera", "train", "c.toml", "x.y=1"]
 
 
 # ---------------------------------------------------------------- real multi-process runs
@@ -150,6 +151,9 @@ JOB_OVERRIDES = ("train.steps=60", "optim.schedule=constant", "train.eval_every=
 
 
 _REFERENCE: dict[str, list[tuple[int, float]]] = {}
+# torchrun and accelerate are not on this PATH (as with an unactivated virtual environment):
+# `tessera launch` must start them through its own Python.
+NO_LAUNCHERS_ON_PATH = {"PATH": "/usr/bin:/bin"}
 
 
 def four_process_losses(tmp_path_factory, cache_dir: Path) -> list[tuple[int, float]]:
@@ -161,7 +165,7 @@ def four_process_losses(tmp_path_factory, cache_dir: Path) -> list[tuple[int, fl
         root = tmp_path_factory.mktemp("reference")
         recipe = root / "job.toml"
         recipe.write_text(load_config(None, [*TINY_OVERRIDES, f"train.run_dir={root / 'job'}", f"data.cache_dir={cache_dir}", *JOB_OVERRIDES]).to_toml())
-        done = run_cli("launch", str(recipe), "--nproc-per-node", "4")
+        done = run_cli("launch", str(recipe), "--nproc-per-node", "4", env=NO_LAUNCHERS_ON_PATH)
         assert done.returncode == 0, done.stderr[-3000:]
         _REFERENCE["losses"] = losses(root / "job")
     return _REFERENCE["losses"]
@@ -202,7 +206,7 @@ def test_two_agents_on_localhost_train_together_and_restart_after_a_killed_worke
     run_dir = tmp_path / "job"
     cmd = [sys.executable, "-m", "tessera", "launch", str(recipe), "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **NO_LAUNCHERS_ON_PATH}
     logs = [tmp_path / f"agent{i}.log" for i in range(2)]
     agents = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT) for log in logs]
     try:
@@ -220,3 +224,4 @@ def test_two_agents_on_localhost_train_together_and_restart_after_a_killed_worke
     assert codes == [0, 0], output[0][-3000:] + output[1][-3000:]
     assert "exitcode: -9" in output[0], "torchrun should report the killed worker before restarting the group"
     assert losses(run_dir) == four_process_reference  # bitwise: the restarted group resumed from a checkpoint
+

@@ -14,7 +14,14 @@ from tessera.model.attention import linear_attention
 from tessera.model.ffn import FeedForward, ffn_hidden_size
 from tessera.model.masks import MaskSpec, attention_mask
 from tessera.model.norm import RMSNorm
-from tessera.model.position import AbsolutePositions, alibi_slopes, apply_rope, rope_inv_freq, sinusoidal_table
+from tessera.model.position import (
+    AbsolutePositions,
+    RopeScaling,
+    alibi_slopes,
+    apply_rope,
+    rope_inv_freq,
+    sinusoidal_table,
+)
 
 V = 300
 
@@ -157,11 +164,11 @@ def test_alibi_slopes_match_bloom():
 
 def test_rope_scaling_and_partial_rotary():
     base, _ = rope_inv_freq(16, 10000.0)
-    linear, _ = rope_inv_freq(16, 10000.0, "linear", 4.0)
+    linear, _ = rope_inv_freq(16, 10000.0, RopeScaling("linear", 4.0))
     assert torch.allclose(linear, base / 4)
-    ntk, _ = rope_inv_freq(16, 10000.0, "ntk", 4.0)
+    ntk, _ = rope_inv_freq(16, 10000.0, RopeScaling("ntk", 4.0))
     assert torch.allclose(ntk, 1.0 / (10000.0 * 4.0 ** (16 / 14)) ** (torch.arange(0, 16, 2).float() / 16))
-    _, magnitude = rope_inv_freq(16, 10000.0, "yarn", 4.0, 32)
+    _, magnitude = rope_inv_freq(16, 10000.0, RopeScaling("yarn", 4.0, 32))
     assert magnitude == pytest.approx(0.1 * math.log(4.0) + 1.0)
     x = torch.randn(1, 2, 5, 8)
     cos, sin = torch.randn(5, 4), torch.randn(5, 4)

@@ -72,7 +72,8 @@ def test_cli_prepare_then_inspect(tmp_path, cache_dir):
     done = run_cli("prepare", str(tmp_path / "rows.jsonl"), "--output", str(out), "--vocab-size", "300", "--num-proc", "2", env=env)
     assert done.returncode == 0, done.stderr
     assert "prepared 300 documents" in done.stdout and "tokens/s" in done.stdout and "prepare code" in done.stderr  # summary + progress bar
-    assert sorted(p.name for p in out.parent.iterdir()) == ["code.bin", "code.idx", "code.tokenizer.model"]
+    written = sorted(p.name for p in out.parent.iterdir())
+    assert written == ["code.bin", "code.idx", "code.tokenizer.json", "code.tokenizer.model"]
     shown = run_cli("data", "inspect", f"{out}.idx", env=env)
     assert shown.returncode == 0, shown.stderr
     reader = _megatron_reader(out)  # keep it alive: megatron closes the mmap its arrays view on deletion

@@ -152,14 +152,16 @@ def slurm_cluster():
         pytest.skip(f"no local SLURM cluster: {', '.join(missing)} not installed (apt-get install -y slurm-wlm munge)")
     if os.geteuid() != 0:
         pytest.skip("no local SLURM cluster: slurm/local_cluster.sh runs the daemons as root")
-    state = Path(tempfile.mkdtemp(prefix="tessera-slurm.", dir="/tmp"))
+    # Under a 0700 directory (as mktemp -d makes): munged's socket must still be reachable.
+    private = Path(tempfile.mkdtemp(prefix="tessera-slurm."))
+    state = private / "cluster"
     try:
         started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start", str(state)], capture_output=True, text=True, timeout=120)
         assert started.returncode == 0, f"local SLURM cluster failed to start: {started.stderr}\n{_log_tails(state)}"
         yield Cluster(state, {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_CONF": str(state / "slurm.conf")})
     finally:
         subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop", str(state)], capture_output=True, timeout=180)
-        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def test_srun_runs_tasks_on_one_and_on_two_nodes(slurm_cluster):

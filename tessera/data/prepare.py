@@ -9,6 +9,7 @@ interrupted run never leaves a pair that looks finished.
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -157,8 +158,34 @@ def prepare_source(
 
 
 def tokenizer_sidecar(prefix: str | Path) -> Path:
-    """Where ``tessera prepare`` keeps the tokenizer it trained for ``prefix``."""
+    """Where ``tessera prepare`` keeps a copy of the tokenizer it used for ``prefix``."""
     return Path(f"{prefix}.tokenizer.model")
+
+
+def tokenizer_record(prefix: str | Path) -> Path:
+    """Where ``tessera prepare`` records which tokenizer it used (path, sha256, vocabulary size)."""
+    return Path(f"{prefix}.tokenizer.json")
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def record_tokenizer(prefix: str | Path, tokenizer: Tokenizer) -> Tokenizer:
+    """Keep the tokenizer beside the dataset (``PREFIX.tokenizer.model``) and record where it came from.
+
+    Returns the kept copy, which is what the dataset was tokenized with.
+    """
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    kept = tokenizer_sidecar(prefix)
+    if not (kept.is_file() and kept.samefile(tokenizer.path)):
+        shutil.copyfile(tokenizer.path, kept)
+    record = {"path": str(tokenizer.path.resolve()), "sha256": file_sha256(kept), "vocab_size": tokenizer.vocab_size}
+    record["copy"] = kept.name
+    tokenizer_record(prefix).write_text(json.dumps(record, indent=1) + "\n")
+    # An HF tokenizer's special tokens live in the tokenizer_config.json beside the original, not in the copy.
+    return Tokenizer(kept) if tokenizer.kind == "sentencepiece" else tokenizer
 
 
 def prepare_corpus(
@@ -176,19 +203,18 @@ def prepare_corpus(
     """``tessera prepare``: tokenize ``source`` into ``prefix.bin/.idx``.
 
     ``tokenizer`` "default" trains a ``vocab_size`` SentencePiece model on the first
-    ``tokenizer_chars`` characters of the source (cached in ``cache_dir``) and keeps a copy at
-    ``prefix.tokenizer.model``; otherwise it is the path of an existing model.
+    ``tokenizer_chars`` characters of the source (cached in ``cache_dir``); otherwise it is the
+    path of an existing model. Either way a copy is kept at ``prefix.tokenizer.model`` and its
+    origin and hash in ``prefix.tokenizer.json``, so ``tessera data inspect`` decodes without being told.
     """
     if tokenizer == "default":
         sample = list(iter_documents(source, tokenizer_chars, text_field))
         if not sample:
             raise DataError(f"data source '{source}' has no non-empty text documents; point it at text or at rows with a '{text_field}' field")
         tok, _ = train_or_load_tokenizer("default", vocab_size, sample, corpus_hash(sample), tokenizer_chars, cache_dir)
-        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(tok.path, tokenizer_sidecar(prefix))
-        tok = Tokenizer(tokenizer_sidecar(prefix))
     else:
         tok = Tokenizer(tokenizer)
+    tok = record_tokenizer(prefix, tok)
     return prepare_source(source, prefix, tok, text_field, max_chars, num_proc, progress), tok
 
 

@@ -36,6 +36,7 @@ SENTENCEPIECE_MODEL = "tokenizer.model"
 # SentencePiece reads one sentence per line, so newlines are replaced by this symbol (one token).
 NEWLINE = "\u21b5"
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+MIN_TRAINED_VOCAB = 260  # 4 special ids + 256 byte-fallback pieces
 _TRAIN_OPTIONS = dict(
     model_type="bpe",
     byte_fallback=True,
@@ -205,6 +206,11 @@ def train_tokenizer(
 
     Returns the model path and whether it came from the cache.
     """
+    if vocab_size < MIN_TRAINED_VOCAB:  # a model that comes with its own tokenizer may have any vocabulary
+        raise DataError(
+            f"model.vocab_size={vocab_size} (minus sentinel ids) is too small to train a byte-fallback SentencePiece "
+            f"tokenizer; use at least {MIN_TRAINED_VOCAB} or set data.tokenizer to an existing .model"
+        )
     out = Path(cache_dir) / "tokenizers" / tokenizer_cache_key(corpus_hash, vocab_size) / "tokenizer.model"
     if out.is_file():
         return out, True

@@ -38,9 +38,14 @@ def parse_endpoint(text: str) -> Endpoint:
     """``host:port`` as an :class:`Endpoint`, or a :class:`LaunchError` saying what is wrong."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not _HOST.match(host):
-        raise LaunchError(f"--rdzv-endpoint '{text}' does not parse; write HOST:PORT with the first node's address, e.g. node001:29400 or 10.0.0.1:29400")
+        raise LaunchError(
+            f"--rdzv-endpoint '{text}' does not parse; write HOST:PORT with the first node's address, "
+            "e.g. node001:29400 or 10.0.0.1:29400"
+        )
     if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise LaunchError(f"--rdzv-endpoint '{text}' has port '{port}'; use a number from 1 to 65535, e.g. {host}:29400")
+        raise LaunchError(
+            f"--rdzv-endpoint '{text}' has port '{port}'; use a number from 1 to 65535, e.g. {host}:29400"
+        )
     return Endpoint(host, int(port))
 
 
@@ -53,7 +58,9 @@ def check_world_size(config: JobConfig, nnodes: int, nproc_per_node: int) -> Par
         check_layout(config, world)
         return ParallelDims.from_config(config.parallel, world)
     except ConfigError as err:
-        raise LaunchError(f"{nnodes} node(s) x {nproc_per_node} process(es) = {world} processes do not fit the config: {err}") from None
+        raise LaunchError(
+            f"{nnodes} node(s) x {nproc_per_node} process(es) = {world} processes do not fit the config: {err}"
+        ) from None
 
 
 def default_nproc_per_node() -> int:

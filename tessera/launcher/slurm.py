@@ -26,6 +26,7 @@ from typing import Literal
 
 from tessera.config import JobConfig, load_config
 from tessera.launcher.common import TORCHRUN_ENV, LaunchError, check_world_size, train_args
+from tessera.status import refuse_if_running
 from tessera.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_MARKER
 
 SCRIPT_NAME = "job.sbatch"
@@ -54,6 +55,9 @@ class SlurmSpec:
     max_restarts: int = 0
     sbatch_options: list[str] = field(default_factory=list)
     setup: list[str] = field(default_factory=list)
+    python: str = field(
+        default_factory=lambda: sys.executable
+    )  # runs torchrun (`PYTHON -m torch.distributed.run`) and training
 
 
 def time_limit_seconds(text: str) -> int:
@@ -74,19 +78,17 @@ def time_limit_seconds(text: str) -> int:
     return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s
 
 
-def job_device(requested: str, config: JobConfig) -> tuple[Literal["gpu", "cpu"], str]:
-    """``--device`` (gpu, cpu or auto: from train.device, else whether a GPU is visible here) and a note."""
+def job_device(requested: str, config: JobConfig) -> Literal["gpu", "cpu"]:
+    """``--device``: gpu, cpu, or auto (cpu when train.device=cpu, else gpu).
+
+    The flags describe what the job needs on the compute nodes, never what the machine writing
+    the script has (a login node usually has no GPU): a CPU job is asked for with ``--device cpu``.
+    """
     if requested in ("gpu", "cpu"):
-        return requested, ""  # type: ignore[return-value]
+        return requested  # type: ignore[return-value]
     if requested != "auto":
         raise LaunchError(f"--device {requested!r} is not one of 'auto', 'gpu', 'cpu'")
-    if config.train.device != "auto":
-        return ("cpu" if config.train.device == "cpu" else "gpu"), ""
-    import torch
-
-    if torch.cuda.is_available():
-        return "gpu", ""
-    return "cpu", "tessera: no GPU visible here and train.device=auto: writing a CPU job (no --gres); pass --device gpu for a GPU cluster"
+    return "cpu" if config.train.device == "cpu" else "gpu"
 
 
 def check_spec(spec: SlurmSpec, config: JobConfig) -> None:
@@ -95,16 +97,24 @@ def check_spec(spec: SlurmSpec, config: JobConfig) -> None:
     if spec.signal_seconds < 1:
         raise LaunchError(f"--signal-seconds must be positive, got {spec.signal_seconds}")
     if spec.time and time_limit_seconds(spec.time) <= spec.signal_seconds:
-        raise LaunchError(f"--time {spec.time} is not longer than --signal-seconds {spec.signal_seconds}; the job would be told to stop before it starts")
+        raise LaunchError(
+            f"--time {spec.time} is not longer than --signal-seconds {spec.signal_seconds}; "
+            "the job would be told to stop before it starts"
+        )
     if not 0 <= spec.rdzv_port <= 65535:
         raise LaunchError(f"--rdzv-port must be 1-65535 (or 0 for 29500 + job id % 1000), got {spec.rdzv_port}")
     if spec.max_restarts < 0 or spec.cpus_per_task < 0:
         raise LaunchError("--max-restarts and --cpus-per-task must be >= 0")
     for option in spec.sbatch_options:
         if not _SLURM_OPTION.match(option):
-            raise LaunchError(f"--sbatch '{option}' is not an sbatch option; write it as --name or --name=value, e.g. --sbatch=--constraint=h100")
+            raise LaunchError(
+                f"--sbatch '{option}' is not an sbatch option; write it as --name or --name=value, "
+                "e.g. --sbatch=--constraint=h100"
+            )
     if config.train.resume == "none":
-        raise LaunchError("train.resume='none' would restart a requeued job from scratch; use train.resume=auto for SLURM jobs")
+        raise LaunchError(
+            "train.resume='none' would restart a requeued job from scratch; use train.resume=auto for SLURM jobs"
+        )
 
 
 def _sbatch_lines(spec: SlurmSpec, run_dir: str, job_name: str) -> list[str]:
@@ -119,8 +129,17 @@ def _sbatch_lines(spec: SlurmSpec, run_dir: str, job_name: str) -> list[str]:
         lines.append(f"#SBATCH --gres=gpu:{per_node}")
     if cpus:
         lines.append(f"#SBATCH --cpus-per-task={cpus}")
-    lines += [f"#SBATCH --{key}={value}" for key, value in
-              (("mem", spec.mem), ("partition", spec.partition), ("time", spec.time), ("account", spec.account), ("qos", spec.qos)) if value]
+    lines += [
+        f"#SBATCH --{key}={value}"
+        for key, value in (
+            ("mem", spec.mem),
+            ("partition", spec.partition),
+            ("time", spec.time),
+            ("account", spec.account),
+            ("qos", spec.qos),
+        )
+        if value
+    ]
     if spec.exclusive:
         lines.append("#SBATCH --exclusive")
     lines += [f"#SBATCH {option}" for option in spec.sbatch_options]
@@ -128,16 +147,24 @@ def _sbatch_lines(spec: SlurmSpec, run_dir: str, job_name: str) -> list[str]:
         f"#SBATCH --output={run_dir}/logs/slurm-%j.out",
         "#SBATCH --open-mode=append           # a requeued job appends to the same log",
         "#SBATCH --requeue                    # a preempted job goes back into the queue",
-        f"#SBATCH --signal=USR1@{spec.signal_seconds}".ljust(37) + f"# {spec.signal_seconds} s before the time limit: checkpoint and requeue",
+        f"#SBATCH --signal=USR1@{spec.signal_seconds}".ljust(37)
+        + f"# {spec.signal_seconds} s before the time limit: checkpoint and requeue",
     ]
     return lines
 
 
 def _environment(spec: SlurmSpec) -> list[str]:
     lines = [
-        ("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}", ""),
+        (f"THREADS=$(( SLURM_CPUS_ON_NODE / {spec.gpus_per_node} )); (( THREADS > 0 )) || THREADS=1", ""),
+        (
+            "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}",
+            "torch threads per process: the node's cores / processes",
+        ),
         ("export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1", ""),
-        *((f"export {key}={value}", "a fresh store per worker group, so restarts work (pytorch#135712)") for key, value in TORCHRUN_ENV.items()),
+        *(
+            (f"export {key}={value}", "a fresh store per worker group, so restarts work (pytorch#135712)")
+            for key, value in TORCHRUN_ENV.items()
+        ),
     ]
     if spec.device == "gpu":
         lines += [
@@ -148,6 +175,24 @@ def _environment(spec: SlurmSpec) -> list[str]:
     return [f"{line.ljust(47)} # {comment}" if comment else line for line, comment in lines]
 
 
+def _torchrun_args(spec: SlurmSpec) -> list[str]:
+    """torchrun on one node, through the job's Python: c10d rendezvous on the first node, signals forwarded."""
+    return [
+        '"$PYTHON" -m torch.distributed.run',
+        f"--nnodes={spec.nodes}",
+        f"--nproc-per-node={spec.gpus_per_node}",
+        "--rdzv-backend=c10d",
+        '--rdzv-endpoint="$HEAD_ADDR:$RDZV_PORT"',
+        '--rdzv-id="$SLURM_JOB_ID"',
+        f"--max-restarts={spec.max_restarts}",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        f"--shutdown-timeout={spec.signal_seconds}",
+        '--log-dir="$RUN_DIR/logs/$SLURM_JOB_ID"',
+        "--redirects=3 --tee=3 --local-ranks-filter=0",
+        " ".join(train_args('"$RUN_DIR/' + CONFIG_NAME + '"', [])),
+    ]
+
+
 def render_sbatch(config: JobConfig, spec: SlurmSpec, command: str) -> str:
     """The sbatch script for ``config`` on ``spec``; ``command`` is the tessera command that wrote it."""
     run_dir = config.train.run_dir
@@ -155,21 +200,6 @@ def render_sbatch(config: JobConfig, spec: SlurmSpec, command: str) -> str:
     world = spec.nodes * spec.gpus_per_node
     what = f"{spec.gpus_per_node} GPU(s)" if spec.device == "gpu" else f"{spec.gpus_per_node} CPU process(es)"
     port = str(spec.rdzv_port) if spec.rdzv_port else "$((29500 + SLURM_JOB_ID % 1000))"
-    signals = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-    torchrun = [
-        "torchrun",
-        f"--nnodes={spec.nodes}",
-        f"--nproc-per-node={spec.gpus_per_node}",
-        "--rdzv-backend=c10d",
-        '--rdzv-endpoint="$HEAD_ADDR:$RDZV_PORT"',
-        '--rdzv-id="$SLURM_JOB_ID"',
-        f"--max-restarts={spec.max_restarts}",
-        f"--signals-to-handle={signals}",
-        f"--shutdown-timeout={spec.signal_seconds}",
-        '--log-dir="$RUN_DIR/logs/$SLURM_JOB_ID"',
-        "--redirects=3 --tee=3 --local-ranks-filter=0",
-        " ".join(train_args('"$RUN_DIR/' + CONFIG_NAME + '"', [])),
-    ]
     body = [
         "#!/bin/bash",
         f"# tessera: {config.model.arch} on {spec.nodes} node(s) x {what} = {world} processes.",
@@ -180,6 +210,8 @@ def render_sbatch(config: JobConfig, spec: SlurmSpec, command: str) -> str:
         "",
         "set -uo pipefail",
         f"RUN_DIR={shlex.quote(run_dir)}",
+        f"PYTHON={shlex.quote(spec.python)}".ljust(47)
+        + " # runs torchrun and training: a virtual environment needs no activation",
         "",
         "# The c10d rendezvous lives on the job's first node, at the address SLURM knows it by.",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
@@ -190,12 +222,18 @@ def render_sbatch(config: JobConfig, spec: SlurmSpec, command: str) -> str:
         *spec.setup,
         "",
         f'rm -f "$RUN_DIR/{PREEMPTION_MARKER}"',
-        'echo "tessera: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, rendezvous $HEAD_ADDR:$RDZV_PORT"',
+        (
+            'echo "tessera: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
+            'rendezvous $HEAD_ADDR:$RDZV_PORT"'
+        ),
         "# One task per node, holding all of the node's allocated CPUs (srun would default to one).",
-        'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" ' + " \\\n    ".join(torchrun),
+        'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" ' + " \\\n    ".join(_torchrun_args(spec)),
         "status=$?",
         "",
-        f"# The trainer leaves {PREEMPTION_MARKER} (and exits {PREEMPTED_EXIT_CODE}) after checkpointing on SIGTERM/SIGUSR1.",
+        (
+            f"# The trainer leaves {PREEMPTION_MARKER} (and exits {PREEMPTED_EXIT_CODE}) "
+            "after checkpointing on SIGTERM/SIGUSR1."
+        ),
         f'if [[ -f "$RUN_DIR/{PREEMPTION_MARKER}" ]]; then',
         f'    echo "tessera: preempted: $(cat "$RUN_DIR/{PREEMPTION_MARKER}"); requeueing job $SLURM_JOB_ID"',
         '    scontrol requeue "$SLURM_JOB_ID"',
@@ -220,7 +258,10 @@ def write_job(config: JobConfig, spec: SlurmSpec, command: str) -> Path:
 def submit(script: Path) -> str:
     """``sbatch`` the script; returns the job id."""
     if shutil.which("sbatch") is None:
-        raise LaunchError(f"sbatch is not installed here; {script} is written: submit it from a SLURM login node with: sbatch {script}")
+        raise LaunchError(
+            f"sbatch is not installed here; {script} is written: "
+            f"submit it from a SLURM login node with: sbatch {script}"
+        )
     proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if proc.returncode != 0:
         reason = (proc.stderr.strip().splitlines() or ["no message"])[-1]
@@ -228,21 +269,26 @@ def submit(script: Path) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
-def slurm(config_path: str, overrides: list[str], spec: SlurmSpec, argv: list[str], submit_job: bool = False, dry_run: bool = False) -> int:
+def slurm(
+    config_path: str,
+    overrides: list[str],
+    spec: SlurmSpec,
+    argv: list[str],
+    submit_job: bool = False,
+    dry_run: bool = False,
+) -> int:
     """Validate, then print the script (``dry_run``), or write it and optionally submit it.
 
     ``argv`` is the ``tessera`` command line; the script records it (without --submit/--dry-run).
     """
     command = shlex.join(["tessera", *(a for a in argv if a not in ("--submit", "--dry-run"))])
     config = load_config(config_path, overrides)
-    device, note = job_device(spec.device, config)
-    spec = dataclasses.replace(spec, device=device)
+    spec = dataclasses.replace(spec, device=job_device(spec.device, config))
     check_spec(spec, config)
-    if note:
-        print(note, file=sys.stderr)
     if dry_run:
         print(render_sbatch(config, spec, command), end="")
         return 0
+    refuse_if_running(config.train.run_dir, "this job", trust_heartbeat=True)
     script = write_job(config, spec, command)
     print(f"wrote {script} and {script.parent / CONFIG_NAME}")
     if submit_job:

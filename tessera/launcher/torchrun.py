@@ -11,15 +11,22 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from tessera.config import JobConfig, load_config
-from tessera.launcher.common import TORCHRUN_ENV, Endpoint, LaunchError, check_world_size, default_nproc_per_node, parse_endpoint, train_args
-
+from tessera.launcher.common import (
+    TORCHRUN_ENV,
+    Endpoint,
+    LaunchError,
+    check_world_size,
+    default_nproc_per_node,
+    parse_endpoint,
+    train_args,
+)
+from tessera.threads import choose_threads
 
 _ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -47,8 +54,16 @@ class TorchrunSpec:
         return self.nnodes == 1 and self.rdzv_endpoint is None
 
 
-def make_spec(nnodes: int, nproc_per_node: int, rdzv_endpoint: str | None = None, rdzv_backend: str = "c10d",
-              rdzv_id: str = "", node_rank: int | None = None, max_restarts: int = 0, run_dir: str = "") -> TorchrunSpec:
+def make_spec(
+    nnodes: int,
+    nproc_per_node: int,
+    rdzv_endpoint: str | None = None,
+    rdzv_backend: str = "c10d",
+    rdzv_id: str = "",
+    node_rank: int | None = None,
+    max_restarts: int = 0,
+    run_dir: str = "",
+) -> TorchrunSpec:
     """A checked :class:`TorchrunSpec` from command-line values (LaunchError when they cannot work)."""
     if rdzv_backend not in ("c10d", "static"):
         raise LaunchError(f"--rdzv-backend {rdzv_backend!r} is not one of 'c10d', 'static'")
@@ -56,29 +71,51 @@ def make_spec(nnodes: int, nproc_per_node: int, rdzv_endpoint: str | None = None
         raise LaunchError(f"--max-restarts must be >= 0, got {max_restarts}")
     endpoint = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else None
     if nnodes > 1 and endpoint is None:
-        raise LaunchError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the address of the first node that every node can reach")
+        raise LaunchError(
+            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, "
+            "the address of the first node that every node can reach"
+        )
     if rdzv_backend == "c10d" and node_rank is not None:
-        raise LaunchError("--node-rank applies to --rdzv-backend static only; the c10d rendezvous assigns node ranks itself")
+        raise LaunchError(
+            "--node-rank applies to --rdzv-backend static only; the c10d rendezvous assigns node ranks itself"
+        )
     if rdzv_backend == "static":
         if endpoint is None:
             raise LaunchError("--rdzv-backend static needs --rdzv-endpoint HOST:PORT (the master: node rank 0)")
         if node_rank is None or not 0 <= node_rank < nnodes:
-            raise LaunchError(f"--rdzv-backend static needs --node-rank from 0 to {nnodes - 1} (this node's rank), got {node_rank}")
+            raise LaunchError(
+                f"--rdzv-backend static needs --node-rank from 0 to {nnodes - 1} (this node's rank), got {node_rank}"
+            )
     rdzv = rdzv_id or "tessera-" + (re.sub(r"[^A-Za-z0-9_.-]", "-", Path(run_dir).name) if run_dir else "job")
-    return TorchrunSpec(nnodes, nproc_per_node, endpoint, rdzv_backend, rdzv, node_rank, max_restarts)  # type: ignore[arg-type]
+    backend: Literal["c10d", "static"] = rdzv_backend  # type: ignore[assignment]
+    return TorchrunSpec(nnodes, nproc_per_node, endpoint, backend, rdzv, node_rank, max_restarts)
 
 
-def torchrun_command(spec: TorchrunSpec, config_path: str, overrides: list[str]) -> list[str]:
-    """The torchrun command line (argv) that starts this node's share of the job."""
-    cmd = ["torchrun"]
+def torchrun_command(spec: TorchrunSpec, config_path: str, overrides: list[str], python: str = "") -> list[str]:
+    """The torchrun command line (argv) that starts this node's share of the job.
+
+    torchrun runs as ``PYTHON -m torch.distributed.run`` with this interpreter (or ``python``), so a
+    virtual environment works without being activated (its ``bin/`` need not be on PATH).
+    """
+    cmd = [python or sys.executable, "-m", "torch.distributed.run"]
     if spec.standalone:
         cmd += ["--standalone", "--nnodes=1"]
     elif spec.rdzv_backend == "static":
         assert spec.rdzv_endpoint is not None
-        cmd += [f"--nnodes={spec.nnodes}", f"--node-rank={spec.node_rank}", "--rdzv-backend=static",
-                f"--master-addr={spec.rdzv_endpoint.host}", f"--master-port={spec.rdzv_endpoint.port}"]
+        cmd += [
+            f"--nnodes={spec.nnodes}",
+            f"--node-rank={spec.node_rank}",
+            "--rdzv-backend=static",
+            f"--master-addr={spec.rdzv_endpoint.host}",
+            f"--master-port={spec.rdzv_endpoint.port}",
+        ]
     else:
-        cmd += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
+        cmd += [
+            f"--nnodes={spec.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+            f"--rdzv-id={spec.rdzv_id}",
+        ]
     cmd += [f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}"]
     return cmd + train_args(config_path, overrides)
 
@@ -108,18 +145,50 @@ def accelerate_config(spec: TorchrunSpec, config: JobConfig) -> str:
     return "\n".join(lines)
 
 
-def accelerate_command(spec: TorchrunSpec, yaml_path: str, config_path: str, overrides: list[str]) -> list[str]:
-    """The ``accelerate launch`` command line that uses :func:`accelerate_config`'s file."""
-    cmd = ["accelerate", "launch", f"--config_file={yaml_path}", f"--max_restarts={spec.max_restarts}"]
+def accelerate_command(
+    spec: TorchrunSpec, yaml_path: str, config_path: str, overrides: list[str], python: str = ""
+) -> list[str]:
+    """The ``accelerate launch`` command line that uses :func:`accelerate_config`'s file, run by this Python."""
+    cmd = [
+        python or sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        f"--config_file={yaml_path}",
+        f"--max_restarts={spec.max_restarts}",
+    ]
     return cmd + train_args(config_path, overrides)
 
 
-def launch(config_path: str, overrides: list[str], nnodes: int = 1, nproc_per_node: int = 0, rdzv_endpoint: str = "", rdzv_backend: str = "c10d",
-           rdzv_id: str = "", node_rank: int | None = None, max_restarts: int = 0, via: str = "torchrun", dry_run: bool = False) -> int:
+def thread_env(config: JobConfig, nproc_per_node: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for CPU workers: this node's usable cores / processes, unless already set.
+
+    Without it torchrun gives every worker one thread; GPU workers keep torchrun's default.
+    """
+    import torch
+
+    on_cpu = config.train.device == "cpu" or (config.train.device == "auto" and not torch.cuda.is_available())
+    if not on_cpu or os.environ.get("OMP_NUM_THREADS"):
+        return {}
+    return {"OMP_NUM_THREADS": str(choose_threads(config.train.threads, nproc_per_node).threads)}
+
+
+def launch(
+    config_path: str,
+    overrides: list[str],
+    nnodes: int = 1,
+    nproc_per_node: int = 0,
+    rdzv_endpoint: str = "",
+    rdzv_backend: str = "c10d",
+    rdzv_id: str = "",
+    node_rank: int | None = None,
+    max_restarts: int = 0,
+    via: str = "torchrun",
+    dry_run: bool = False,
+) -> int:
     """Validate the job, then print the command (``dry_run``) or replace this process with it.
 
     ``nproc_per_node = 0`` means :func:`default_nproc_per_node`. The command runs with
-    :data:`TORCHRUN_ENV` (printed in front of it, so a copy runs the same).
+    :data:`TORCHRUN_ENV` and :func:`thread_env` (printed in front of it, so a copy runs the same).
     """
     config = load_config(config_path, overrides)
     nproc = nproc_per_node or default_nproc_per_node()
@@ -133,9 +202,8 @@ def launch(config_path: str, overrides: list[str], nnodes: int = 1, nproc_per_no
         cmd = accelerate_command(spec, str(yaml_path), config_path, overrides)
     else:
         cmd = torchrun_command(spec, config_path, overrides)
-    print(shlex.join([f"{k}={v}" for k, v in TORCHRUN_ENV.items()] + cmd), flush=True)
+    env = {**TORCHRUN_ENV, **thread_env(config, spec.nproc_per_node)}
+    print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd), flush=True)
     if dry_run:
         return 0
-    if shutil.which(cmd[0]) is None:
-        raise LaunchError(f"'{cmd[0]}' is not on PATH; install it in this environment ({sys.executable})")
-    os.execvpe(cmd[0], cmd, {**os.environ, **TORCHRUN_ENV})
+    os.execve(cmd[0], cmd, {**os.environ, **env})

@@ -124,9 +124,12 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.attention.qkv_bias)
         self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attention.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attention.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias or cfg.attention.o_bias)
+        # Per head (Qwen3) or over all heads' channels of the projection (OLMoE: qk_norm_scope = "all").
+        self.qk_norm_all = cfg.attention.qk_norm_scope == "all"
+        q_width, k_width = (self.n_heads, self.n_kv_heads) if self.qk_norm_all else (1, 1)
+        self.q_norm = RMSNorm(q_width * self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
+        self.k_norm = RMSNorm(k_width * self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
         self.features = (
             PerformerFeatures(self.head_dim, cfg.attention.performer_features)
             if cfg.attention.kernel == "performer"
@@ -151,9 +154,11 @@ class Attention(nn.Module):
         """Attend from ``x`` (B, T, dim) to itself (or to ``memory`` for cross-attention)."""
         b, t, _ = x.shape
         src = memory if self.cross else x
-        q = self._heads(self.q_proj(x))
-        k, v = self._heads(self.k_proj(src)), self._heads(self.v_proj(src))
-        if self.q_norm is not None:
+        q, k = self.q_proj(x), self.k_proj(src)
+        if self.q_norm is not None and self.qk_norm_all:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self._heads(q), self._heads(k), self._heads(self.v_proj(src))
+        if self.q_norm is not None and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.cos is not None and not self.cross:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)

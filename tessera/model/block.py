@@ -1,6 +1,7 @@
-"""One transformer block: self-attention, optional cross-attention, then a dense FFN or MoE.
+"""One block: a mixer (attention, latent attention or Mamba), optional cross-attention, then a dense FFN or MoE.
 
-Pre-norm (``x + f(norm(x))``, GPT-2/Llama/T5) or post-norm (``norm(x + f(x))``, BERT).
+Pre-norm (``x + f(norm(x))``, GPT-2/Llama/T5) or post-norm (``norm(x + f(x))``, BERT). Which mixer
+a layer gets is the letter of ``model.layer_pattern`` at its index (see :func:`layer_kind`).
 """
 
 from __future__ import annotations
@@ -13,27 +14,53 @@ from torch import nn
 from tessera.config import ModelConfig
 from tessera.model.attention import Attention, AttnContext, KVCache
 from tessera.model.ffn import FeedForward, ffn_hidden_size
+from tessera.model.mamba import MambaCache, build_mamba
+from tessera.model.mla import LatentAttention, LatentCache
 from tessera.model.moe import MoE, is_moe_layer
 from tessera.model.norm import build_norm
 
+LayerCache = KVCache | LatentCache | MambaCache
+
+
+def layer_kind(cfg: ModelConfig, layer_id: int) -> str:
+    """The ``model.layer_pattern`` letter of layer ``layer_id``: A (attention), G (global attention), M (Mamba)."""
+    pattern = cfg.layer_pattern or "A"
+    return pattern[layer_id % len(pattern)]
+
 
 class TransformerBlock(nn.Module):
-    """Attention (+ cross-attention) and feed-forward sublayers with residuals and dropout."""
+    """A mixer (+ cross-attention) and a feed-forward sublayer with residuals and dropout.
+
+    Attention layers hold ``attention_norm``/``attention``; Mamba layers ``mamba_norm``/``mamba``
+    (the others are None). ``moe`` or ``feed_forward`` is the FFN; a Mamba layer without one
+    (``[model.mamba].ffn = false``, as in Mamba itself) has neither.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0, cross: bool = False) -> None:
         super().__init__()
+        self.kind = layer_kind(cfg, layer_id)
         self.post_norm = cfg.norm_position == "post"
-        self.attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention_norm = self.attention = self.mamba_norm = self.mamba = None
+        if self.kind == "M":
+            self.mamba_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
+            self.mamba = build_mamba(cfg)
+        else:
+            self.attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
+            self.attention = LatentAttention(cfg) if cfg.mla.kv_rank else Attention(cfg)
+            if cfg.attention.scale_by_layer:
+                self.attention.scale /= layer_id + 1
         self.cross_attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cross else None
         self.cross_attention = Attention(cfg, cross=True) if cross else None
-        self.ffn_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
-        # Exactly one of the two is set: a block says what it contains (parallel plans ask).
-        self.moe: MoE | None = MoE(cfg) if is_moe_layer(cfg, layer_id) else None
+        has_ffn = self.kind != "M" or cfg.mamba.ffn
+        self.ffn_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if has_ffn else None
+        # At most one of the two is set: a block says what it contains (parallel plans ask).
+        self.moe: MoE | None = MoE(cfg) if has_ffn and is_moe_layer(cfg, layer_id) else None
         self.feed_forward: FeedForward | None = None
-        if self.moe is None:
+        if has_ffn and self.moe is None:
             hidden = ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
-            self.feed_forward = FeedForward(cfg.dim, hidden, cfg.activation, bias=cfg.bias, dropout=cfg.dropout)
+            bias = cfg.bias or cfg.ffn_bias
+            self.feed_forward = FeedForward(cfg.dim, hidden, cfg.activation, bias=bias, dropout=cfg.dropout)
+        self.jitter = cfg.moe.jitter
         self.dropout = nn.Dropout(cfg.dropout)
 
     def _sublayer(self, x: torch.Tensor, norm: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -41,17 +68,25 @@ class TransformerBlock(nn.Module):
             return norm(x + self.dropout(fn(x)))
         return x + self.dropout(fn(norm(x)))
 
+    def _moe(self, h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        if self.training and self.jitter > 0:  # Mixtral: multiplicative noise on the routed input
+            h = h * torch.empty_like(h).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        return self.moe(h, ctx.moe_log)
+
     def forward(
         self,
         x: torch.Tensor,
         ctx: AttnContext,
-        cache: KVCache | None = None,
+        cache: LayerCache | None = None,
         start: int = 0,
         memory: torch.Tensor | None = None,
         cross_ctx: AttnContext | None = None,
     ) -> torch.Tensor:
         """The block applied to ``x`` (B, T, dim); ``memory`` is the encoder output for cross-attention."""
-        x = self._sublayer(x, self.attention_norm, lambda h: self.attention(h, ctx, cache, start))
+        if self.mamba is not None:
+            x = self._sublayer(x, self.mamba_norm, lambda h: self.mamba(h, cache, start))
+        else:
+            x = self._sublayer(x, self.attention_norm, lambda h: self.attention(h, ctx, cache, start))
         if self.cross_attention is not None:
             x = self._sublayer(
                 x,
@@ -59,5 +94,15 @@ class TransformerBlock(nn.Module):
                 lambda h: self.cross_attention(h, cross_ctx or AttnContext(), memory=memory),
             )
         if self.moe is not None:
-            return self._sublayer(x, self.ffn_norm, lambda h: self.moe(h, ctx.moe_log))
-        return self._sublayer(x, self.ffn_norm, self.feed_forward)
+            return self._sublayer(x, self.ffn_norm, lambda h: self._moe(h, ctx))
+        if self.feed_forward is not None:
+            return self._sublayer(x, self.ffn_norm, self.feed_forward)
+        return x
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> LayerCache:
+        """An empty decoding cache of this layer's mixer (KV, latent or SSM state) for ``max_len`` positions."""
+        if self.mamba is not None:
+            return self.mamba.new_cache(batch, device)
+        if isinstance(self.attention, LatentAttention):
+            return self.attention.new_cache(batch, max_len, dtype, device)
+        return KVCache(batch, self.attention.n_kv_heads, self.attention.head_dim, max_len, dtype, device)

@@ -32,6 +32,18 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def cache_bytes(caches: list) -> int:
+    """Memory held by decoding caches (every tensor they keep)."""
+    return sum(t.numel() * t.element_size() for c in caches for t in vars(c).values() if isinstance(t, torch.Tensor))
+
+
+def cache_footprint(model: Decoder, dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """(bytes per token of context, fixed bytes) of one sequence's decoding caches: KV caches grow with the
+    context (latent attention's far less), Mamba states do not."""
+    one, two = cache_bytes(model.new_caches(1, 1, dtype)), cache_bytes(model.new_caches(1, 2, dtype))
+    return two - one, 2 * one - two
+
+
 @torch.no_grad()
 def generate(
     model: Decoder,

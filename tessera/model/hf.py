@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig, model_config, validate_model
+from tessera.model.block import layer_kind
 from tessera.model.ffn import ffn_hidden_size
 from tessera.model.hf_families import FAMILIES, HFConversionError, Rule
+from tessera.model.moe import is_moe_layer
 
 __all__ = ["FAMILIES", "HFConversionError", "detect_family", "is_hf_dir", "load_hf", "read_hf", "save_hf"]
 
@@ -34,6 +37,8 @@ _TRAINING_ONLY = (
     "sentinel_tokens",
     "moe.aux_loss_coef",
     "moe.z_loss_coef",
+    "moe.aux_loss_scope",
+    "moe.bias_update_rate",
     "multiple_of",
     "ffn_multiplier",
 )
@@ -131,6 +136,8 @@ def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str
     spec = FAMILIES[family]
     if family == "gpt2" and "wte.weight" in tensors:  # original OpenAI-format files lack the prefix
         tensors = {f"transformer.{k}": v for k, v in tensors.items()}
+    if spec.prepare is not None:
+        spec.prepare(hf_config, cfg, tensors)
     rules = spec.rules(cfg, family)
     used = {k for r in rules for k in r.theirs}
     ignored = spec.ignored + (_OUTPUT_KEYS if cfg.tie_embeddings else ())
@@ -178,38 +185,96 @@ def _canonical(cfg: ModelConfig) -> dict[str, Any]:
     values["head_dim"] = cfg.head_dim or cfg.dim // cfg.n_heads
     values["n_decoder_layers"] = (cfg.n_decoder_layers or cfg.n_layers) if cfg.arch == "encoder_decoder" else 0
     values["attention.kernel"] = "sdpa" if cfg.attention.kernel == "eager" else cfg.attention.kernel
-    drop = set(_TRAINING_ONLY) | {
-        f"attention.{k}" for k in ("block_size", "random_blocks", "performer_features", "global_tokens")
-    }
-    if cfg.position.kind != "rope":
-        drop |= {
-            f"position.{k}"
-            for k in ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_len", "rotary_fraction")
-        }
-    if cfg.position.kind != "t5_bias":
-        drop |= {"position.rel_buckets", "position.rel_max_distance"}
-    if not cfg.moe.experts:
-        drop |= {k for k in values if k.startswith("moe.")}
-    if cfg.position.rope_scaling != "yarn":
+    values["attention.o_bias"] = cfg.bias or cfg.attention.o_bias  # where a bias is, not which switch put it there
+    values["ffn_bias"] = cfg.bias or cfg.ffn_bias
+    kinds = "".join(layer_kind(cfg, i) for i in range(cfg.n_layers))
+    values["layer_pattern"] = kinds
+    values.update(_resolved_rope(cfg))
+    values["moe.ffn_hidden"] = cfg.moe.ffn_hidden or values["ffn_hidden"]
+    if "moe.shared_ffn_hidden" in values:  # issue 13's key: 0 means shared_experts x the expert width
+        shared = values["moe.shared_ffn_hidden"] or values["moe.ffn_hidden"] * cfg.moe.shared_experts
+        values["moe.shared_ffn_hidden"] = shared
+    if "M" in kinds and not cfg.mamba.dt_rank:
+        values["mamba.dt_rank"] = math.ceil(cfg.dim / 16)
+    drop = set(_TRAINING_ONLY) | {"bias", "mamba.chunk"} | _unused(cfg, kinds)
+    drop |= {f"attention.{k}" for k in ("block_size", "random_blocks", "performer_features", "global_tokens")}
+    prefixes = tuple(k for k in drop if k.endswith("."))
+    return {k: v for k, v in values.items() if k not in drop and not k.startswith(prefixes)}
+
+
+def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
+    """Dotted keys (or prefixes ending in '.') that cannot change this model's numbers."""
+    drop: set[str] = set()
+    pos = cfg.position
+    if pos.kind != "rope":
+        drop |= {f"position.rope_{k}" for k in ("theta", "scaling", "scaling_factor", "original_max_len")}
+        drop |= {"position.rotary_fraction", "position.rope_attention_factor"}
+    if pos.rope_scaling != "llama3":
+        drop |= {"position.rope_low_freq_factor", "position.rope_high_freq_factor"}
+    if pos.rope_scaling != "yarn":
+        drop.add("position.rope_attention_factor")
+    if pos.rope_scaling == "none":
+        drop.add("mla.mscale")
+    if pos.rope_scaling not in ("yarn", "llama3"):
         drop.add("position.rope_original_max_len")
-    elif not cfg.position.rope_original_max_len:
-        values["position.rope_original_max_len"] = int(cfg.max_seq_len / cfg.position.rope_scaling_factor)
-    return {k: v for k, v in values.items() if k not in drop}
+    if pos.kind != "t5_bias":
+        drop |= {"position.rel_buckets", "position.rel_max_distance"}
+    if not set(kinds) - {"M"}:  # no attention layer at all
+        drop |= {"n_heads", "n_kv_heads", "head_dim", "attention.", "position.", "mla."}
+    if "M" not in kinds:
+        drop.add("mamba.")
+    drop |= {"mamba.head_dim", "mamba.groups"} if cfg.mamba.version == 1 else {"mamba.dt_rank", "mamba.dt_norm"}
+    if not cfg.mla.kv_rank:
+        drop.add("mla.")
+    if not cfg.moe.experts:
+        drop.add("moe.")
+    if not cfg.attention.qk_norm:
+        drop.add("attention.qk_norm_scope")
+    if not any((k != "M" or cfg.mamba.ffn) and not is_moe_layer(cfg, i) for i, k in enumerate(kinds)):
+        drop.add("ffn_hidden")  # no dense FFN anywhere
+    if set(kinds) == {"M"} and not cfg.mamba.ffn:  # no FFN either
+        drop |= {"ffn_hidden", "activation", "ffn_bias", "moe.", "mamba.ffn"}
+    return drop
+
+
+def _resolved_rope(cfg: ModelConfig) -> dict[str, Any]:
+    pos = cfg.position
+    if pos.rope_scaling in ("yarn", "llama3") and not pos.rope_original_max_len:
+        return {"position.rope_original_max_len": int(cfg.max_seq_len / pos.rope_scaling_factor)}
+    return {}
 
 
 def detect_family(cfg: ModelConfig) -> str:
     """The HF family a tessera config exports to (checked exactly by :func:`export_config`)."""
+    kinds = {layer_kind(cfg, i) for i in range(cfg.n_layers)}
     if cfg.arch == "encoder":
         return "bert"
     if cfg.arch == "encoder_decoder":
         return "t5"
+    if "M" in kinds:
+        return "jamba" if kinds != {"M"} or cfg.mamba.ffn else "mamba2" if cfg.mamba.version == 2 else "mamba"
+    if cfg.mla.kv_rank:
+        return "deepseek_v3"
     if cfg.moe.experts:
-        return "mixtral"
+        return _moe_family(cfg)
     if cfg.position.kind == "learned":
         return "gpt2"
-    if cfg.attention.qkv_bias:
+    if "G" in kinds or cfg.attention.qkv_bias and not (cfg.attention.o_bias or cfg.ffn_bias):
         return "qwen2"
+    if cfg.attention.qkv_bias or cfg.attention.o_bias or cfg.ffn_bias:
+        return "llama"
     return "mistral" if cfg.attention.sliding_window else "llama"
+
+
+def _moe_family(cfg: ModelConfig) -> str:
+    a, moe = cfg.attention, cfg.moe
+    if a.qk_norm and a.qk_norm_scope == "all":
+        return "olmoe"
+    if getattr(moe, "shared_gate", False):
+        return "qwen2_moe"
+    if a.qk_norm or moe.router == "softmax_topk" or moe.every != 1 or getattr(moe, "first_dense", 0):
+        return "qwen3_moe"
+    return "mixtral"
 
 
 def export_config(cfg: ModelConfig, family: str | None = None) -> tuple[dict[str, Any], str]:

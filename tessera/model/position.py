@@ -5,27 +5,56 @@ T5 relative-position bias and ALiBi. RoPE uses HF Llama's rotate-half layout so 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from tessera.config import PositionConfig
 
-def rope_inv_freq(
-    rot_dim: int, theta: float, scaling: str = "none", factor: float = 1.0, original_max_len: int = 0
-) -> tuple[torch.Tensor, float]:
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched for a longer context (see [model.position])."""
+
+    kind: str = "none"  # none | linear | ntk | yarn | llama3
+    factor: float = 1.0
+    original_max_len: int = 0  # yarn, llama3: the pre-extension context
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    attention_factor: float = 0.0  # yarn: cos/sin magnitude (0 = 0.1 * ln(factor) + 1)
+
+
+def rope_scaling_of(pos: PositionConfig, max_len: int) -> RopeScaling:
+    """The RoPE scaling a ``[model.position]`` section describes (original length resolved)."""
+    factor = pos.rope_scaling_factor
+    return RopeScaling(
+        pos.rope_scaling,
+        factor,
+        pos.rope_original_max_len or int(max_len / factor),
+        pos.rope_low_freq_factor,
+        pos.rope_high_freq_factor,
+        pos.rope_attention_factor,
+    )
+
+
+def rope_inv_freq(rot_dim: int, theta: float, scaling: RopeScaling = RopeScaling()) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (rot_dim / 2,) and the cos/sin magnitude (YaRN's attention factor, else 1)."""
     exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
-    if scaling == "ntk":
+    factor = scaling.factor
+    if scaling.kind == "ntk":
         theta = theta * factor ** (rot_dim / (rot_dim - 2))
     inv_freq = 1.0 / (theta**exponents)
-    if scaling == "linear":
+    if scaling.kind == "linear":
         return inv_freq / factor, 1.0
-    if scaling != "yarn" or factor <= 1.0:
+    if scaling.kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if scaling.kind != "yarn" or factor <= 1.0:
         return inv_freq, 1.0
 
     # YaRN (Peng et al. 2023): interpolate the slow dimensions, keep the fast ones, blend in between.
     def correction_dim(rotations: float) -> float:
-        return rot_dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return rot_dim * math.log(scaling.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low = max(math.floor(correction_dim(32.0)), 0)
     high = min(math.ceil(correction_dim(1.0)), rot_dim - 1)
@@ -34,32 +63,34 @@ def rope_inv_freq(
     ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1 where the original (extrapolated) frequency is kept
     inv_freq = (inv_freq / factor) * (1 - keep) + inv_freq * keep
-    return inv_freq, 0.1 * math.log(factor) + 1.0
+    return inv_freq, scaling.attention_factor or 0.1 * math.log(factor) + 1.0
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by the factor, short ones kept, a smooth blend in between."""
+    wavelen = 2 * math.pi / inv_freq
+    long_wave, short_wave = s.original_max_len / s.low_freq_factor, s.original_max_len / s.high_freq_factor
+    smooth = (s.original_max_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    out = torch.where(wavelen > long_wave, inv_freq / s.factor, inv_freq)
+    return torch.where((wavelen >= short_wave) & (wavelen <= long_wave), blended, out)
 
 
 class RotaryEmbedding(nn.Module):
     """RoPE cos/sin tables (non-persistent buffers, rebuilt by ``reset_parameters``)."""
 
     def __init__(
-        self,
-        head_dim: int,
-        max_len: int,
-        theta: float,
-        scaling: str = "none",
-        factor: float = 1.0,
-        original_max_len: int = 0,
-        fraction: float = 1.0,
+        self, head_dim: int, max_len: int, theta: float, scaling: RopeScaling = RopeScaling(), fraction: float = 1.0
     ) -> None:
         super().__init__()
         self.rot_dim = int(head_dim * fraction)
-        self.max_len, self.theta, self.scaling, self.factor = max_len, theta, scaling, factor
-        self.original_max_len = original_max_len or int(max_len / factor)
+        self.max_len, self.theta, self.scaling = max_len, theta, scaling
         cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq, magnitude = rope_inv_freq(self.rot_dim, self.theta, self.scaling, self.factor, self.original_max_len)
+        inv_freq, magnitude = rope_inv_freq(self.rot_dim, self.theta, self.scaling)
         t = torch.arange(self.max_len, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -179,6 +210,24 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
         extra = 2.0 ** (-4.0 / closest)
         slopes += [extra ** (2 * i + 1) for i in range(n_heads - closest)]
     return torch.tensor(slopes, dtype=torch.float32)
+
+
+class AlibiBias(nn.Module):
+    """ALiBi as a module: the head slopes (a buffer derived from the head count) and the bias."""
+
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Recompute the slopes (after a meta-device build)."""
+        with torch.no_grad():
+            self.slopes.copy_(alibi_slopes(self.n_heads))
+
+    def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Bias (B or 1, H, Tq, Tk); see :func:`alibi_bias`."""
+        return alibi_bias(self.slopes, q_pos, k_pos)
 
 
 def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

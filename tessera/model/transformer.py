@@ -10,19 +10,27 @@ a pipeline stage is the same model with the other stages' parts removed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.model.attention import LINEAR_KERNELS, AttnContext, KVCache
-from tessera.model.block import TransformerBlock
+from tessera.model.attention import LINEAR_KERNELS, AttnContext
+from tessera.model.block import LayerCache, TransformerBlock
 from tessera.model.ffn import ACTIVATIONS
+from tessera.model.mamba import Mamba2Mixer, MambaMixer
 from tessera.model.masks import MaskSpec, attention_mask
 from tessera.model.moe import Experts, MoELog
 from tessera.model.norm import build_norm
-from tessera.model.position import AbsolutePositions, RelativePositionBias, RotaryEmbedding, alibi_bias, alibi_slopes
+from tessera.model.position import (
+    AbsolutePositions,
+    AlibiBias,
+    RelativePositionBias,
+    RotaryEmbedding,
+    rope_scaling_of,
+)
 
 _RESIDUAL_OUT = ("o_proj", "down_proj")
 
@@ -44,23 +52,19 @@ class Stack(nn.Module):
         self.rope = None
         if cfg.position.kind == "rope":
             self.rope = RotaryEmbedding(
-                head_dim,
+                cfg.mla.rope_head_dim if cfg.mla.kv_rank else head_dim,
                 cfg.max_seq_len,
                 cfg.position.rope_theta,
-                cfg.position.rope_scaling,
-                cfg.position.rope_scaling_factor,
-                cfg.position.rope_original_max_len,
+                rope_scaling_of(cfg.position, cfg.max_seq_len),
                 cfg.position.rotary_fraction,
             )
-        self.rel_bias = (
-            RelativePositionBias(
-                cfg.n_heads, cfg.position.rel_buckets, cfg.position.rel_max_distance, bidirectional=not causal
-            )
-            if cfg.position.kind == "t5_bias"
-            else None
-        )
-        if cfg.position.kind == "alibi":
-            self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        # A score bias (T5 relative buckets or ALiBi): (B|1, H, Tq, Tk) added to every layer's scores.
+        self.rel_bias: nn.Module | None = None
+        if cfg.position.kind == "t5_bias":
+            pos = cfg.position
+            self.rel_bias = RelativePositionBias(cfg.n_heads, pos.rel_buckets, pos.rel_max_distance, not causal)
+        elif cfg.position.kind == "alibi":
+            self.rel_bias = AlibiBias(cfg.n_heads)
         # A ModuleDict keyed by layer index keeps parameter names stable when stages drop layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, cross) for i in range(n_layers)})
         self.norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cfg.norm_position == "pre" else None
@@ -73,6 +77,8 @@ class Stack(nn.Module):
             cfg.attention.random_blocks,
             cfg.max_seq_len,
         )
+        # 'G' layers of model.layer_pattern: the same attention without the sliding window.
+        self.global_mask_spec = dataclasses.replace(self.mask_spec, window=0) if "G" in cfg.layer_pattern else None
 
     def context(
         self,
@@ -101,15 +107,19 @@ class Stack(nn.Module):
             )
         if self.rope is not None:
             ctx.cos, ctx.sin = self.rope(start, length, positions)
-        if self.rel_bias is not None or self.cfg.position.kind == "alibi":
+        if self.rel_bias is not None:
             q_pos = positions if positions is not None else torch.arange(start, kv_len, device=device)[None]
             k_pos = positions if positions is not None else torch.arange(kv_len, device=device)[None]
-            ctx.bias = (
-                self.rel_bias(q_pos, k_pos)
-                if self.rel_bias is not None
-                else alibi_bias(self.alibi_slopes, q_pos, k_pos)
-            )
+            ctx.bias = self.rel_bias(q_pos, k_pos)
         return ctx
+
+    def global_context(
+        self, ctx: AttnContext, length: int, start: int, document_ids: torch.Tensor | None, device: torch.device
+    ) -> AttnContext:
+        """``ctx`` with the mask of the 'G' layers of ``model.layer_pattern`` (no sliding window)."""
+        kv_len = start + length
+        mask = attention_mask(self.global_mask_spec, length, kv_len, device, document_ids)
+        return dataclasses.replace(ctx, mask=mask, is_causal=self.causal and mask is None and length == kv_len)
 
     def embed_positions(self, h: torch.Tensor, start: int, positions: torch.Tensor | None) -> torch.Tensor:
         """Absolute positions, embedding norm and dropout on freshly embedded tokens (first stage only)."""
@@ -123,7 +133,7 @@ class Stack(nn.Module):
     def hidden_states(
         self,
         h: torch.Tensor,
-        caches: list[KVCache] | None = None,
+        caches: list[LayerCache] | None = None,
         start: int = 0,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
@@ -138,14 +148,17 @@ class Stack(nn.Module):
         h = self.embed_positions(h, start, positions)
         ctx = self.context(b, t, start, positions, document_ids, h.device)
         ctx.moe_log = moe_log
+        global_ctx = (
+            self.global_context(ctx, t, start, document_ids, h.device) if self.global_mask_spec is not None else ctx
+        )
         for i, layer in enumerate(self.layers.values()):
-            h = layer(h, ctx, caches[i] if caches is not None else None, start, memory)
+            layer_ctx = global_ctx if layer.kind == "G" else ctx
+            h = layer(h, layer_ctx, caches[i] if caches is not None else None, start, memory)
         return self.norm(h) if self.norm is not None else h
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
-        """One empty self-attention KV cache per layer, sized for ``max_len`` positions."""
-        attn = next(iter(self.layers.values())).attention
-        return [KVCache(batch, attn.n_kv_heads, attn.head_dim, max_len, dtype, device) for _ in self.layers]
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[LayerCache]:
+        """One empty decoding cache per layer (KV, latent K/V or Mamba state), sized for ``max_len`` positions."""
+        return [layer.new_cache(batch, max_len, dtype, device) for layer in self.layers.values()]
 
 
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
@@ -164,9 +177,10 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
                 nn.init.normal_(p, mean=0.0, std=out_std if pname == "down_proj" else std)
         elif isinstance(module, AbsolutePositions):
             module.reset_parameters(std)
-        elif isinstance(module, Stack) and module.cfg.position.kind == "alibi":
-            module.alibi_slopes.copy_(alibi_slopes(cfg.n_heads))
         elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    for module in model.modules():  # after their linears: the SSM's A, D and time-step initialization
+        if isinstance(module, (MambaMixer, Mamba2Mixer)):
             module.reset_parameters()
 
 
@@ -188,7 +202,7 @@ class Decoder(Stack):
     def forward(
         self,
         tokens: torch.Tensor,
-        caches: list[KVCache] | None = None,
+        caches: list[LayerCache] | None = None,
         start: int = 0,
         *,
         positions: torch.Tensor | None = None,
@@ -203,7 +217,7 @@ class Decoder(Stack):
         h = self.hidden_states(h, caches, start, positions, document_ids, moe_log=moe_log)
         return self.output(h) if self.output is not None else h
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
         """One empty KV cache per layer, sized for ``max_len`` positions."""
         weight = self.output.weight
         return super().new_caches(batch, max_len, dtype or weight.dtype, weight.device)
@@ -300,7 +314,7 @@ class EncoderDecoder(nn.Module):
         self,
         decoder_input_ids: torch.Tensor,
         memory: torch.Tensor,
-        caches: list[KVCache] | None = None,
+        caches: list[LayerCache] | None = None,
         start: int = 0,
         moe_log: MoELog | None = None,
     ) -> torch.Tensor:
@@ -318,7 +332,7 @@ class EncoderDecoder(nn.Module):
         """Logits (B, T, vocab) of ``decoder_input_ids`` conditioned on ``input_ids``."""
         return self.decode(decoder_input_ids, self.encode(input_ids, moe_log), moe_log=moe_log)
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
         """Decoder self-attention caches."""
         weight = self.output.weight
         return self.decoder.new_caches(batch, max_len, dtype or weight.dtype, weight.device)

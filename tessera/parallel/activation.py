@@ -4,6 +4,8 @@ from __future__ import annotations
 
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -50,4 +52,23 @@ def apply_compile(stacks: list[nn.ModuleDict]) -> None:
     """``torch.compile`` each block (regional compilation: one graph reused by every block)."""
     for layers in stacks:
         for name, block in list(layers.items()):
-            layers[name] = torch.compile(block, fullgraph=False)
+            compiled = torch.compile(block, fullgraph=False)
+            compiled.register_forward_pre_hook(_settle_async_inputs)
+            layers[name] = compiled
+
+
+def _settle_async_inputs(_module: nn.Module, args: tuple) -> tuple:
+    """Tensor inputs of a compiled block as ordinary tensors.
+
+    A tensor-parallel collective outside the block (the vocab-parallel embedding's all-reduce or
+    reduce-scatter) returns an AsyncCollectiveTensor, possibly inside a DTensor; AOT autograd
+    cannot differentiate a compiled region through that input (its backward receives a plain
+    gradient where a DTensor is due, or a plain tensor where it traced an asynchronous one). A
+    differentiable copy waits for the collective first (views of it would stay asynchronous).
+    """
+    return tuple(_settled(a) for a in args)
+
+
+def _settled(arg: object) -> object:
+    local = arg._local_tensor if isinstance(arg, DTensor) else arg  # DTensor keeps no public handle
+    return arg.clone() if isinstance(local, AsyncCollectiveTensor) else arg

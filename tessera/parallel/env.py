@@ -16,6 +16,7 @@ class DistEnv:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1  # processes on this node
 
     @property
     def is_distributed(self) -> bool:
@@ -23,10 +24,10 @@ class DistEnv:
 
 
 def dist_env() -> DistEnv:
-    """RANK, WORLD_SIZE and LOCAL_RANK of this process (single-process values when unset)."""
-    return DistEnv(
-        int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-    )
+    """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE of this process (single-process values when unset)."""
+    get = os.environ.get
+    rank, world, local = int(get("RANK", 0)), int(get("WORLD_SIZE", 1)), int(get("LOCAL_RANK", 0))
+    return DistEnv(rank, world, local, int(get("LOCAL_WORLD_SIZE", 1)))
 
 
 def init_distributed(device_type: str) -> DistEnv:

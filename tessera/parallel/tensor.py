@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism for zoo decoders, through DTensor ``parallelize_module``.
+"""Tensor and sequence parallelism for zoo models (decoder, encoder, encoder-decoder) through DTensor.
 
 Megatron-style layout: Q/K/V and gate/up projections are column-parallel (heads and hidden
 units split across the tp ranks), the attention output and down projections row-parallel, so
@@ -7,7 +7,10 @@ parallelism the residual stream between those regions stays sharded along the se
 and dropout run on 1/tp of the tokens, and the all-reduces become reduce-scatter/all-gather
 pairs. The embedding is vocab-parallel and the output head column-parallel with its logits
 left sharded over the vocabulary, so the loss runs under ``loss_parallel`` and the full
-logits never materialize on one rank.
+logits never materialize on one rank; a tied embedding and head are one weight sharded along
+the vocabulary for both. Cross-attention reads the encoder output replicated; score biases are
+per head (T5's bucket table sharded by head, ALiBi's slopes sliced). When positions, token types
+or an embedding norm act on the embedding output, it stays replicated until the first block.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -34,7 +38,8 @@ class ReplicateInput(ParallelStyle):
     here, once for all the column-parallel projections that follow; without it the input is
     already whole and is only wrapped, so backward sums the projections' input gradients
     locally and all-reduces once instead of once per projection. Only the first positional
-    argument (the hidden states) is touched, so the module's other arguments pass through.
+    argument (the hidden states) and cross-attention's ``memory`` keyword (the encoder output,
+    read by the column-parallel k/v projections) are touched; other arguments pass through.
     """
 
     def __init__(self, sequence_sharded: bool) -> None:
@@ -46,6 +51,11 @@ class ReplicateInput(ParallelStyle):
             x = args[0]
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, self.src, run_check=False)
+            memory = kwargs.get("memory")
+            if memory is not None:
+                if not isinstance(memory, DTensor):  # without SP the encoder output is whole on every rank
+                    memory = DTensor.from_local(memory, device_mesh, (Replicate(),), run_check=False)
+                kwargs = {**kwargs, "memory": memory.redistribute(device_mesh, (Replicate(),))}
             return (x.redistribute(device_mesh, (Replicate(),)), *args[1:]), kwargs
 
         module.register_forward_pre_hook(replicate, with_kwargs=True)
@@ -77,48 +87,142 @@ class ReplicatedRegion(ParallelStyle):
         return module
 
 
+class ShardSequence(ParallelStyle):
+    """Enter the sequence-parallel region: a replicated input becomes this rank's Shard(1) slice.
+
+    Used before a stack's first block when positions, token types or an embedding norm are
+    applied to the whole replicated embedding output first (a local slice, no communication).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(_module: nn.Module, args: tuple[Any, ...]):
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+            return (x.redistribute(device_mesh, (Shard(1),)), *args[1:])
+
+        module.register_forward_pre_hook(shard)
+        return module
+
+
+class LocalHeads(ParallelStyle):
+    """Keep this rank's heads (dim 1) of a module's replicated (B, H, Tq, Tk) score bias (ALiBi)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+
+        def local(_module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+            return out.chunk(size, dim=1)[rank]
+
+        module.register_forward_hook(local)
+        return module
+
+
+def _attention_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
+    out = Shard(1) if sp else Replicate()
+    return {
+        f"{prefix}.q_proj": ColwiseParallel(),
+        f"{prefix}.k_proj": ColwiseParallel(),
+        f"{prefix}.v_proj": ColwiseParallel(),
+        f"{prefix}.o_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
+        prefix: ReplicateInput(sp),
+    }
+
+
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     out = Shard(1) if sp else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "attention.q_proj": ColwiseParallel(),
-        "attention.k_proj": ColwiseParallel(),
-        "attention.v_proj": ColwiseParallel(),
-        "attention.o_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
-    }
-    plan["attention"] = ReplicateInput(sp)
+    plan = _attention_plan("attention", sp)
+    if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input
+        plan.update(_attention_plan("cross_attention", sp))
     if sp:
-        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+        norms = ["attention_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention is not None else [])
+        plan.update({name: SequenceParallel() for name in norms})
     if block.moe is not None:
         if sp:
             plan["moe"] = ReplicatedRegion()
         return plan
-    plan.update(
-        {
-            "feed_forward.up_proj": ColwiseParallel(),
-            "feed_forward.down_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
-        }
-    )
-    if getattr(block.feed_forward, "gate_proj", None) is not None:
+    ffn = block.feed_forward
+    plan["feed_forward.up_proj"] = ColwiseParallel()
+    plan["feed_forward.down_proj"] = RowwiseParallel(output_layouts=out, use_local_output=not sp)
+    if getattr(ffn, "gate_proj", None) is not None:
         plan["feed_forward.gate_proj"] = ColwiseParallel()
     plan["feed_forward"] = ReplicateInput(sp)
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard a zoo decoder over ``tp_mesh`` in place (see the module docstring for the layout)."""
-    sp = sequence_parallel
-    root_plan: dict[str, ParallelStyle] = {
+def _stacks(model: nn.Module) -> list[nn.Module]:
+    """The block stacks of a zoo model: itself (decoder, encoder) or its encoder and decoder."""
+    return [model.encoder, model.decoder] if hasattr(model, "encoder") else [model]
+
+
+def _embeds_before_blocks(model: nn.Module) -> bool:
+    """Whether something is added to the embedding output before the first block (positions,
+    token types, an embedding norm): then it runs replicated and the sequence is split after it."""
+    parts = [getattr(model, "type_embeddings", None)]
+    parts += [getattr(stack, name, None) for stack in _stacks(model) for name in ("pos_embeddings", "embed_norm")]
+    return any(part is not None for part in parts)
+
+
+def _root_plan(model: nn.Module, sp: bool, replicated_embedding: bool) -> dict[str, ParallelStyle]:
+    sharded_out = sp and not replicated_embedding
+    plan: dict[str, ParallelStyle] = {
         # Under SP the embedding output stays a DTensor so the stack sees the global sequence length.
         "tok_embeddings": RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp
-        ),
-        "output": ColwiseParallel(
-            input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
+            input_layouts=Replicate(),
+            output_layouts=Shard(1) if sharded_out else Replicate(),
+            use_local_output=not sharded_out,
         ),
     }
-    if sp:
-        root_plan["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, root_plan)
-    for block in model.layers.values():
-        # Attention derives its local head count from the sharded projections' widths.
-        parallelize_module(block, tp_mesh, _block_plan(block, sp))
+    head = getattr(model, "head", None)  # BERT's MLM transform runs replicated on the gathered sequence
+    if head is not None and sp:
+        plan["head"] = PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+        )
+    head_input = Shard(1) if sp and head is None else Replicate()
+    plan["output"] = ColwiseParallel(input_layouts=head_input, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def _stack_plan(stack: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {}
+    if sp and getattr(stack, "norm", None) is not None:
+        plan["norm"] = SequenceParallel()
+    bias = getattr(stack, "rel_bias", None)
+    if bias is not None:  # score biases are per head: T5's table is sharded by head, ALiBi sliced
+        key = "rel_bias.relative_attention_bias"
+        plan.update(
+            {key: ColwiseParallel()} if hasattr(bias, "relative_attention_bias") else {"rel_bias": LocalHeads()}
+        )
+    return plan
+
+
+def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The plan's entries whose module exists (a pipeline stage lacks the other stages' parts)."""
+    out = {}
+    for key, style in plan.items():
+        try:
+            if model.get_submodule(key) is not None:
+                out[key] = style
+        except AttributeError:
+            continue
+    return out
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard a zoo model (decoder, encoder, encoder-decoder) over ``tp_mesh`` in place (see the
+    module docstring for the layout); a tied embedding and head share one vocab-sharded weight."""
+    sp = sequence_parallel
+    embedding, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    replicated_embedding = _embeds_before_blocks(model)
+    parallelize_module(model, tp_mesh, _present(model, _root_plan(model, sp, replicated_embedding)))
+    for stack in _stacks(model):
+        parallelize_module(stack, tp_mesh, _present(stack, _stack_plan(stack, sp)))
+        blocks = list(stack.layers.values())
+        for block in blocks:
+            # Attention derives its local head count from the sharded projections' widths.
+            parallelize_module(block, tp_mesh, _block_plan(block, sp))
+        if sp and replicated_embedding and blocks:
+            parallelize_module(blocks[0], tp_mesh, ShardSequence())
+    if tied:  # both are sharded along the vocabulary (dim 0): they stay one parameter
+        model.output.weight = model.tok_embeddings.weight

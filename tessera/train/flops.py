@@ -7,14 +7,27 @@ H heads of size Q, and T the sequence length (the attention score and value prod
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 
 from tessera.config import ModelConfig
+from tessera.threads import machine_load_if_busy
 
 # Dense bf16 tensor-core peaks (FLOP/s) of common accelerators, by a substring of the device name.
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12, "V100": 125e12}
+GPU_PEAK_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "4090": 165e12,
+    "V100": 125e12,
+}
 
 
 def flops_per_token(matmul_params: int, cfg: ModelConfig, seq_len: int) -> float:
@@ -38,14 +51,60 @@ def measure_cpu_peak_flops(size: int = 1024, repeats: int = 20) -> float:
     return 2.0 * size**3 / best
 
 
-def peak_flops(device: torch.device, configured: float = 0.0) -> float:
-    """Peak FLOP/s per device: the configured value, a known GPU's bf16 peak, or a CPU probe."""
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read_cache(path: Path) -> dict[str, float]:
+    try:
+        cache = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def cached_cpu_peak_flops(cache_dir: Path | None, local_processes: int = 1) -> tuple[float, str]:
+    """This machine's measured CPU peak per process and where it came from.
+
+    The probe runs once per CPU model, thread count, processes per node and torch version and is
+    kept in ``cache_dir/cpu_peak.json``: one noisy measurement no longer moves every run's MFU.
+    A probe taken while other work loads the machine is used but not kept, so a busy moment is
+    not remembered. (Under torchrun the local processes probe at about the same time, sharing
+    the cores as they will while training.) Delete the file to measure again.
+    """
+    key = f"{cpu_name()} | {torch.get_num_threads()} threads x {local_processes} processes | torch {torch.__version__}"
+    path = cache_dir / "cpu_peak.json" if cache_dir is not None else None
+    cache = _read_cache(path) if path is not None else {}
+    if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
+        return float(cache[key]), f"cached in {path}"
+    peak = measure_cpu_peak_flops()
+    busy = machine_load_if_busy()
+    if path is None or busy is not None:
+        return peak, "measured" + (f" on a busy machine (load {busy:.1f}), not cached" if busy is not None else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({**cache, key: peak}, indent=1))
+    os.replace(tmp, path)
+    return peak, f"measured, cached in {path}"
+
+
+def peak_flops(
+    device: torch.device, configured: float = 0.0, cache_dir: Path | None = None, local_processes: int = 1
+) -> tuple[float, str]:
+    """Peak FLOP/s per device and its source: log.peak_flops, a known GPU's bf16 peak, or the cached CPU probe."""
     if configured > 0:
-        return configured
+        return configured, "log.peak_flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in GPU_PEAK_BF16.items():
             if key in name:
-                return value
-        return 0.0  # unknown GPU: MFU is reported as 0 until log.peak_flops is set
-    return measure_cpu_peak_flops()
+                return value, f"{key} bf16 peak"
+        return 0.0, f"unknown GPU {name!r}: set log.peak_flops"  # MFU is reported as 0 until it is set
+    return cached_cpu_peak_flops(cache_dir, local_processes)

@@ -1,12 +1,16 @@
-"""Training metrics: a live console line, metrics.jsonl, TensorBoard events and a loss plot."""
+"""Training metrics: the logging window, a console bar or lines, metrics.jsonl, TensorBoard, W&B and a loss plot."""
 
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from tessera.config import ConfigError, JobConfig, LogConfig
+from tessera.status import RunLock
 
 
 def _human(n: float) -> str:
@@ -19,7 +23,9 @@ def _human(n: float) -> str:
 
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def format_step(record: dict[str, Any], total_steps: int, eta_s: float | None) -> str:
@@ -35,15 +41,160 @@ def format_step(record: dict[str, Any], total_steps: int, eta_s: float | None) -
     return " | ".join(parts)
 
 
-class MetricsLogger:
-    """Writes each record to metrics.jsonl and TensorBoard and shows progress on the console.
+def _bar_text(record: dict[str, Any]) -> str:
+    """What the progress bar shows after the bar itself."""
+    parts = []
+    if "loss" in record:
+        parts = [
+            f"loss {record['loss']:.4f}",
+            f"{_human(record['tokens_per_s'])} tok/s",
+            f"mfu {100 * record['mfu']:.1f}%",
+        ]
+    if "val_loss" in record:
+        parts.append(f"val {record['val_loss']:.4f}")
+    return " | ".join(parts)
 
-    ``progress``: "bar" rewrites one live line (a terminal), "lines" prints a line per logged
-    step (logs, CI), "none" prints nothing, "auto" picks "bar" on a terminal else "lines".
+
+class StepWindow:
+    """The steps since the last logged one, reduced to what is logged.
+
+    ``loss`` and the other per-step metrics (grad norm, MoE balance) are means over the window,
+    ``lr`` the last step's; tokens/s is the window's tokens over its seconds, so MFU is smoothed
+    the same way. MFU is capped at 1: above it the peak (a measurement on CPU) was too low.
+    """
+
+    def __init__(self, flops_per_token: float, peak_flops_total: float) -> None:
+        self.flops_per_token, self.peak = flops_per_token, peak_flops_total
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.steps, self.tokens, self.seconds = 0, 0, 0.0
+
+    def add(self, metrics: dict[str, float], tokens: int, seconds: float) -> None:
+        """One optimizer step's metrics, tokens and wall seconds."""
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.last = dict(metrics)
+        self.steps, self.tokens, self.seconds = self.steps + 1, self.tokens + tokens, self.seconds + seconds
+
+    def flush(self) -> dict[str, float]:
+        """The window's record fields (empty when no step was added); starts a new window."""
+        if not self.steps:
+            return {}
+        record = {key: total / self.steps for key, total in self.sums.items()}
+        record["lr"] = self.last.get("lr", 0.0)
+        tokens_per_s = self.tokens / max(self.seconds, 1e-12)
+        mfu = min(1.0, tokens_per_s * self.flops_per_token / self.peak) if self.peak else 0.0
+        record.update(tokens_per_s=tokens_per_s, mfu=mfu)
+        self._reset()
+        return record
+
+
+def tensorboard_tag(key: str) -> str:
+    """Grouped TensorBoard / W&B names: ``val/loss``, ``moe/aux_loss``, ``perf/mfu``, ``train/loss``."""
+    if key.startswith("val_"):
+        return "val/" + key.removeprefix("val_")
+    if key.startswith("moe_"):
+        return "moe/" + key.removeprefix("moe_")
+    if key in ("tokens_per_s", "mfu"):
+        return "perf/" + key
+    return "train/" + key
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    return {
+        tensorboard_tag(k): v for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float))
+    }
+
+
+def check_sinks(log: LogConfig) -> None:
+    """ConfigError when an enabled sink's optional package is missing (before any work starts)."""
+    import importlib.util
+
+    if log.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "log.wandb=true needs the wandb package: pip install 'tessera[wandb]' (or set log.wandb=false)"
+        )
+
+
+class WandbSink:
+    """A Weights & Biases run in ``RUN_DIR/wandb``; resumed runs continue the same W&B run."""
+
+    def __init__(self, run_dir: Path, log: LogConfig, config: dict[str, Any]) -> None:
+        check_sinks(log)
+        import wandb
+
+        id_file = run_dir / "wandb-id.txt"
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
+        self.mode, self.why = wandb_mode(log.wandb_mode)
+        self.run = wandb.init(
+            project=log.wandb_project,
+            name=log.wandb_run_name or run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+            mode=self.mode,
+        )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")  # re-logged steps after a resume are fine
+
+    def log(self, record: dict[str, Any]) -> None:
+        """One record, under the grouped tags, against ``step``."""
+        self.run.log({"step": record["step"], **_scalars(record)})
+
+    def close(self) -> None:
+        """Finish the W&B run (offline: its files stay in RUN_DIR/wandb for ``wandb sync``)."""
+        self.run.finish()
+
+
+def wandb_mode(configured: str, timeout: float = 3.0) -> tuple[str | None, str]:
+    """(mode for ``wandb.init``, why): ``$WANDB_MODE`` or the setting, else online only when logged in and reachable."""
+    import netrc
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if configured != "auto":
+        return configured, "log.wandb_mode"
+    if os.environ.get("WANDB_MODE"):
+        return None, "WANDB_MODE"  # wandb reads it itself
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    host, port = url.hostname or "api.wandb.ai", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        key = os.environ.get("WANDB_API_KEY") or (netrc.netrc().authenticators(host) or (None, None, None))[2]
+    except (OSError, netrc.NetrcParseError):
+        key = None
+    if not key:
+        return "offline", "no W&B API key (wandb login)"
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return "offline", f"{host} unreachable"
+    return "online", "logged in"
+
+
+class MetricsLogger:
+    """Writes each record to metrics.jsonl, TensorBoard and W&B and shows progress on the console.
+
+    ``progress``: "bar" is a tqdm bar (steps, loss, tokens/s, MFU, ETA) on a terminal, "lines"
+    prints a line per logged step (logs, CI), "none" prints nothing, "auto" picks "bar" on a
+    terminal else "lines". An enabled logger (rank 0) also holds the run's :class:`RunLock`.
     """
 
     def __init__(
-        self, run_dir: str | Path, total_steps: int, progress: str = "auto", tensorboard: bool = True, stream: TextIO | None = None, enabled: bool = True
+        self,
+        run_dir: str | Path,
+        total_steps: int,
+        progress: str = "auto",
+        tensorboard: bool = True,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        wandb: LogConfig | None = None,
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
@@ -52,25 +203,60 @@ class MetricsLogger:
             progress = "bar" if self.stream.isatty() else "lines"
         self.enabled = enabled
         self.progress = progress if enabled else "none"
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a") if enabled else None
-        self.tb = None
-        if tensorboard and enabled:
+        self.lock: RunLock | None = None
+        self.jsonl: TextIO | None = None
+        self.tb: Any = None
+        self.wandb: WandbSink | None = None
+        self.bar: Any = None
+        self.started = time.perf_counter()
+        self.start_step: int | None = None
+        if enabled:
+            try:
+                self._open_sinks(tensorboard, wandb, config or {})
+            except BaseException:
+                self.close()
+                raise
+
+    def _open_sinks(self, tensorboard: bool, wandb: LogConfig | None, config: dict[str, Any]) -> None:
+        self.lock = RunLock(self.run_dir).acquire()
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        self.started = time.perf_counter()
-        self.start_step: int | None = None
+        if wandb is not None and wandb.wandb:
+            self.wandb = WandbSink(self.run_dir, wandb, config)
+            if self.wandb.why != "WANDB_MODE":
+                self.print(f"wandb: {self.wandb.mode} ({self.wandb.why})")
+
+    @classmethod
+    def for_job(cls, config: JobConfig, enabled: bool = True) -> MetricsLogger:
+        """The logger a :class:`~tessera.config.JobConfig` asks for."""
+        log = config.log
+        return cls(
+            config.train.run_dir,
+            config.train.steps,
+            log.progress,
+            log.tensorboard,
+            enabled=enabled,
+            wandb=log if log.wandb else None,
+            config=config.to_dict(),
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         """Record one step's metrics (``step`` plus any numbers); a disabled logger (ranks > 0) drops it."""
         if self.jsonl is None:
             return
+        record = {**record, "time": round(time.time(), 3)}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, record["step"])
+            for tag, value in _scalars(record).items():
+                self.tb.add_scalar(tag, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(record)
+        if self.lock is not None:
+            self.lock.heartbeat(record["step"])
         self._show(record)
 
     def _eta(self, step: int) -> float | None:
@@ -83,25 +269,51 @@ class MetricsLogger:
     def _show(self, record: dict[str, Any]) -> None:
         if self.progress == "none":
             return
-        line = format_step(record, self.total_steps, self._eta(record["step"]))
         if self.progress == "bar":
-            self.stream.write("\r\033[K" + line + ("\n" if "val_loss" in record or record["step"] == self.total_steps else ""))
-        else:
-            self.stream.write(line + "\n")
+            self._show_bar(record)
+            return
+        self.stream.write(format_step(record, self.total_steps, self._eta(record["step"])) + "\n")
         self.stream.flush()
 
+    def _show_bar(self, record: dict[str, Any]) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(
+                total=self.total_steps,
+                initial=record["step"],
+                file=self.stream,
+                unit="step",
+                dynamic_ncols=True,
+                bar_format="step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| {desc} [{elapsed}<{remaining}]",
+            )
+        if "val_loss" in record:
+            self.bar.write(format_step(record, self.total_steps, None), file=self.stream)
+        self.bar.set_description_str(_bar_text(record), refresh=False)
+        self.bar.update(record["step"] - self.bar.n)
+        self.bar.refresh()
+
     def print(self, message: str) -> None:
-        """A message on the console (a fresh line even while the bar is live)."""
-        if self.progress != "none":
-            self.stream.write(message + "\n")
-            self.stream.flush()
+        """A message on the console (above the bar while it is live)."""
+        if self.progress == "none":
+            return
+        if self.bar is not None:
+            self.bar.write(message, file=self.stream)
+            return
+        self.stream.write(message + "\n")
+        self.stream.flush()
 
     def close(self) -> None:
-        """Flush and close the sinks."""
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        """Close the bar and the sinks; release the run."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        for sink in (self.jsonl, self.tb, self.wandb):
+            if sink is not None:
+                sink.close()
+        if self.lock is not None:
+            self.lock.release()
+        self.jsonl = self.tb = self.wandb = self.lock = None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -122,7 +334,7 @@ def plot_loss_curve(run_dir: str | Path) -> Path:
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:
-        ax.plot(*zip(*train), label="train loss", linewidth=1)
+        ax.plot(*zip(*train), label="train loss (logging-window mean)", linewidth=1)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss", markersize=4)
     ax.set_xlabel("step")

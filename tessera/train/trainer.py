@@ -12,15 +12,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
-from tessera.data.pipeline import DataBundle, Split, build_data
+from tessera.data.inspect import realized_mix
+from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
 from tessera.train.async_checkpoint import build_checkpointer
 from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
-from tessera.train.metrics import MetricsLogger, plot_loss_curve
+from tessera.threads import apply_threads, busy_hint
+from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
 from tessera.train.optim import build_optimizer, build_scheduler
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.save_schedule import SaveSchedule
@@ -50,6 +53,8 @@ def lm_loss(
         logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing, reduction="none"
     )
     mask = loss_mask.flatten().float()
+    if isinstance(losses, DTensor):  # loss parallelism: the per-token losses are replicated over tp
+        mask = DTensor.from_local(mask, losses.device_mesh, losses.placements, run_check=False)
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
@@ -89,6 +94,7 @@ class Trainer:
         self.resume_from = resolve_resume(config)
         self.parallel = setup_parallel(config, self.device)
         self.device = self.parallel.device
+        self.threads = apply_threads(config.train.threads, self.parallel.env.local_world_size)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
@@ -104,7 +110,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(
             self.n_params - self.n_embedding_params, config.model, config.train.seq_len
         )
-        self.peak = peak_flops(self.device, config.log.peak_flops)
+        self.peak, self.peak_source = peak_flops(
+            self.device, config.log.peak_flops, cache_dir(config.data.cache_dir), self.parallel.env.local_world_size
+        )
         if self.parallel.is_main:
             self._write_run_files()
 
@@ -264,9 +272,8 @@ class Trainer:
             self.restore(self.resume_from)
         if self.parallel.is_main:
             _truncate_metrics(self.run_dir, self.step)
-        logger = MetricsLogger(
-            self.run_dir, cfg.train.steps, cfg.log.progress, cfg.log.tensorboard, enabled=self.parallel.is_main
-        )
+        logger = MetricsLogger.for_job(cfg, enabled=self.parallel.is_main)
+        window = StepWindow(self.flops_per_token, self.peak * self.parallel.env.world_size)
         result = TrainResult(self.run_dir, cfg.train.steps)
         logger.print(self._banner())
         started = time.perf_counter()
@@ -279,23 +286,16 @@ class Trainer:
                 t0 = time.perf_counter()
                 metrics = self.train_step()
                 self.step += 1
-                elapsed = time.perf_counter() - t0
-                tokens_per_s = self.tokens_per_step / elapsed
-                mfu = (
-                    tokens_per_s * self.flops_per_token / (self.peak * self.parallel.env.world_size)
-                    if self.peak
-                    else 0.0
-                )
-                record = {"step": self.step, **metrics, "tokens_per_s": tokens_per_s, "mfu": mfu}
+                window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
                 result.losses.append(metrics["loss"])
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(
                         f"loss became {metrics['loss']} at step {self.step}; lower optim.lr or enable optim.grad_clip"
                     )
-                if self._should_eval():
-                    result.val_losses[self.step] = self._log_eval(logger, record)
+                if self._should_eval():  # logged records hold the logging window's means (StepWindow)
+                    result.val_losses[self.step] = self._log_eval(logger, {"step": self.step, **window.flush()})
                 elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
-                    logger.log(record)
+                    logger.log({"step": self.step, **window.flush()})
                 if line := self.data.log_blend_phase(self.step, self.run_dir if self.parallel.is_main else None):
                     logger.print(line)  # data.blend_schedule: the realized mix of the phase that just ended
                 saved = self._should_save()
@@ -332,12 +332,16 @@ class Trainer:
             else "1 process"
         )
         where = f"resuming from {self.resume_from}" if self.resume_from else "starting fresh"
-        return (
+        peak = f"peak {self.peak / 1e9:,.1f} GFLOP/s per process" if self.peak else "MFU off"
+        lines = [
             f"tessera: {n / 1e6:.2f}M parameters, {self.data.tokenizer.vocab_size} tokens in vocab, "
             f"{len(self.data.train.dataset)} train / {len(self.data.val) if self.data.val is not None else 0} val "
             f"sequences of {self.config.train.seq_len}, "
-            f"{self.device.type} {self.config.train.dtype}, {layout}, {where}; run dir {self.run_dir}"
-        )
+            f"{self.device.type} {self.config.train.dtype}, {layout}, {where}; run dir {self.run_dir}",
+            f"tessera: {self.threads.describe()}, {peak} ({self.peak_source})",
+        ]
+        extra = [busy_hint(self.threads.threads) if self.device.type == "cpu" else "", realized_mix(self.data.train)]
+        return "\n".join(lines + [f"tessera: {line}" for line in extra if line])
 
     def _finish(self, result: TrainResult, logger: MetricsLogger) -> None:
         cfg = self.config

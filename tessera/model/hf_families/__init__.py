@@ -1,0 +1,24 @@
+"""Per-family mappings between HF transformers checkpoints and tessera: configs and weight names.
+
+One module per family group; each has ``from_hf`` (HF config.json dict -> ModelConfig keyword
+args, raising :class:`HFConversionError` for any option tessera cannot reproduce), ``to_hf``
+(ModelConfig -> HF config dict) and ``rules`` (ModelConfig -> weight-name rules, see
+:class:`Rule`), registered in :data:`FAMILIES` under HF's ``model_type``.
+"""
+
+from __future__ import annotations
+
+from tessera.model.hf_families import bert, deepseek, gpt2, llama, mamba, moe, t5
+from tessera.model.hf_families.common import Family, HFConversionError, Rule
+
+FAMILIES: dict[str, Family] = {
+    **llama.FAMILIES,
+    **gpt2.FAMILIES,
+    **bert.FAMILIES,
+    **t5.FAMILIES,
+    **moe.FAMILIES,
+    **mamba.FAMILIES,
+    **deepseek.FAMILIES,
+}
+
+__all__ = ["FAMILIES", "Family", "HFConversionError", "Rule"]

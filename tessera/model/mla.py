@@ -1,0 +1,103 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): keys and values rebuilt from a compressed latent.
+
+Each token is projected to a latent of ``[model.mla].kv_rank`` channels (normalized) and one
+``rope_head_dim`` key part that carries the position (RoPE) and is shared by all heads. Per-head
+keys (an unrotated ``nope_head_dim`` part from the latent plus the shared rotated part) and values
+are expanded from the latent by ``kv_b_proj``. Queries come from one projection or, with
+``q_rank``, through a normalized low-rank bottleneck. The KV cache stores only the latent and the
+rotated key: ``kv_rank + rope_head_dim`` numbers per token and layer, instead of
+``2 * n_kv_heads * head_dim`` for standard attention.
+
+Parameter names follow HF transformers' ``DeepseekV3Attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.config import ModelConfig
+from tessera.model.attention import AttnContext
+from tessera.model.norm import RMSNorm
+from tessera.model.position import apply_rope
+
+
+class LatentCache:
+    """The compressed K/V latent (B, T, kv_rank) and rotated shared key (B, T, rope_head_dim) of one layer."""
+
+    def __init__(self, batch: int, kv_rank: int, rope_dim: int, max_len: int, dtype: torch.dtype, device):
+        self.latent = torch.zeros(batch, max_len, kv_rank, dtype=dtype, device=device)
+        self.k_rope = torch.zeros(batch, max_len, rope_dim, dtype=dtype, device=device)
+
+    def update(self, latent: torch.Tensor, k_rope: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write positions ``start..start+T-1`` and return everything up to there."""
+        end = start + latent.shape[1]
+        self.latent[:, start:end] = latent
+        self.k_rope[:, start:end] = k_rope
+        return self.latent[:, :end], self.k_rope[:, :end]
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 without scaling)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+class LatentAttention(nn.Module):
+    """Causal self-attention through a low-rank K/V latent with a decoupled, shared RoPE key."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        mla = cfg.mla
+        self.n_heads, self.kv_rank = cfg.n_heads, mla.kv_rank
+        self.nope, self.rope, self.v_dim = mla.nope_head_dim, mla.rope_head_dim, mla.v_head_dim
+        qk_dim = self.nope + self.rope
+        self.scale = cfg.attention.scale or qk_dim**-0.5
+        if mla.mscale and cfg.position.rope_scaling != "none":  # DeepSeek's yarn_apply_mscale
+            self.scale *= yarn_mscale(cfg.position.rope_scaling_factor, mla.mscale) ** 2
+        bias = cfg.attention.qkv_bias
+        if mla.q_rank:
+            self.q_a_proj = nn.Linear(cfg.dim, mla.q_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_rank, cfg.norm_eps)
+            self.q_b_proj = nn.Linear(mla.q_rank, self.n_heads * qk_dim, bias=False)
+            self.q_proj = None
+        else:
+            self.q_proj = nn.Linear(cfg.dim, self.n_heads * qk_dim, bias=False)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.dim, self.kv_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.dim, bias=cfg.bias or cfg.attention.o_bias)
+        self.dropout = cfg.attention.dropout
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], x.shape[1], -1, self.nope + self.rope).transpose(1, 2)
+
+    def forward(
+        self, x: torch.Tensor, ctx: AttnContext, cache: LatentCache | None = None, start: int = 0
+    ) -> torch.Tensor:
+        """Attend from ``x`` (B, T, dim) to itself (and to the cached positions before ``start``)."""
+        b, t, _ = x.shape
+        q_nope, q_rope = self._queries(x).split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rope = apply_rope(q_rope, ctx.cos, ctx.sin)
+        k_rope = apply_rope(k_rope[:, None], ctx.cos, ctx.sin)[:, 0]  # one rotated key for all heads
+        if cache is not None:
+            latent, k_rope = cache.update(latent, k_rope, start)
+        kv = self.kv_b_proj(latent).view(b, latent.shape[1], -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        dropout = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=ctx.mask, dropout_p=dropout, is_causal=ctx.is_causal, scale=self.scale
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> LatentCache:
+        """An empty latent cache for ``max_len`` positions."""
+        return LatentCache(batch, self.kv_rank, self.rope, max_len, dtype, device)
