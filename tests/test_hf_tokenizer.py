@@ -20,7 +20,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tessera.api import load_with_tokenizer
 from tessera.config import load_config
-from tessera.convert import hf_import
+from tessera.convert import hf_export, hf_import
 from tessera.data.dataset import open_indexed
 from tessera.data.pipeline import build_data, check_vocab
 from tessera.data.prepare import prepare_source, write_indexed_dataset
@@ -187,6 +187,7 @@ def test_hf_import_keeps_the_source_tokenizer_and_it_round_trips(bpe_dir, tmp_pa
     text = "def g(x):\n    return 'caf\u00e9'\n"
     assert tok.kind == "hf" and tok.encode(text) == source.encode(text) and tok.eos_id == source.eos_token_id
     export = tmp_path / "export"
-    tok.save(export)  # what an HF export writes beside the weights
+    hf_export(run, export)  # imported, then exported: the tokenizer comes back as it was
     again = transformers.AutoTokenizer.from_pretrained(export)
     assert again.encode(text) == source.encode(text) and again.eos_token_id == source.eos_token_id
+    assert (export / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
