@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0 = cores / ranks)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -186,7 +187,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=os.environ.get("TESSERA_BENCH_DIR")) as tmp:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
             cmd += [__file__, "--worker", "--out-dir", tmp] + sys.argv[1:]
-            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // ranks)), "PYTHONPATH": str(REPO)}
+            threads = args.threads or max(1, cores // ranks)
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
             found = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             if not found:
