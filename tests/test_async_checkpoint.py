@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import REPO, torchrun, write_tiny_recipe
 from dist_save_schedule import decide
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
 from tessera.api import load
 from tessera.train.async_checkpoint import AsyncCheckpointer
@@ -32,8 +34,15 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-def test_async_run_resumes_bitwise_like_an_uninterrupted_sync_run(tiny_config, tmp_path):
+def test_async_run_resumes_bitwise_like_an_uninterrupted_sync_run(tiny_config, tmp_path, monkeypatch):
     sync = train(tiny_config(*RESUME, run_dir=tmp_path / "sync"))
+    original_stage = StateDictStager.stage
+
+    def slow_stage(self, *args, **kwargs):  # the copy outlasts the next forward/backward: the optimizer must wait
+        time.sleep(0.5)
+        return original_stage(self, *args, **kwargs)
+
+    monkeypatch.setattr(StateDictStager, "stage", slow_stage)
     run = tmp_path / "async"
     full = train(tiny_config(*RESUME, "checkpoint.async=true", run_dir=run))
     assert full.losses == sync.losses and [p.name for p in list_checkpoints(run)] == ["step_00000004", "step_00000008"]

@@ -7,10 +7,12 @@ Same files as :class:`~tessera.train.checkpoint.Checkpointer` (every rank's DCP 
 2. collectively: rank 0 makes the ``.tmp`` directory, every rank takes its state dict and the
    optimizer's parameter groups are gathered; the JSON part is serialized now, so it describes
    this step whatever the loop does next;
-3. ``dcp.async_save`` copies every tensor into CPU staging memory (kept between saves; pinned on
-   CUDA) and returns: this copy is the only stall. A background thread writes the copy,
-   coordinating the ranks over a gloo group of its own, never the training's group, whose
-   collectives run at the same time;
+3. ``dcp.async_save`` returns at once; a staging thread copies every tensor into CPU memory
+   (kept between saves; pinned on CUDA) while the next step's forward and backward run. Only
+   the optimizer changes the saved tensors in place, so an optimizer pre-step hook waits for
+   that copy: the next ``optimizer.step()`` is the one point training can stall. A writer thread
+   then writes the copy, coordinating the ranks over a gloo group of its own, never the
+   training's group, whose collectives run at the same time;
 4. when the write completed on rank 0 (DCP's final gather means every rank's shards are on
    disk), rank 0 writes ``meta.json``, renames the directory and prunes to ``keep_last``.
 
@@ -37,6 +39,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tessera.train.checkpoint import (
     META,
@@ -60,10 +63,13 @@ class AsyncCheckpointer(Checkpointer):
         cuda = torch.cuda.is_available()
         self.stager = DefaultStager(
             StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
             )
         )
         self._pending: Future | None = None  # resolves to the renamed checkpoint once committed
+        self._staging: Future | None = None  # the copy into staging memory, until the next optimizer step
+        self._hooked: set[int] = set()
+        self.stalled_seconds = 0.0  # time optimizer steps waited for staging (the loop's share of a save)
         self._pending_name = ""
         self.write_seconds = 0.0  # the last save, from its start to its rename (rank 0) or end of write
         if not self.distributed:  # DCP warns on every single-process save, from the writer thread
@@ -86,9 +92,13 @@ class AsyncCheckpointer(Checkpointer):
         tensors = {"model": model_sd, "optim": optim_sd["state"], "rng": _rng_state()}
         param_groups = _gather_param_groups(_to_json(optim_sd["param_groups"]))
         meta = json.dumps(dict(extra, step=step, optim_param_groups=param_groups), indent=1)
-        written = dcp.async_save(
+        response = dcp.async_save(
             tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.group, async_stager=self.stager
         )
+        written = response
+        if isinstance(response, AsyncSaveResponse):
+            written, self._staging = response.upload_completion, response.staging_completion
+            self._guard(optimizer)
         committed: Future = Future()
         written.add_done_callback(lambda f: self._commit(f, committed, tmp, final, meta, started))
         self._pending, self._pending_name = committed, final.name
@@ -113,6 +123,20 @@ class AsyncCheckpointer(Checkpointer):
                 shutil.rmtree(tmp, ignore_errors=True)
             committed.set_exception(err)
 
+    def _guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait for the staging copy (registered once per optimizer)."""
+        if id(optimizer) not in self._hooked:
+            self._hooked.add(id(optimizer))
+            optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+
+    def wait_staged(self) -> None:
+        """Block until the last save's tensors are copied to staging memory (then they may change)."""
+        if self._staging is not None:
+            started = time.perf_counter()
+            staging, self._staging = self._staging, None
+            staging.result()
+            self.stalled_seconds += time.perf_counter() - started
+
     @property
     def in_flight(self) -> bool:
         """Whether a save is still being written."""
@@ -122,6 +146,7 @@ class AsyncCheckpointer(Checkpointer):
         """Block until the save in flight is written and renamed (collective); returns its path, or None."""
         if self._pending is None:
             return None
+        self.wait_staged()
         pending, self._pending = self._pending, None
         try:
             path = pending.result()
