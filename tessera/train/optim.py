@@ -61,3 +61,21 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over :func:`lr_multiplier`; its state_dict is plain numbers."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_multiplier, cfg=cfg, total_steps=total_steps))
+
+
+def keep_config_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, fresh_groups: list[dict]
+) -> None:
+    """After loading a checkpoint, put back the hyper-parameters the config gave (``fresh_groups``).
+
+    The checkpoint's parameter groups and schedule state carry the lr, betas, eps and weight decay
+    it was trained with; a resumed run uses the config's instead (and continues the schedule at the
+    saved step). Unchanged values give the same floats, so an unchanged resume stays bitwise exact.
+    """
+    for group, fresh in zip(optimizer.param_groups, fresh_groups):
+        group.update({k: v for k, v in fresh.items() if k not in ("params", "lr")})
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
