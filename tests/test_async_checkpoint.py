@@ -3,6 +3,7 @@ rename only after completion, crash- and preemption-safe, and every rank saves t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
 from tessera.api import load
 from tessera.train.async_checkpoint import AsyncCheckpointer
-from tessera.train.checkpoint import latest_checkpoint, list_checkpoints
+from tessera.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
 from tessera.train.preemption import PREEMPTION_MARKER
 from tessera.train.save_schedule import SaveSchedule
 from tessera.train.trainer import Trainer, train
@@ -200,3 +201,22 @@ def test_async_fsdp_checkpoints_equal_sync_and_every_minutes_saves_the_same_step
         assert a["loader"] == s["loader"] and a["scheduler"] == s["scheduler"]
     # 0.006 s between saves: every step is due by the clock on some rank, and all ranks saved each one.
     assert [p.name for p in list_checkpoints(tmp_path / "minutes")] == [f"step_{s:08d}" for s in range(1, 9)]
+
+
+def test_a_full_disk_during_a_background_write_is_one_clear_error(tiny_config, tmp_path, monkeypatch):
+    original = dcp.FileSystemWriter.write_data
+
+    def write_data(writer, *args, **kwargs):
+        if "step_00000008" in str(writer.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(writer, *args, **kwargs)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    run = tmp_path / "run"
+    with pytest.raises(
+        CheckpointError,
+        match=r"no space left .* checkpoint step_00000008 in the background.*"
+        r"newest complete checkpoint is step_00000004",
+    ):
+        train(tiny_config("checkpoint.async=true", run_dir=run))
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000004"]  # the partial .tmp is gone

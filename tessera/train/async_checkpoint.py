@@ -47,8 +47,10 @@ from tessera.train.checkpoint import (
     CheckpointError,
     _barrier,
     _gather_param_groups,
+    _out_of_space,
     _rng_state,
     _to_json,
+    latest_checkpoint,
 )
 
 
@@ -118,7 +120,7 @@ class AsyncCheckpointer(Checkpointer):
                     shutil.rmtree(stale, ignore_errors=True)
             self.write_seconds = time.perf_counter() - started
             committed.set_result(final)
-        except Exception as err:  # noqa: BLE001 - handed to the training thread, which raises it in wait()
+        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; wait() raises it
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             committed.set_exception(err)
@@ -150,10 +152,14 @@ class AsyncCheckpointer(Checkpointer):
         pending, self._pending = self._pending, None
         try:
             path = pending.result()
-        except (CheckpointException, OSError) as err:
+        except (CheckpointException, OSError, RuntimeError) as err:
+            if not _out_of_space(err):
+                raise
+            newest = latest_checkpoint(self.root.parent)
             raise CheckpointError(
-                f"checkpoint {self._pending_name} could not be written ({str(err).splitlines()[0]}); the previous "
-                "checkpoint is still the newest: free space or fix checkpoint storage and resume"
+                f"no space left on the device of '{self.root}' while writing checkpoint {self._pending_name} in the "
+                f"background; removed the partial '{self._pending_name}.tmp', the newest complete checkpoint is "
+                f"{newest.name if newest else 'none'}; free space or move train.run_dir"
             ) from None
         if self.group is not None:
             dist.barrier(group=self.group)  # every rank sees the renamed directory from here on
