@@ -13,7 +13,7 @@ from tessera.compat import incompatibilities
 from tessera.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tessera.config import JobConfig, ParallelConfig
+    from tessera.config import JobConfig, ModelConfig, ParallelConfig
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
 
@@ -74,6 +74,7 @@ def check_layout(config: JobConfig, world_size: int | None = None) -> None:
     dp_shard = resolve_dp_shard(p, world_size) if world_size is not None else p.dp_shard
     dp = p.dp_replicate * dp_shard if dp_shard != -1 else None
     _check_pipeline_plan(config)
+    _check_expert_parallel(config, dp_shard)
     if dp is not None:
         _check_batch(config, dp)
     problems = incompatibilities(config, world_size)
@@ -111,6 +112,7 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         kv % p.tp == 0,
         f"model.n_kv_heads={kv} is not divisible by parallel.tp={p.tp}; use tp <= n_kv_heads that divides it",
     )
+    _check_layer_heads(m, p.tp)
     _require(
         m.vocab_size % p.tp == 0,
         f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
@@ -121,6 +123,51 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallelism splits it); "
         "change seq_len or set parallel.sequence_parallel=false",
     )
+
+
+def _check_layer_heads(m: ModelConfig, tp: int) -> None:
+    """Every layer's query and KV heads split evenly over tp ranks (``model.attention.heads_per_layer``)."""
+    from tessera.config import layer_heads  # tessera.config imports this module
+
+    if not m.attention.heads_per_layer:
+        return
+    kv = m.n_kv_heads or m.n_heads
+    for i, heads in enumerate(layer_heads(m)):
+        _require(
+            heads % tp == 0 and heads * kv // m.n_heads % tp == 0,
+            f"layer {i} of model.attention.heads_per_layer={m.attention.heads_per_layer!r} has {heads} query and "
+            f"{heads * kv // m.n_heads} KV heads, not divisible by parallel.tp={tp}; use a tp that divides them",
+        )
+
+
+def check_expert_degree(ep: int, dp_shard: int, cp: int, tp: int) -> None:
+    """ep is carved out of ``dp_shard x cp x tp``: a multiple of ``cp x tp`` that divides it.
+
+    ``dp_shard = -1`` (not resolved yet) skips the second check.
+    """
+    _require(
+        ep % (cp * tp) == 0,
+        f"parallel.ep={ep} must be a multiple of cp*tp={cp * tp} (expert parallelism takes every cp and tp rank "
+        "of a group, then data-parallel shards); raise ep or lower cp/tp",
+    )
+    _require(
+        dp_shard == -1 or (dp_shard * cp * tp) % ep == 0,
+        f"parallel.ep={ep} must divide dp_shard*cp*tp={dp_shard * cp * tp} (experts are spread over data-parallel "
+        "shards and tp ranks); pick an ep that divides it or raise parallel.dp_shard",
+    )
+
+
+def _check_expert_parallel(config: JobConfig, dp_shard: int) -> None:
+    p, moe = config.parallel, config.model.moe
+    if p.ep == 1:
+        return
+    _require(moe.experts > 0, f"parallel.ep={p.ep} shards experts, but the model has none; set model.moe.experts > 0")
+    _require(
+        moe.experts % p.ep == 0,
+        f"model.moe.experts={moe.experts} is not divisible by parallel.ep={p.ep}; "
+        "every ep rank holds experts/ep experts",
+    )
+    check_expert_degree(p.ep, dp_shard, p.cp, p.tp)
 
 
 def _check_batch(config: JobConfig, dp: int) -> None:
@@ -139,11 +186,6 @@ def _check_pipeline_plan(config: JobConfig) -> None:
     if p.pp == 1:
         return
     schedule, v, mb = p.pp_schedule, virtual_stages(p), microbatches(p)
-    _require(
-        m.arch != "encoder_decoder",
-        "parallel.pp > 1 splits decoder and encoder models; model.arch='encoder_decoder' is not supported, "
-        "set parallel.pp=1",
-    )
     multi = schedule in MULTI_STAGE_SCHEDULES
     _require(
         not multi or v >= 2,
