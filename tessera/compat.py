@@ -39,9 +39,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "meta init": {},
     "tied embeddings": {},
     "encoder (masked LM)": {},
-    "encoder-decoder": {
-        "pp": "a pipeline would have to carry the encoder output to every decoder stage; set parallel.pp=1",
-    },
+    "encoder-decoder": {},
     "absolute positions (learned, sinusoidal)": {},
     "T5 relative-position bias": {},
     "ALiBi": {},

@@ -355,9 +355,31 @@ class EncoderDecoder(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, *, moe_log: MoELog | None = None
-    ) -> torch.Tensor:
-        """Logits (B, T, vocab) of ``decoder_input_ids`` conditioned on ``input_ids``."""
-        return self.decode(decoder_input_ids, self.encode(input_ids, moe_log), moe_log=moe_log)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, T, vocab) of ``decoder_input_ids`` conditioned on ``input_ids``.
+
+        Parts may be absent (a pipeline stage); floating inputs are then hidden states, integer
+        ones token ids. With encoder blocks, ``input_ids`` (token ids or the encoder's hidden
+        states) runs through them (and the encoder's final norm where present, making it the
+        memory); without, ``input_ids`` is the memory. Without decoder blocks the result is
+        ``(encoder hidden states or memory, decoder_input_ids)``; with them,
+        ``decoder_input_ids`` (token ids or the decoder's hidden states) runs through them,
+        cross-attending to the memory, and the result is ``(memory, hidden states)``, or the
+        logits where the head is present.
+        """
+        source, target = input_ids, decoder_input_ids
+        if self.encoder is not None:
+            h = source if source.is_floating_point() else self.tok_embeddings(source)
+            source = self.encoder.hidden_states(h, moe_log=moe_log)
+        if self.decoder is None:
+            return source, target
+        h = target if target.is_floating_point() else self.tok_embeddings(target)
+        h = self.decoder.hidden_states(h, memory=source, moe_log=moe_log)
+        if self.output is None:
+            return source, h
+        if self.cfg.output_dim_scale:
+            h = h * self.cfg.dim**-0.5
+        return self.output(h)
 
     def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
         """Decoder self-attention caches."""

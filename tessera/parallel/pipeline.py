@@ -40,7 +40,14 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Shard
 
 from tessera.config import ConfigError, JobConfig
-from tessera.layout import MULTI_STAGE_SCHEDULES, local_stage_ids, microbatches, stage_layer_counts, virtual_stages
+from tessera.layout import (
+    MULTI_STAGE_SCHEDULES,
+    local_stage_ids,
+    microbatches,
+    pipeline_blocks,
+    stage_layer_counts,
+    virtual_stages,
+)
 from tessera.model import MoELog, build_model, moe_loss
 from tessera.parallel.shared import (
     SharedParameter,
@@ -91,6 +98,10 @@ class StageHooks:
     them to the model. After: the MoE losses of the forward are attached to the output (with
     gradient ``aux_scale``) and recorded for the reported loss; hidden states leave the stage as
     plain tensors, followed by the positions and document ids for the next stage.
+
+    An encoder-decoder (``vocab_size`` set) carries its own tensors: every stage passes its inputs
+    to the model as they come and sends on what the model returns (hidden states or the memory,
+    and the decoder's token ids or hidden states, see ``EncoderDecoder.stage_forward``).
     """
 
     first: bool
@@ -103,6 +114,7 @@ class StageHooks:
     logs: list[MoELog] = field(default_factory=list)  # this step's training forwards' MoE stats
     _log: MoELog = field(default_factory=MoELog)
     _extras: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) of the micro-batch in flight
+    vocab_size: int = 0  # an encoder-decoder's: its stages carry token ids and the memory themselves
 
     def install(self, stage: nn.Module) -> None:
         """Register the hooks on ``stage`` (after it is parallelized)."""
@@ -110,6 +122,9 @@ class StageHooks:
         stage.register_forward_hook(self._after)
 
     def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        if self.vocab_size:
+            self._log = MoELog()
+            return tuple(self._received(a) for a in args) if not self.first else args, {**kwargs, "moe_log": self._log}
         x = args[0]
         if self.first:
             extras = tuple(kwargs[k] for k in _DOCUMENT_KEYS if kwargs.get(k) is not None)
@@ -123,16 +138,31 @@ class StageHooks:
         self._log, self._extras = MoELog(), extras
         return (x,), {**kwargs, "moe_log": self._log}
 
-    def _after(self, _module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> Any:
-        log, self._log = self._log, MoELog()
-        aux = moe_loss(log)
+    def _received(self, x: torch.Tensor) -> torch.Tensor:
+        """An encoder-decoder stage's input from the previous stage, as its model reads it."""
+        if not x.is_floating_point():  # torch's shape inference runs a stage on uninitialized buffers
+            return x.clamp(0, self.vocab_size - 1)
+        return DTensor.from_local(x, self.sp_mesh, (Shard(1),), run_check=False) if self.sp_mesh is not None else x
+
+    def _after(self, _module: nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
+        if self.vocab_size and not self.last:  # (hidden states or memory, decoder token ids or hidden states)
+            out = tuple(t.to_local() if isinstance(t, DTensor) else t for t in out)
+            hidden = len(out) - 1 if out[-1].is_floating_point() else 0
+            return (*out[:hidden], self._with_aux(out[hidden]), *out[hidden + 1 :])
         if not self.last and isinstance(out, DTensor):
             out = out.to_local()
+        out = self._with_aux(out)
+        return (out, *self._extras) if self._extras and not self.last else out
+
+    def _with_aux(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` with the forward's MoE losses attached (recorded when training)."""
+        log, self._log = self._log, MoELog()
+        aux = moe_loss(log)
         if aux is not None and torch.is_grad_enabled():
             self.logs.append(log)
             self.aux_losses.append(aux.detach() * self.aux_scale)
             out = _AttachAux.apply(out, aux, self.aux_scale * self.grad_scale)
-        return (out, *self._extras) if self._extras and not self.last else out
+        return out
 
 
 def stage_model(
@@ -140,13 +170,16 @@ def stage_model(
 ) -> nn.Module:
     """A model of ``full``'s class holding its modules for blocks ``keys`` (shared, not copied);
     the embedding parts only on the first stage, the final norm and head only on the last (or
-    where ``keep`` names them)."""
+    where ``keep`` names them). An encoder-decoder's keys count the encoder's blocks, then the decoder's."""
     with torch.device("meta"):
         part = build_model(config.model)
+    stacks = {name: getattr(part, name) for name in ("encoder", "decoder") if hasattr(part, name)}
     for name, child in full.named_children():
         setattr(part, name, child)
     for name, buf in full.named_buffers(recurse=False):
         setattr(part, name, buf)
+    if config.model.arch == "encoder_decoder":
+        return _encoder_decoder_stage(full, part, stacks, config.model.n_layers, keys, keep)
     part.layers = nn.ModuleDict({k: full.layers[k] for k in keys})
     absent = (_FIRST_STAGE_PARTS if not first else ()) + (_LAST_STAGE_PARTS if not last else ())
     for name in absent:
@@ -155,11 +188,55 @@ def stage_model(
     return part
 
 
+def _encoder_decoder_stage(
+    full: nn.Module,
+    part: nn.Module,
+    stacks: dict[str, nn.Module],
+    n_encoder: int,
+    keys: list[str],
+    keep: frozenset[str],
+) -> nn.Module:
+    """``part`` (holding ``full``'s children; ``stacks``: its own encoder and decoder, built on meta)
+    as the stage of ``full`` running blocks ``keys``: its encoder and decoder hold only their blocks
+    of the stage (None without any), each stack's embedding parts where its first block is and its
+    final norm where its last is; the shared token embedding wherever a stack starts, the head
+    with the decoder's last block."""
+    blocks = [int(k) for k in keys]
+    encoder = [str(i) for i in blocks if i < n_encoder]
+    decoder = [str(i - n_encoder) for i in blocks if i >= n_encoder]
+    part.encoder = _stack_part(full.encoder, stacks["encoder"], encoder)
+    part.decoder = _stack_part(full.decoder, stacks["decoder"], decoder)
+    starts = "0" in encoder or "0" in decoder
+    ends = str(len(full.decoder.layers) - 1) in decoder
+    if not starts and "tok_embeddings" not in keep:
+        part.tok_embeddings = None
+    if not ends and "output" not in keep:
+        part.output = None
+    return part
+
+
+def _stack_part(full: nn.Module, part: nn.Module, keys: list[str]) -> nn.Module | None:
+    """``part`` (built on meta) holding ``full``'s modules for blocks ``keys``, or None without any."""
+    if not keys:
+        return None
+    for name, child in full.named_children():
+        setattr(part, name, child)
+    for name, buf in full.named_buffers(recurse=False):
+        setattr(part, name, buf)
+    part.layers = nn.ModuleDict({k: full.layers[k] for k in keys})
+    if "0" not in keys:
+        for name in ("pos_embeddings", "embed_norm", "embed_dropout"):
+            setattr(part, name, None)
+    if str(len(full.layers) - 1) not in keys:
+        part.norm = None
+    return part
+
+
 def _stage_keys(config: JobConfig) -> list[list[str]]:
-    """The block keys of every stage."""
+    """The block keys of every stage (an encoder-decoder's count the encoder's blocks, then the decoder's)."""
     p = config.parallel
     n_stages = p.pp * virtual_stages(p)
-    counts = stage_layer_counts(config.model.n_layers, n_stages, p.layers_per_stage)
+    counts = stage_layer_counts(pipeline_blocks(config.model), n_stages, p.layers_per_stage)
     bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
     return [[str(i) for i in range(bounds[s], bounds[s + 1])] for s in range(n_stages)]
 
@@ -339,6 +416,8 @@ def build_pipeline(
             warnings.filterwarnings("ignore", message="Parallelize plan key")
             stage = parallelize_stage(stage)
         hooks = StageHooks(stage_id == 0, stage_id == n_stages - 1, config.model.max_seq_len, sp_mesh)
+        if config.model.arch == "encoder_decoder":
+            hooks.vocab_size = config.model.vocab_size
         hooks.install(stage)
         stages.append((stage_id, stage, hooks))
     tie_local_uses(shared, local)
