@@ -212,7 +212,7 @@ def test_a_full_disk_during_a_background_write_is_one_clear_error(tiny_config, t
         return original(writer, *args, **kwargs)
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
-    run = tmp_path / "run"
+    run, handler = tmp_path / "run", signal.getsignal(signal.SIGTERM)
     with pytest.raises(
         CheckpointError,
         match=r"no space left .* checkpoint step_00000008 in the background.*"
@@ -220,3 +220,4 @@ def test_a_full_disk_during_a_background_write_is_one_clear_error(tiny_config, t
     ):
         train(tiny_config("checkpoint.async=true", run_dir=run))
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000004"]  # the partial .tmp is gone
+    assert signal.getsignal(signal.SIGTERM) is handler  # the preemption guard went back despite the error

@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -67,6 +68,10 @@ _WORKER: dict[str, Tokenizer] = {}
 
 
 def _init_worker(tokenizer_path: str) -> None:
+    # A forked worker inherits the caller's Python SIGTERM handler (a trainer's preemption guard), which
+    # would keep Pool.terminate from ending it; it runs in the main process only, so restore the default.
+    if multiprocessing.parent_process() is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER["tok"] = Tokenizer(tokenizer_path)
 
 

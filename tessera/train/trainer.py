@@ -342,9 +342,11 @@ class Trainer:
                 with watchdog:
                     self._loop(logger, result, preemption, watchdog)
             finally:
-                self.checkpointer.wait()  # checkpoint.async: the last save is complete before the run ends
-                preemption.uninstall()
-                logger.close()
+                try:
+                    self.checkpointer.wait()  # checkpoint.async: the last save is complete before the run ends
+                finally:  # a failed background write raises: the signal handlers still go back
+                    preemption.uninstall()
+                    logger.close()
             result.seconds = time.perf_counter() - started
             if not result.preempted:
                 self._finish(result, logger)
