@@ -259,8 +259,8 @@ def split_model(
     return local, [every[s] for s in stage_ids], shared
 
 
-def _scalar(t: torch.Tensor) -> float:
-    return float((t.full_tensor() if isinstance(t, DTensor) else t).detach())
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double()
 
 
 @dataclass
@@ -268,7 +268,7 @@ class _Targets:
     """What the loss function needs for one pipeline step."""
 
     masked: bool
-    denominator: float
+    denominator: float | torch.Tensor
     label_smoothing: float
     scale: float = 1.0  # the fp16 loss scale (1 otherwise)
 
@@ -307,7 +307,7 @@ class Pipeline:
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         labels, mask = (target[..., 0], target[..., 1].bool()) if self._targets.masked else (target, None)
-        count = labels.numel() if mask is None else int(mask.sum())
+        count = labels.numel() if mask is None else mask.sum().double()  # a tensor: no host sync
         loss = self._loss_fn(output, labels, self._targets.label_smoothing, mask)
         return loss * (count / self._targets.denominator * self._targets.scale)
 
@@ -320,7 +320,7 @@ class Pipeline:
         train: bool,
         model_kwargs: dict[str, torch.Tensor] | None = None,
         loss_scale: float = 1.0,
-    ) -> float:
+    ) -> torch.Tensor:
         smoothing = self.label_smoothing if train else 0.0
         self._targets = _Targets(loss_mask is not None, denominator, smoothing, loss_scale)
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
@@ -337,10 +337,12 @@ class Pipeline:
             self.schedule.eval(*inputs, **kwargs)
         # The first step's shape inference runs one extra forward per stage: count the schedule's own.
         aux = [a for hooks in self.hooks for a in hooks.aux_losses[-self.microbatches :]]
-        local = sum(_scalar(loss) for loss in losses) / self._targets.scale + sum(float(a) for a in aux)
-        total = torch.tensor([local], dtype=torch.float64, device=labels.device)
-        dist.all_reduce(total, group=self.pp_group)
-        return total.item()
+        scale = self._targets.scale
+        parts = [_local(loss) / scale for loss in losses] + [a.detach().double() for a in aux]
+        total = torch.stack(parts).sum().reshape(1) if parts else torch.zeros(1, dtype=torch.float64)
+        total = total.to(labels.device)
+        dist.all_reduce(total, group=self.pp_group)  # a tensor: the trainer reads it with the step's one sync
+        return total[0]
 
     def moe_logs(self) -> list[MoELog]:
         """The MoE stats of the last step's training forwards on this rank's stages."""
@@ -354,17 +356,18 @@ class Pipeline:
         grad_accum: int,
         model_kwargs: dict[str, torch.Tensor] | None = None,
         loss_scale: float = 1.0,
-    ) -> float:
+    ) -> torch.Tensor:
         """Forward and backward of one local batch through the pipeline; returns its loss / grad_accum.
 
-        The number is the same on every pp rank (the last stage's losses plus every stage's
-        MoE losses, summed over the pp group). ``loss_scale`` (fp16) multiplies every gradient,
-        as the grad scaler's ``scale(loss)`` does outside a pipeline; the returned loss is unscaled.
+        The number (a float64 scalar tensor, not read here) is the same on every pp rank (the last
+        stage's losses plus every stage's MoE losses, summed over the pp group). ``loss_scale`` (fp16)
+        multiplies every gradient, as the grad scaler's ``scale(loss)`` does outside a pipeline; the
+        returned loss is unscaled.
         """
         for hooks in self.hooks:
             hooks.aux_scale, hooks.grad_scale = 1.0 / (grad_accum * self.microbatches), loss_scale
-        tokens = labels.numel() if loss_mask is None else int(loss_mask.sum())
-        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, True, model_kwargs, loss_scale)
+        tokens = labels.numel() if loss_mask is None else loss_mask.sum().clamp(min=1)
+        return self._run(args, labels, loss_mask, tokens * grad_accum, True, model_kwargs, loss_scale)
 
     def reduce_shared_grads(self) -> None:
         """Sum the gradients of parameters used on several pp ranks (before clipping and stepping)."""
@@ -387,7 +390,7 @@ class Pipeline:
                 f"an evaluation batch of {labels.shape[0]} sequences per rank is not divisible by "
                 f"parallel.microbatches={self.microbatches}; raise train.eval_batches or the validation split"
             )
-        return self._run(args, labels, loss_mask, 1.0, False, model_kwargs)
+        return self._run(args, labels, loss_mask, 1.0, False, model_kwargs).item()
 
 
 def build_pipeline(
