@@ -2,6 +2,13 @@
 
     python benchmarks/data.py [--max-chars 8000000] [--batches 200] [--steps 5]
 
+``prepare`` is measured side by side for tessera's default SentencePiece BPE and an HF
+byte-level BPE (``tokenizer.json``, the fast tokenizer's batch API), both trained on the same
+corpus with the smoke recipe's vocabulary, in rounds that alternate the two; each figure is the
+median [min-max] over rounds. Tokens/s depend on how many tokens a tokenizer makes of the text,
+so characters/s are printed too. Each worker process encodes on one thread
+(TOKENIZERS_PARALLELISM=false), so "N workers" means N cores for both.
+
 The loader is compared with what the smoke model (configs/smoke.toml) consumes per second on
 this machine; the target is a loader at least 50x faster than training. Not a test: figures
 are printed, nothing is asserted.
@@ -10,6 +17,8 @@ are printed, nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,13 +34,15 @@ from tessera.train.trainer import Trainer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def prepare_throughput(max_chars: int, workers: int, out: Path) -> tuple[float, int]:
-    """Tokens/s of tokenizing the default corpus (first ``max_chars``) into an indexed dataset."""
+def prepare_throughput(max_chars: int, workers: int, out: Path, kind: str = "default") -> tuple[float, float, int]:
+    """Tokens/s and characters/s of tokenizing the default corpus (first ``max_chars``) into an indexed dataset
+    with the ``kind`` tokenizer ("default" SentencePiece or "bpe"), trained on the same text (cached)."""
     config = load_config(REPO / "configs" / "smoke.toml")
     docs, corpus_hash = load_corpus("default", max_chars)
-    tokenizer, _ = build_tokenizer(config, docs, corpus_hash)
-    summary = write_indexed_dataset((d.text for d in docs), tokenizer, out / f"w{workers}", workers)
-    return summary.tokens_per_s, summary.tokens
+    tokenizer, _ = build_tokenizer(config, docs, corpus_hash, kind)
+    summary = write_indexed_dataset((d.text for d in docs), tokenizer, out / f"{kind}{workers}", workers)
+    chars = sum(len(d.text) for d in docs)
+    return summary.tokens_per_s, chars / max(summary.seconds, 1e-9), summary.tokens
 
 
 def loader_throughput(run_dir: Path, batches: int) -> float:
@@ -60,20 +71,38 @@ def training_throughput(run_dir: Path, steps: int) -> float:
     return steps * config.train.batch_size * config.train.grad_accum / seconds
 
 
+def print_prepare_rounds(max_chars: int, rounds: int, out: Path) -> None:
+    """Prepare throughput of both tokenizers with 1 and 2 workers, rounds alternating the tokenizers."""
+    names = {"default": "SentencePiece BPE (.model)", "bpe": "HF byte-level BPE (tokenizer.json)"}
+    for workers in (1, 2):
+        runs: dict[str, list[tuple[float, float, int]]] = {"default": [], "bpe": []}
+        for r in range(rounds):
+            for kind in ("default", "bpe") if r % 2 == 0 else ("bpe", "default"):
+                runs[kind].append(prepare_throughput(max_chars, workers, out, kind))
+        for kind, results in runs.items():
+            tokens_s, chars_s = [x[0] for x in results], [x[1] for x in results]
+            print(
+                f"prepare  {names[kind]:<35} {workers} worker(s): {statistics.median(tokens_s):>10,.0f} tokens/s "
+                f"[{min(tokens_s):,.0f}-{max(tokens_s):,.0f}]  {statistics.median(chars_s) / 1e6:.2f} M chars/s "
+                f"({results[0][2]:,} tokens, {results[0][2] / max_chars:.3f} per char)"
+            )
+
+
 def main() -> None:
     """Run the three measurements and print the figures and the loader/training ratio."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-chars", type=int, default=8_000_000, help="characters of the default corpus to prepare")
     parser.add_argument("--batches", type=int, default=200, help="loader batches to time")
     parser.add_argument("--steps", type=int, default=5, help="training steps to time")
+    parser.add_argument("--rounds", type=int, default=3, help="prepare rounds per tokenizer and worker count")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process, for both tokenizers
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
-        prepare_throughput(args.max_chars // 10, 1, tmp_path)  # warm-up: imports, page cache, tokenizer
-        for workers in (1, 2):
-            rate, tokens = prepare_throughput(args.max_chars, workers, tmp_path)
-            print(f"prepare  default corpus, {workers} worker(s): {rate:>12,.0f} tokens/s ({tokens:,} tokens)")
+        for kind in ("default", "bpe"):  # warm-up: imports, page cache, tokenizer training (cached afterwards)
+            prepare_throughput(args.max_chars, 1, tmp_path, kind)
+        print_prepare_rounds(args.max_chars, args.rounds, tmp_path)
         loader = loader_throughput(tmp_path / "run", args.batches)
         train = training_throughput(tmp_path / "run", args.steps)
     print(f"loader   smoke recipe (batch 16 x 128):    {loader:>12,.0f} sequences/s")

@@ -8,7 +8,6 @@ from typing import Any
 from torch import nn
 
 from tessera.config import ConfigError, config_from_dict
-from tessera.data.sources import DataError
 from tessera.data.tokenizer import Tokenizer
 from tessera.model import build_model
 from tessera.model.hf import is_hf_dir, load_hf
@@ -49,13 +48,11 @@ def _load_checkpoint(ckpt: Path) -> nn.Module:
 
 
 def load_with_tokenizer(path: str | Path) -> tuple[nn.Module, Tokenizer]:
-    """Model (eval mode, CPU) of a tessera run or checkpoint and the tokenizer the run trained with."""
+    """Model (eval mode, CPU) of a tessera run or checkpoint and the tokenizer the run trained with
+    (``tokenizer.json`` or ``tokenizer.model`` in the run directory, see :meth:`Tokenizer.save`)."""
     ckpt = find_checkpoint(path)
     model = _load_checkpoint(ckpt)
-    tokenizer_path = ckpt.parent.parent / "tokenizer.model"
-    if not tokenizer_path.is_file():
-        raise DataError(f"'{tokenizer_path}' is missing; copy the run's tokenizer there")
-    return model, Tokenizer(tokenizer_path)
+    return model, Tokenizer(ckpt.parent.parent)
 
 
 def load_draft(draft: str, model: nn.Module) -> Any:
@@ -104,7 +101,7 @@ def generate_text(
     if draft_tokens < 1:
         raise ConfigError(f"--draft-tokens must be >= 1, got {draft_tokens}")
     model, tokenizer = load_with_tokenizer(path)
-    ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(prompt)])
+    ids = torch.tensor([tokenizer.prompt_ids(prompt)])
     if ids.shape[1] >= model.cfg.max_seq_len:
         raise ConfigError(
             f"--prompt is {ids.shape[1]} tokens but the model's context (model.max_seq_len) is "

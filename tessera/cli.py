@@ -318,7 +318,8 @@ def _add_prepare(sub: Subparsers) -> None:
     prep.add_argument(
         "--tokenizer",
         default="default",
-        help="SentencePiece .model; 'default' trains one on the source. Either is kept as PREFIX.tokenizer.model",
+        help="SentencePiece .model, HF tokenizer.json or HF tokenizer directory; 'default' trains SentencePiece on the "
+        "source. Either is kept as PREFIX.tokenizer.model",
     )
     prep.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the trained tokenizer")
     prep.add_argument("--text-field", default="text", help="field of JSON/Parquet/Arrow rows that holds the text")
@@ -372,7 +373,7 @@ def _add_data(sub: Subparsers) -> None:
     inspect.add_argument(
         "--tokenizer",
         default="",
-        help="SentencePiece .model to decode with (default: the one tessera prepare recorded)",
+        help=".model, tokenizer.json or HF tokenizer directory to decode with (default: the one tessera prepare recorded)",
     )
     inspect.add_argument("--samples", type=int, default=3, help="decoded documents to show")
 
@@ -392,7 +393,7 @@ def _add_tokenizer(sub: Subparsers) -> None:
     actions = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
     train = actions.add_parser(
         "train",
-        help="train (or reuse from the cache) the recipe's SentencePiece tokenizer",
+        help="train (or reuse from the cache) the recipe's tokenizer: SentencePiece, or --kind bpe",
         allow_abbrev=False,
         epilog=OVERRIDES_HELP,
     )
@@ -402,6 +403,12 @@ def _add_tokenizer(sub: Subparsers) -> None:
         default=None,
         help="TOML recipe (its data and model.vocab_size sections); defaults if omitted",
     )
+    train.add_argument(
+        "--kind",
+        choices=("sentencepiece", "bpe"),
+        default=None,
+        help="SentencePiece BPE (.model) or an HF byte-level BPE (tokenizer.json); default: the recipe's data.tokenizer",
+    )
 
 
 def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -410,7 +417,8 @@ def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = load_config(args.config, overrides)
     docs, corpus_hash = load_corpus(config.data.source, config.data.max_chars, config.data.text_field)
-    tokenizer, cached = build_tokenizer(config, docs, corpus_hash)
+    spec = {"sentencepiece": "default", "bpe": "bpe", None: ""}[args.kind]
+    tokenizer, cached = build_tokenizer(config, docs, corpus_hash, spec)
     print(f"{'reused cached' if cached else 'trained'} tokenizer: {tokenizer.path} ({tokenizer.vocab_size} tokens)")
     return 0
 

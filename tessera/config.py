@@ -254,7 +254,7 @@ class DataConfig:
     """Where the tokens come from and how the tokenizer is made."""
 
     source: str = "default"  # "default" (this Python's stdlib), a text/JSON(L)/Parquet/Arrow file or folder, or hf:NAME
-    tokenizer: str = "default"  # "default" trains SentencePiece on the source; or a .model path
+    tokenizer: str = "default"  # "default"/"bpe" train SentencePiece/byte-level BPE; or .model, tokenizer.json, HF dir
     max_chars: int = 0  # cap on corpus characters read (0 = all)
     tokenizer_chars: int = 10_000_000  # characters of the corpus the default tokenizer trains on
     val_fraction: float = 0.05  # held-out share of documents when data.split is empty
@@ -262,6 +262,7 @@ class DataConfig:
     blend: str = (
         ""  # prepared datasets instead of source: "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (Megatron --data-path)
     )
+    blend_schedule: str = ""  # blend weights by step ranges: "0: 0.7 data/web 0.3 data/code; 90%: 1 data/hq"
     split: str = ""  # "train,valid,test" document weights, e.g. "98,1,1"; "" = from val_fraction
     text_field: str = "text"  # the field holding the text in JSON/Parquet/Arrow rows
     num_proc: int = 1  # tokenization worker processes when preparing data.source
@@ -276,6 +277,8 @@ class CheckpointConfig:
 
     enabled: bool = True  # save checkpoints at all
     every: int = 500  # steps between saves; the last step always saves
+    every_minutes: float = 0.0  # also save when this many minutes passed since the last save (0 = off)
+    async_save: bool = False  # write in the background (DCP async_save) while training goes on; alias "async"
     keep_last: int = 3  # older checkpoints are deleted
 
 
@@ -343,6 +346,7 @@ SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)
 # Keys of earlier releases -> where they live now (recipes and checkpoints written before the
 # [model] sub-tables keep loading). A sub-table name given a plain value sets its first key.
 RENAMED: dict[str, str] = {
+    "checkpoint.async": "checkpoint.async_save",  # `async` is a Python keyword, so the field cannot be named so
     "model.attention": "model.attention.kernel",
     "model.position": "model.position.kind",
     "model.attn_dropout": "model.attention.dropout",
@@ -901,6 +905,7 @@ def validate(config: JobConfig) -> None:
         "data.document_mask cannot reset Mamba layers' state at document boundaries; set data.document_mask=false "
         "or use attention layers only",
     )
+    _validate_blend_schedule(config.data.blend_schedule, config.train.steps)
     _validate_output(config)
 
 
@@ -995,14 +1000,31 @@ def _validate_data(d: DataConfig) -> None:
         "not both",
     )
     _require(
-        not d.blend or d.tokenizer != "default",
-        "data.blend needs data.tokenizer = the SentencePiece .model the datasets were prepared with",
+        not (d.blend or d.blend_schedule) or d.tokenizer not in ("default", "bpe"),
+        "data.blend and data.blend_schedule need data.tokenizer = the tokenizer the datasets were prepared with "
+        "(.model, tokenizer.json or HF directory)",
     )
+    _require(
+        not (d.blend_schedule and (d.blend or d.source != "default")),
+        "data.blend_schedule names its datasets itself; leave data.blend and data.source unset",
+    )
+
+
+def _validate_blend_schedule(schedule: str, steps: int) -> None:
+    if schedule:
+        from tessera.data.mixture import parse_blend_schedule  # pure parsing (no torch, no data files)
+        from tessera.data.sources import DataError
+
+        try:
+            parse_blend_schedule(schedule, steps)
+        except DataError as err:
+            raise ConfigError(str(err)) from None
 
 
 def _validate_output(config: JobConfig) -> None:
     c, log = config.checkpoint, config.log
     _require(c.every > 0, f"checkpoint.every must be positive, got {c.every}")
+    _require(c.every_minutes >= 0, f"checkpoint.every_minutes must be >= 0 (0 = off), got {c.every_minutes}")
     _require(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
     _require(log.every > 0, f"log.every must be positive, got {log.every}")
     _require(log.peak_flops >= 0, f"log.peak_flops must be >= 0, got {log.peak_flops}")

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from tessera.config import ConfigError, JobConfig, resolved_objective, span_count, validate
+from tessera.data.tokenizer import copy_tokenizer_files
 from tessera.model import build_model
 from tessera.model.hf import load_state, read_hf, save_hf
 from tessera.status import RunLock
@@ -71,8 +72,7 @@ def hf_import(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False) 
 
 def _write_imported(out_dir: Path, hf_dir: Path, job: JobConfig, model: torch.nn.Module, family: str) -> Path:
     (out_dir / "config.toml").write_text(job.to_toml(), encoding="utf-8")
-    if (hf_dir / "tokenizer.model").is_file():
-        shutil.copyfile(hf_dir / "tokenizer.model", out_dir / "tokenizer.model")
+    copy_tokenizer_files(hf_dir, out_dir)  # the run keeps the source model's tokenizer
     extra = {
         "config": job.to_dict(),
         "model": job.to_dict()["model"],

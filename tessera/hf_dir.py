@@ -33,19 +33,22 @@ def write_tokenizer(tokenizer_path: Path, out: Path, max_len: int) -> Tokenizer:
     from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
 
     tok = Tokenizer(tokenizer_path)
+    sp = tok.backend.sp
     proto = import_protobuf().ModelProto()
     proto.ParseFromString(tokenizer_path.read_bytes())
     fast = SpmConverter.build_tokenizer_from_spm_proto(proto, {p.piece: i for i, p in enumerate(proto.pieces)})
-    fast.normalizer = normalizers.Sequence([normalizers.Replace("\n", NEWLINE), fast.normalizer])
-    fast.decoder = decoders.Sequence([fast.decoder, decoders.Replace(NEWLINE, "\n")])
-    bos = tok.sp.id_to_piece(tok.bos_id)
+    if tok.backend.newline:  # tessera's own models map newlines to one piece; others encode them themselves
+        fast.normalizer = normalizers.Sequence([normalizers.Replace("\n", NEWLINE), fast.normalizer])
+        fast.decoder = decoders.Sequence([fast.decoder, decoders.Replace(NEWLINE, "\n")])
+    bos = sp.id_to_piece(tok.bos_id)
     fast.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
     )
     fast.save(str(out / "tokenizer.json"))
     shutil.copyfile(tokenizer_path, out / "tokenizer.model")
-    special = {f"{k}_token": tok.sp.id_to_piece(getattr(tok, f"{k}_id")) for k in ("bos", "eos", "pad")}
-    special["unk_token"] = tok.sp.id_to_piece(tok.sp.unk_id())
+    ids = {k: getattr(tok, f"{k}_id") for k in ("bos", "eos", "pad")}
+    special = {f"{k}_token": sp.id_to_piece(i) for k, i in ids.items() if i is not None}
+    special["unk_token"] = sp.id_to_piece(sp.unk_id())
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
@@ -57,6 +60,18 @@ def write_tokenizer(tokenizer_path: Path, out: Path, max_len: int) -> Tokenizer:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     return tok
+
+
+def export_tokenizer(run_dir: Path, out: Path, max_len: int) -> Tokenizer | None:
+    """The run's tokenizer into ``out``: an HF tokenizer (imported, or trained with one) as it is, a
+    SentencePiece model converted by :func:`write_tokenizer`; None when the run has neither."""
+    if (run_dir / "tokenizer.json").is_file():
+        tok = Tokenizer(run_dir)
+        tok.save(out)
+        return tok
+    if (run_dir / "tokenizer.model").is_file():
+        return write_tokenizer(run_dir / "tokenizer.model", out, max_len)
+    return None
 
 
 def write_generation_config(out: Path, tok: Tokenizer | None) -> None:
@@ -97,7 +112,7 @@ def _training_lines(meta: dict[str, Any], run_dir: Path) -> list[str]:
             f"- Trained with tessera for {step} steps: {tokens:,} tokens in sequences of {t['seq_len']} "
             f"({t['batch_size']} per step x {t['grad_accum']} accumulated), {t['dtype']}."
         ),
-        f"- Data: `{d['blend'] or d['source']}`; tokenizer: `{d['tokenizer']}` (SentencePiece).",
+        f"- Data: `{d.get('blend_schedule') or d['blend'] or d['source']}`; tokenizer: `{d['tokenizer']}`.",
         (
             f"- Optimizer: AdamW, lr {o['lr']} ({o['schedule']}, {o['warmup_steps']} warmup steps), weight decay "
             f"{o['weight_decay']}, betas ({o['beta1']}, {o['beta2']}), gradient clipping {o['grad_clip']}."
@@ -151,8 +166,6 @@ def complete_hf_dir(out: Path, ckpt: Path, family: str, parameters: int) -> None
     from tessera.train.checkpoint import read_meta
 
     run_dir, meta = ckpt.parent.parent, read_meta(ckpt)
-    tokenizer_path = run_dir / "tokenizer.model"
-    max_len = int(meta["config"]["model"]["max_seq_len"])
-    tok = write_tokenizer(tokenizer_path, out, max_len) if tokenizer_path.is_file() else None
+    tok = export_tokenizer(run_dir, out, int(meta["config"]["model"]["max_seq_len"]))
     write_generation_config(out, tok)
     write_model_card(out, meta, run_dir, family, parameters)

@@ -16,11 +16,13 @@ import json
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tessera.data.dataset import PackedSplit, gpt_config, index_cache_dir, open_indexed
+from tessera.data.mixture import parse_weighted
 from tessera.data.sources import DataError
 
 SPLITS = ("train", "valid", "test")
@@ -28,29 +30,7 @@ SPLITS = ("train", "valid", "test")
 
 def parse_blend(text: str) -> tuple[list[str], list[float] | None]:
     """``"a"`` -> (["a"], None); ``"0.7 a 0.3 b"`` -> (["a", "b"], [0.7, 0.3]) normalized; errors name data.blend."""
-    parts = text.split()
-    if not parts:
-        raise DataError("data.blend is empty; write 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...'")
-    if len(parts) == 1:
-        return parts, None
-    if len(parts) % 2:
-        raise DataError(
-            f"data.blend '{text}' has {len(parts)} items; write weight/prefix pairs like '0.7 data/web 0.3 data/code'"
-        )
-    prefixes, weights = parts[1::2], []
-    for raw, prefix in zip(parts[::2], prefixes):
-        try:
-            weight = float(raw)
-        except ValueError:
-            raise DataError(
-                f"data.blend: weight '{raw}' for '{prefix}' is not a number; write weight/prefix pairs like '0.7 "
-                "data/web 0.3 data/code'"
-            ) from None
-        if not math.isfinite(weight) or weight <= 0:
-            raise DataError(f"data.blend: weight {raw} for '{prefix}' must be a positive number")
-        weights.append(weight)
-    total = sum(weights)
-    return prefixes, [w / total for w in weights]
+    return parse_weighted(text, "data.blend")
 
 
 def parse_split(text: str) -> list[float]:
@@ -134,6 +114,51 @@ def _natural_samples(indexed, doc_range: tuple[int, int], seq_len: int) -> int:
     return max(0, (tokens - 1) // seq_len)
 
 
+@dataclass
+class Components:
+    """The datasets of a blend, opened and checked, with their megatron configs and split fractions."""
+
+    prefixes: list[str]
+    indexed: list
+    configs: list
+    fractions: list[float]
+    seq_len: int
+
+    def ranges(self, split: int) -> list[tuple[int, int] | None]:
+        """Each dataset's document range of split ``split`` (0 train, 1 valid, 2 test)."""
+        return [split_ranges(len(ix), self.fractions)[split] for ix in self.indexed]
+
+    def split(self, d: int, split: int, num_samples: int | None) -> PackedSplit:
+        """Dataset ``d``'s split ``split`` as packed windows (``num_samples`` None = one epoch)."""
+        rng = self.ranges(split)[d]
+        return PackedSplit(self.prefixes[d], self.indexed[d], rng, num_samples, SPLITS[split], self.configs[d])
+
+
+def open_components(
+    prefixes: list[str], split: str, seq_len: int, seed: int, eod: int, vocab_size: int, cache_dir: Path
+) -> Components:
+    """Open every dataset of a blend (errors name the file) and the megatron config of each."""
+    fractions = parse_split(split)
+    split_string = ",".join(f"{f:.6g}" for f in fractions)
+    indexed = [open_indexed(p, vocab_size) for p in prefixes]
+    configs = [
+        gpt_config(seq_len, seed, split_string, eod, vocab_size, index_cache_dir(cache_dir, p)) for p in prefixes
+    ]
+    return Components(list(prefixes), indexed, configs, fractions, seq_len)
+
+
+def blended_split(parts: Components, weights: list[float] | None, split: int, cache_dir: Path):
+    """Split ``split`` of the blend: one PackedSplit, or BlendedSamples as large as the components together."""
+    ranges = parts.ranges(split)
+    if ranges[0] is None:
+        return None
+    if weights is None:
+        return parts.split(0, split, None)
+    size = sum(_natural_samples(ix, r, parts.seq_len) for ix, r in zip(parts.indexed, ranges))
+    datasets = [parts.split(d, split, math.ceil(w * size) + 1) for d, w in enumerate(weights)]
+    return BlendedSamples(datasets, weights, size, cache_dir / "indices")
+
+
 def build_splits(
     blend: str, split: str, seq_len: int, seed: int, eod: int, vocab_size: int, cache_dir: Path
 ) -> dict[str, PackedSplit | BlendedSamples | None]:
@@ -144,25 +169,5 @@ def build_splits(
     reshuffled by megatron).
     """
     prefixes, weights = parse_blend(blend)
-    fractions = parse_split(split)
-    split_string = ",".join(f"{f:.6g}" for f in fractions)
-    indexed = [open_indexed(p, vocab_size) for p in prefixes]
-    out: dict[str, PackedSplit | BlendedSamples | None] = {}
-    for s, name in enumerate(SPLITS):
-        ranges = [split_ranges(len(ix), fractions)[s] for ix in indexed]
-        if ranges[0] is None:
-            out[name] = None
-            continue
-        configs = [
-            gpt_config(seq_len, seed, split_string, eod, vocab_size, index_cache_dir(cache_dir, p)) for p in prefixes
-        ]
-        if weights is None:
-            out[name] = PackedSplit(prefixes[0], indexed[0], ranges[0], None, name, configs[0])
-            continue
-        size = sum(_natural_samples(ix, r, seq_len) for ix, r in zip(indexed, ranges))
-        parts = [
-            PackedSplit(p, ix, r, math.ceil(w * size) + 1, name, c)
-            for p, ix, r, w, c in zip(prefixes, indexed, ranges, weights, configs)
-        ]
-        out[name] = BlendedSamples(parts, weights, size, cache_dir / "indices")
-    return out
+    parts = open_components(prefixes, split, seq_len, seed, eod, vocab_size, cache_dir)
+    return {name: blended_split(parts, weights, s, cache_dir) for s, name in enumerate(SPLITS)}

@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -67,6 +68,10 @@ _WORKER: dict[str, Tokenizer] = {}
 
 
 def _init_worker(tokenizer_path: str) -> None:
+    # A forked worker inherits the caller's Python SIGTERM handler (a trainer's preemption guard), which
+    # would keep Pool.terminate from ending it; it runs in the main process only, so restore the default.
+    if multiprocessing.parent_process() is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER["tok"] = Tokenizer(tokenizer_path)
 
 
@@ -96,8 +101,18 @@ def _encoded(texts: Iterable[str], tokenizer_path: Path, num_proc: int) -> Itera
         for chunk in _chunks(texts):
             yield _encode_chunk(chunk)
         return
-    # fork: workers inherit the loaded modules and never re-run the caller's __main__.
-    with multiprocessing.get_context("fork").Pool(num_proc, _init_worker, (str(tokenizer_path),)) as pool:
+    # fork: workers inherit the loaded modules and never re-run the caller's __main__. HF tokenizers
+    # run one thread per worker (the processes are the parallelism), set before the fork they inherit.
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = multiprocessing.get_context("fork").Pool(num_proc, _init_worker, (str(tokenizer_path),))
+    finally:
+        if previous is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+    with pool:
         yield from pool.imap(_encode_chunk, _chunks(texts), chunksize=1)
 
 
@@ -121,7 +136,7 @@ def write_indexed_dataset(texts: Iterable[str], tokenizer: Tokenizer, prefix: st
     bar = tqdm(desc=f"prepare {prefix.name}", unit=" docs", disable=not progress, file=sys.stderr, dynamic_ncols=True)
     try:
         builder = indexed_dataset_classes()[1](str(tmp_bin), dtype=dtype)
-        for flat, lengths in _encoded(texts, tokenizer.path, num_proc):
+        for flat, lengths in _encoded(texts, tokenizer.source, num_proc):
             for piece in np.split(flat, np.cumsum(lengths)[:-1]):
                 builder.add_document(torch.from_numpy(piece), [len(piece)])
             docs, tokens = docs + len(lengths), tokens + len(flat)
@@ -174,7 +189,8 @@ def record_tokenizer(prefix: str | Path, tokenizer: Tokenizer) -> Tokenizer:
     record = {"path": str(tokenizer.path.resolve()), "sha256": file_sha256(kept), "vocab_size": tokenizer.vocab_size}
     record["copy"] = kept.name
     tokenizer_record(prefix).write_text(json.dumps(record, indent=1) + "\n")
-    return Tokenizer(kept)
+    # An HF tokenizer's special tokens live in the tokenizer_config.json beside the original, not in the copy.
+    return Tokenizer(kept) if tokenizer.kind == "sentencepiece" else tokenizer
 
 
 def prepare_corpus(
@@ -209,7 +225,7 @@ def prepare_corpus(
 
 def prepared_dataset(docs: list[Document], content_hash: str, tokenizer: Tokenizer, cache_dir: str | Path, num_proc: int = 1) -> Path:
     """The indexed dataset prefix for this corpus and tokenizer, written once and then reused."""
-    key = hashlib.sha256(content_hash.encode() + tokenizer.path.read_bytes()).hexdigest()[:16]
+    key = hashlib.sha256((content_hash + tokenizer.fingerprint).encode()).hexdigest()[:16]
     prefix = Path(cache_dir) / "datasets" / key / "data"
     if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
         write_indexed_dataset((d.text for d in docs), tokenizer, prefix, num_proc)

@@ -252,6 +252,10 @@ class Checkpointer:
         _barrier()
         return final
 
+    def wait(self) -> Path | None:
+        """Nothing to wait for: a synchronous save is complete when ``save`` returns (see AsyncCheckpointer)."""
+        return None
+
     def _prune(self) -> None:
         for old in list_checkpoints(self.root.parent)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,8 @@ from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
-from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
+from tessera.train.async_checkpoint import build_checkpointer
+from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_meta
 from tessera.train.distill import Distillation, load_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
@@ -28,6 +28,7 @@ from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.mtp_loss import MTPLoss
 from tessera.train.optim import build_optimizer, build_scheduler, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
+from tessera.train.save_schedule import SaveSchedule
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
 from tessera.parallel.grads import clip_grads, global_grad_norm
@@ -119,7 +120,14 @@ class Trainer:
             self.model, self.optimizer, self.scheduler = self.engine.model, self.engine.optimizer, self.engine.scheduler
         fp16_scaler = self.dtype == torch.float16 and self.engine is None  # DeepSpeed scales fp16 losses itself
         self.scaler = build_grad_scaler(self.device, fp16_scaler, self.parallel.env.is_distributed)
-        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.parallel.is_main)
+        c = config.checkpoint
+        if c.async_save and self.engine is not None:
+            raise ConfigError(
+                "checkpoint.async=true does not work with parallel.engine=deepspeed (its saves gather full tensors "
+                "with collectives); set checkpoint.async=false"
+            )
+        self.checkpointer = build_checkpointer(self.run_dir, c.keep_last, self.parallel.is_main, c.async_save)
+        self.save_schedule = SaveSchedule(c.every, c.every_minutes, config.train.steps, c.enabled, self.device)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
         self.flops_per_token = flops_per_token(
@@ -190,7 +198,7 @@ class Trainer:
 
     def _write_run_files(self) -> None:
         write_text_atomic(self.run_dir / "config.toml", resolved_config_text(self.config))
-        shutil.copyfile(self.data.tokenizer.path, self.run_dir / "tokenizer.model")
+        self.data.tokenizer.save(self.run_dir)  # tokenizer.model or tokenizer.json (+ its config)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # Under FSDP its mixed-precision policy casts parameters instead of autocast.
@@ -403,7 +411,7 @@ class Trainer:
     def sample(self, prompt: str, tokens: int) -> str:
         """A continuation of ``prompt`` (temperature 0.8, top-k 50) from a seeded private generator."""
         tok = self.data.tokenizer
-        ids = torch.tensor([[tok.bos_id] + tok.encode(prompt)], device=self.device)
+        ids = torch.tensor([tok.prompt_ids(prompt)], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
         with self._autocast():
             out = generate(self.model, ids, tokens, temperature=0.8, top_k=50, eos_id=tok.eos_id, generator=gen)
@@ -418,8 +426,7 @@ class Trainer:
         )
 
     def _should_save(self) -> bool:
-        c = self.config.checkpoint
-        return c.enabled and (self.step % c.every == 0 or self.step == self.config.train.steps)
+        return self.save_schedule.due(self.step)  # steps, last step, every_minutes (decided by all ranks)
 
     def fit(self) -> TrainResult:
         """Train to ``train.steps`` (resuming first when asked), then plot and sample."""
@@ -441,8 +448,11 @@ class Trainer:
                 with watchdog:
                     self._loop(logger, result, preemption, watchdog)
             finally:
-                preemption.uninstall()
-                logger.close()
+                try:
+                    self.checkpointer.wait()  # checkpoint.async: the last save is complete before the run ends
+                finally:  # a failed background write raises: the signal handlers still go back
+                    preemption.uninstall()
+                    logger.close()
             result.seconds = time.perf_counter() - started
             if not result.preempted:
                 self._finish(result, logger)
@@ -492,12 +502,17 @@ class Trainer:
                 watchdog.kick(self.step)
             elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
                 logger.log(self._record(window))
+            if line := self.data.log_blend_phase(self.step, self.run_dir if self.parallel.is_main else None):
+                logger.print(line)  # data.blend_schedule: the realized mix of the phase that just ended
             saved = self._should_save()
             if saved:
                 self.save()
                 watchdog.kick(self.step)
             if self.step < cfg.train.steps and preemption.stop_requested(self.device):
-                checkpoint = latest_checkpoint(self.run_dir) if saved else self.save()
+                if not saved:
+                    self.save()
+                self.checkpointer.wait()  # checkpoint.async: exit only once the save in flight is complete
+                checkpoint = latest_checkpoint(self.run_dir)
                 self._announce(preemption.record(self.step, checkpoint))
                 result.preempted = preemption.reason
                 return
