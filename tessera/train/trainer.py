@@ -24,8 +24,9 @@ from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_check
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
-from tessera.train.optim import build_optimizer, build_scheduler
+from tessera.train.optim import build_optimizer, build_scheduler, check_resumable
 from tessera.train.preemption import PreemptionGuard
+from tessera.train.qk_clip import QKClip
 from tessera.parallel import clip_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
@@ -99,6 +100,7 @@ class Trainer:
         self.model = self._build_model()
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
         self.optimizer = build_optimizer(self.model, config.optim)
+        self.qk_clip = QKClip.attach(self.model, self.optimizer, config.optim.qk_clip_threshold)  # None when off
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.parallel.is_main)
@@ -154,6 +156,7 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, data position, RNG, step."""
+        check_resumable(path, read_meta(path), self.config.optim)
         if read_meta(path).get("model") != self.config.to_dict()["model"]:
             raise CheckpointError(
                 f"checkpoint '{path}' was trained with a different [model] section; resume with the same model config "
@@ -205,7 +208,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         stats = moe_metrics(moe_logs)  # tensors: read them with one sync
         moe = dict(zip(stats, torch.stack(list(stats.values())).tolist())) if stats else {}
-        return {"loss": self.parallel.mean_over_dp(total_loss), "lr": lr, "grad_norm": grad_norm, **moe}
+        qk = self.qk_clip.metrics() if self.qk_clip else {}  # max attention logit per layer
+        return {"loss": self.parallel.mean_over_dp(total_loss), "lr": lr, "grad_norm": grad_norm, **moe, **qk}
 
     @torch.no_grad()
     def evaluate(self, dataset: Split | None = None) -> float:
