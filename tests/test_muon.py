@@ -18,7 +18,7 @@ from tessera.train.optim import build_optimizer, muon_parameters, parameter_grou
 from tessera.train.qk_clip import QKClip
 from tessera.train.trainer import train
 
-MODEL = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, tie_embeddings=False)
+MODEL = {"vocab_size": 300, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "tie_embeddings": False}
 
 
 def _model(**extra) -> torch.nn.Module:
@@ -48,7 +48,10 @@ def test_newton_schulz_is_torch_muons_and_orthogonalizes(shape):
 
 
 def test_expert_stacks_are_orthogonalized_per_expert():
-    stack = torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(2)) * torch.tensor([1.0, 100.0, 0.01])[:, None, None]
+    stack = (
+        torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(2))
+        * torch.tensor([1.0, 100.0, 0.01])[:, None, None]
+    )
     out = newton_schulz(stack, 5, torch.float32)
     for e in range(3):
         torch.testing.assert_close(out[e], newton_schulz(stack[e], 5, torch.float32), rtol=1e-5, atol=1e-6)
@@ -126,10 +129,18 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 def test_shard_indices_agree_with_dtensor(shape, mesh_shape):
     layouts = {
         (3,): [(Shard(0),), (Shard(1),), (Replicate(),)],
-        (2, 2): [(Shard(0), Shard(1)), (Replicate(), Shard(0)), (Shard(1), Shard(1)), (_StridedShard(0, split_factor=2), Shard(0))],
+        (2, 2): [
+            (Shard(0), Shard(1)),
+            (Replicate(), Shard(0)),
+            (Shard(1), Shard(1)),
+            (_StridedShard(0, split_factor=2), Shard(0)),
+        ],
         (4, 2): [(Shard(0), Shard(0)), (_StridedShard(0, split_factor=2), Shard(0)), (Shard(1), Replicate())],
     }[mesh_shape]
-    coords = [tuple(c) for c in torch.cartesian_prod(*[torch.arange(n) for n in mesh_shape]).view(-1, len(mesh_shape)).tolist()]
+    coords = [
+        tuple(c)
+        for c in torch.cartesian_prod(*[torch.arange(n) for n in mesh_shape]).view(-1, len(mesh_shape)).tolist()
+    ]
     for placements in layouts:
         covered = torch.zeros(shape, dtype=torch.int64)
         for coord in coords:
@@ -201,6 +212,9 @@ def test_muon_resumes_exactly_and_refuses_another_optimizer(tiny_config, tmp_pat
     train(tiny_config(*muon, "train.steps=2", "checkpoint.every=2", run_dir=tmp_path / "half"))
     resumed = train(tiny_config(*muon, "train.steps=4", run_dir=tmp_path / "half"))
     assert resumed.losses == full.losses[2:]  # momentum buffers restored from DCP: bitwise the same run
-    with pytest.raises(CheckpointError, match=r"^checkpoint '.*' was trained with optim.name=muon and this run asks "
-                       r"for optim.name=adamw; resume with optim.name=muon, or start fresh with train.resume=none$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^checkpoint '.*' was trained with optim.name=muon and this run asks "
+        r"for optim.name=adamw; resume with optim.name=muon, or start fresh with train.resume=none$",
+    ):
         train(tiny_config("train.steps=6", "optim.schedule=constant", run_dir=tmp_path / "half"))

@@ -34,7 +34,11 @@ BASE = [
     *MUON,
 ]
 MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01"]
-FSDP2, TP2, PP2 = ["parallel.dp_shard=2"], ["parallel.dp_shard=1", "parallel.tp=2"], ["parallel.pp=2", "parallel.dp_shard=1"]
+FSDP2, TP2, PP2 = (
+    ["parallel.dp_shard=2"],
+    ["parallel.dp_shard=1", "parallel.tp=2"],
+    ["parallel.pp=2", "parallel.dp_shard=1"],
+)
 
 
 def _without_last_checkpoint(src, dst) -> None:
@@ -47,7 +51,9 @@ def _without_last_checkpoint(src, dst) -> None:
 def test_muon_matches_single_process_in_every_layout_and_reshards(tmp_path, cache_dir):
     recipe = write_tiny_recipe(tmp_path / "muon.toml", cache_dir, *BASE)
     ref = train(load_config(recipe, [f"train.run_dir={tmp_path}/ref"])).run_dir
-    moe_ref = train(load_config(recipe, [*MOE, "train.batch_size=4", "train.grad_accum=2", f"train.run_dir={tmp_path}/moe_ref"]))
+    moe_ref = train(
+        load_config(recipe, [*MOE, "train.batch_size=4", "train.grad_accum=2", f"train.run_dir={tmp_path}/moe_ref"])
+    )
     assert max(r["max_logit/layers.0.attention"] for r in step_records(ref)) > 0.1  # the clip really acts
 
     two = {"fsdp2": FSDP2, "tp2": TP2, "pp2": PP2, "moe_fsdp2": [*FSDP2, *MOE]}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,7 @@ def shard_indices(
             lo, hi = _chunk_bounds(len(indices[placement.dim]), n)[rank]
             indices[placement.dim] = indices[placement.dim][lo:hi]
         elif not isinstance(placement, Replicate):
-            raise ValueError(f"cannot orthogonalize a DTensor with placement {placement} (reduce it first)")
+            raise TypeError(f"cannot orthogonalize a DTensor with placement {placement} (reduce it first)")
     return indices
 
 
@@ -133,13 +133,18 @@ class _Unit:
         )
 
 
-@lru_cache(maxsize=None)
+_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
 def _flat_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """One process group over all ranks of a mesh (only its members create it)."""
-    return dist.new_group(list(ranks), use_local_synchronization=True)
+    """One process group over all ranks of a mesh (only its members create it), once per process group."""
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _GROUPS[key]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _plan(mesh: DeviceMesh, layouts: tuple[tuple[tuple[int, ...], tuple[Placement, ...]], ...]) -> list[_Unit]:
     """Owners (largest matrices first, each to the least loaded rank) and every rank's block of every matrix."""
     group = _flat_group(tuple(sorted(mesh.mesh.flatten().tolist())))

@@ -79,17 +79,17 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         state_dtype: torch.dtype = torch.float32,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            muon=False,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_steps=ns_steps,
-            scale=scale,
-        )
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "muon": False,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_steps": ns_steps,
+            "scale": scale,
+        }
         super().__init__(params, defaults)
         self.ns_dtype, self.state_dtype = ns_dtype, state_dtype
         for group in self.param_groups:

@@ -75,14 +75,16 @@ class QKClip:
 
     def __init__(self, model: nn.Module, threshold: float) -> None:
         self.threshold = threshold
-        self.layers = {name.replace("._orig_mod", ""): m for name, m in model.named_modules() if isinstance(m, Attention)}
+        self.layers = {
+            name.replace("._orig_mod", ""): m for name, m in model.named_modules() if isinstance(m, Attention)
+        }
         self.seen: dict[str, torch.Tensor] = {}
         self.last: dict[str, float] = {}
         for name, module in self.layers.items():
             module.qk_observer = partial(self._observe, name, module)
 
     @classmethod
-    def attach(cls, model: nn.Module, optimizer: torch.optim.Optimizer, threshold: float) -> "QKClip | None":
+    def attach(cls, model: nn.Module, optimizer: torch.optim.Optimizer, threshold: float) -> QKClip | None:
         """A QKClip run after each ``optimizer.step()`` (None when ``threshold`` is 0: QK-clip off)."""
         if threshold <= 0:
             return None
