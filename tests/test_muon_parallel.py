@@ -1,5 +1,5 @@
 """Muon across layouts: parity with the single-process run (fp32, 1e-5 relative, 5 steps) on per-step loss and
-grad norm and the final parameters, for FSDP=2, TP=2, PP=2 (2 processes) and FSDP=4, HSDP 2x2, FSDP=2 x TP=2 (4
+grad norm and the final parameters, for FSDP=2, TP=2, PP=2, DDP=2 (2 processes) and FSDP=4, HSDP 2x2, FSDP=2 x TP=2 (4
 processes); Muon momentum checkpointed in DCP and resumed under other layouts.
 
 Every run has QK-clip on with a threshold below the tiny model's logits, so the heads are rescaled at every step
@@ -34,10 +34,11 @@ BASE = [
     *MUON,
 ]
 MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01"]
-FSDP2, TP2, PP2 = (
+FSDP2, TP2, PP2, DDP2 = (
     ["parallel.dp_shard=2"],
     ["parallel.dp_shard=1", "parallel.tp=2"],
     ["parallel.pp=2", "parallel.dp_shard=1"],
+    ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
 )
 
 
@@ -56,7 +57,7 @@ def test_muon_matches_single_process_in_every_layout_and_reshards(tmp_path, cach
     )
     assert max(r["max_logit/layers.0.attention"] for r in step_records(ref)) > 0.1  # the clip really acts
 
-    two = {"fsdp2": FSDP2, "tp2": TP2, "pp2": PP2, "moe_fsdp2": [*FSDP2, *MOE]}
+    two = {"fsdp2": FSDP2, "tp2": TP2, "pp2": PP2, "ddp2": DDP2, "moe_fsdp2": [*FSDP2, *MOE]}
     torchrun(2, "tests/dist_muon.py", str(recipe), str(tmp_path), json.dumps(two))
     _without_last_checkpoint(tmp_path / "fsdp2", tmp_path / "fsdp2_to_hsdp")
     four = {
@@ -69,7 +70,7 @@ def test_muon_matches_single_process_in_every_layout_and_reshards(tmp_path, cach
     _without_last_checkpoint(tmp_path / "fsdp2_tp2", tmp_path / "fsdp2_tp2_to_single")
     train(load_config(recipe, [f"train.run_dir={tmp_path}/fsdp2_tp2_to_single"]))
 
-    for name in ("fsdp2", "tp2", "pp2", "fsdp4", "hsdp", "fsdp2_tp2"):
+    for name in ("fsdp2", "tp2", "pp2", "ddp2", "fsdp4", "hsdp", "fsdp2_tp2"):
         assert assert_runs_match(tmp_path / name, ref) == STEPS, name
     assert assert_runs_match(tmp_path / "moe_fsdp2", moe_ref.run_dir) == STEPS
     for name in ("fsdp2_to_hsdp", "fsdp2_tp2_to_single"):  # the steps trained after resuming at step 3

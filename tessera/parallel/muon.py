@@ -14,7 +14,7 @@ those are orthogonalized where they are, per expert, with no communication.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -121,16 +121,19 @@ class _Unit:
     owner: int
     blocks: list[list[torch.Tensor]]
     sends: list[bool]
+    _on_device: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     def numel(self, rank: int) -> int:
         return math.prod(len(ix) for ix in self.blocks[rank])
 
     def index(self, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Advanced-indexing tuple selecting rank ``rank``'s block of the full matrix."""
-        nd = len(self.shape)
-        return tuple(
-            ix.to(device).view([-1 if d == k else 1 for d in range(nd)]) for k, ix in enumerate(self.blocks[rank])
-        )
+        """Advanced-indexing tuple selecting rank ``rank``'s block of the full matrix (kept on ``device``)."""
+        if (rank, device) not in self._on_device:
+            nd = len(self.shape)
+            self._on_device[rank, device] = tuple(
+                ix.to(device).view([-1 if d == k else 1 for d in range(nd)]) for k, ix in enumerate(self.blocks[rank])
+            )
+        return self._on_device[rank, device]
 
 
 _GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
