@@ -1,17 +1,34 @@
-"""Per-rank memory of data-parallel layouts and TP collectives per block, next to the theory.
+"""Per-rank memory of real CPU training runs next to tessera's planner (``tessera plan``).
 
-Part 1 trains one step of the same decoder (bf16 compute, fp32 master weights, AdamW) under
-DDP, ZeRO-2-style FSDP (``reshard_after_forward = false``) and ZeRO-3 FSDP at 1, 2 and 4
-ranks, and counts on rank 0 the bytes of parameters, gradients and optimizer state each rank
-holds at rest after the optimizer step. The ZeRO paper's
-mixed-precision Adam formulas (16P, 4P + 12P/N, 2P + 14P/N, 16P/N bytes for P parameters on N
-ranks) are printed beside them.
+Every number is measured on real gloo processes with real tensors: torch's memory tracker
+(``MemTracker``, or ``FSDPMemTracker`` under FSDP) adds up the storage of every live tensor.
 
-Part 2 counts the collectives DTensor issues for one tensor-parallel block (tp=2), forward and
-backward, with and without sequence parallelism, next to the expected two all-reduces each
-way (or their all-gather / reduce-scatter pairs under SP), and their message size.
+Part 1, model states at rest. After one optimizer step of a decoder (bf16 compute), the bytes
+of parameters, gradients and AdamW state each rank holds, for DDP and FSDP (ZeRO-3) at 1, 2, 4
+ranks, next to tessera's formula and the ZeRO paper's. tessera keeps fp32 parameters as the
+master copy, fp32 gradients and two fp32 moments: 4P + 4P + 8P. That equals the paper's
+mixed-precision 16P (2P bf16 params + 2P bf16 grads + 12P fp32 master and moments) only by
+coincidence of the byte counts, not because the same tensors exist. At rest FSDP holds 16P/N
+whether or not it reshards after forward, so no "ZeRO-2" row is printed here.
 
-    python benchmarks/memory.py          # launches torchrun itself for each layout
+Part 2, what ZeRO-2 and ZeRO-3 change: the parameter bytes a rank holds between forward and
+backward (at the loss). Resharding after forward (ZeRO-3) keeps the fp32 shards plus the last
+block gathered for backward; ``parallel.reshard_after_forward=false`` (ZeRO-2-style) keeps every
+block and the root gathered in bf16 until backward: 4P/N + 2P.
+
+Part 3, the whole step: per-rank peak of one training step for each layout family (single,
+DDP, FSDP, ZeRO-2-style FSDP, HSDP, TP, TP+SP, FSDP x TP, pipeline 1F1B / interleaved / with
+FSDP; context and expert parallelism when the compatibility matrix allows them), without and
+with activation checkpointing, on a small and a medium model, next to the planner's figure.
+
+Part 4, ``--measure`` on larger configs: a 1B and Llama 3 8B on 8 and 64 fake ranks (real
+``parallelize()``, fake tensors) next to the planner.
+
+Part 5, TP collectives: the collectives DTensor issues for one tensor-parallel block (tp=2),
+forward and backward, with and without sequence parallelism.
+
+    python benchmarks/memory.py                # all parts (tens of minutes on 2 cores)
+    python benchmarks/memory.py --parts 1,2,5  # a subset
 """
 
 from __future__ import annotations
@@ -21,68 +38,388 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import torch
 
-DIM, LAYERS, HEADS, VOCAB, SEQ, BATCH = 256, 4, 8, 4096, 64, 4
+MIB = 2**20
+SMALL = [
+    "model.vocab_size=4096",
+    "model.dim=256",
+    "model.n_layers=4",
+    "model.n_heads=8",
+    "model.max_seq_len=256",
+    "train.seq_len=128",
+]
+MEDIUM = [
+    "model.vocab_size=8192",
+    "model.dim=512",
+    "model.n_layers=8",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.max_seq_len=256",
+    "train.seq_len=256",
+]
+DIM, HEADS, VOCAB, SEQ, BATCH = 256, 8, 4096, 64, 4
 
 
-def _config(mode: str, world: int):
+def _config(overrides: list[str]):
     from tessera.config import load_config
 
-    parallel = {"ddp": ["parallel.dp_replicate", "parallel.dp_shard=1"], "zero2": ["parallel.dp_shard"], "zero3": ["parallel.dp_shard"]}[mode]
-    degree = [parallel[0] + f"={world}", *parallel[1:]] if world > 1 else ["parallel.dp_shard=1"]
-    extra = ["parallel.reshard_after_forward=false"] if mode == "zero2" else []
-    return load_config(None, [
-        f"model.dim={DIM}", f"model.n_layers={LAYERS}", f"model.n_heads={HEADS}", f"model.vocab_size={VOCAB}", "model.max_seq_len=128",
-        "model.tie_embeddings=false", f"train.seq_len={SEQ}", f"train.batch_size={BATCH * world}", "train.dtype=bf16", *degree, *extra,
-    ])
+    return load_config(None, ["model.tie_embeddings=false", "train.dtype=bf16", *overrides])
 
 
 def _local_bytes(tensors) -> int:
     from torch.distributed.tensor import DTensor
 
-    total = 0
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
+    # numel x size, not storage size: FSDP's gradient shards are views into one reduce-scatter buffer
+    return sum(t.numel() * t.element_size() for t in (t.to_local() if isinstance(t, DTensor) else t for t in tensors))
 
 
-def worker(mode: str) -> None:
-    """One rank: build, parallelize, one step; rank 0 prints a JSON line of byte counts."""
+def _build(config, dims):
+    """The parallelized model (or pipeline) as the trainer builds it, plus the StepSpec for the step."""
+    from tessera.model import build_model
+    from tessera.parallel import parallelize, uses_fsdp
+    from tessera.parallel.pipeline import build_pipeline
+    from tessera.plan.measure import StepSpec
+    from tessera.train.trainer import lm_loss
+
+    torch.manual_seed(0)
+    model = build_model(config.model)
+    fsdp, tp = uses_fsdp(dims), dims.tp > 1
+    if config.parallel.pp > 1:
+        pipe = build_pipeline(
+            model, dims, config, torch.device("cpu"), lm_loss, lambda stage: parallelize(stage, dims, config)
+        )
+        return pipe.model, StepSpec(dims.dp, fsdp, tp, pipeline=pipe, pp_mesh=dims.submesh("pp"))
+    return parallelize(model, dims, config), StepSpec(dims.dp, fsdp, tp)
+
+
+def _states(model, config, spec) -> dict:
+    """Part 1: bytes of parameters, gradients and optimizer state after one optimizer step."""
+    from tessera.model import count_parameters
+    from tessera.plan.measure import _step
+    from tessera.train.optim import build_optimizer
+
+    optimizer = build_optimizer(model, config.optim)
+    optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients to count them
+    tokens = torch.randint(
+        0, config.model.vocab_size, (1, config.train.batch_size // spec.dp, config.train.seq_len + 1)
+    )
+    _step(model, optimizer, config, tokens, spec)
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {
+        "params": _local_bytes(model.parameters()),
+        "grads": _local_bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "optim": _local_bytes(state),
+        "P": count_parameters(model),
+    }
+
+
+def _loss_params(model, config, spec) -> dict:
+    """Part 2: parameter bytes (sharded + gathered) held at the loss, between forward and backward (FSDP)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from tessera.plan.measure import _step
+    from tessera.train.optim import build_optimizer
+    from tessera.train.trainer import lm_loss
+
+    optimizer = build_optimizer(model, config.optim)
+    local = config.train.batch_size // spec.dp
+    _step(
+        model, optimizer, config, torch.randint(0, config.model.vocab_size, (1, local, config.train.seq_len + 1)), spec
+    )
+    tokens = torch.randint(0, config.model.vocab_size, (local, config.train.seq_len + 1))
+    with FSDPMemTracker(model, optimizer) as tracker:
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        snapshot = next(iter(tracker.get_tracker_snapshot("current").values()))
+        loss.backward()
+    kinds = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
+    return {"sharded": kinds.get("Sharded Param", 0), "gathered": kinds.get("Unsharded Param", 0)}
+
+
+def worker(mode: str, overrides: list[str]) -> None:
+    """One rank: build the layout, measure, and let rank 0 print every rank's figures as one JSON line."""
     import torch.distributed as dist
 
-    from tessera.model import build_model, count_parameters
-    from tessera.parallel import ParallelDims, parallelize
+    from tessera.parallel import ParallelDims
     from tessera.parallel.env import init_distributed
+    from tessera.plan.measure import training_memory
 
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
     env = init_distributed("cpu")
-    config = _config(mode, env.world_size)
+    config = _config(overrides)
     dims = ParallelDims.from_config(config.parallel, env.world_size)
     if env.is_distributed:
         dims.build_mesh("cpu")
-    torch.manual_seed(0)
-    model = build_model(config.model)
-    n_params = count_parameters(model)
-    model = parallelize(model, dims, config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if not dims.dp_shard > 1 else torch.autocast("cpu", enabled=False)
-    with autocast:
-        logits = model(tokens[:, :-1])
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
-    opt.step()
-    record = {
-        "mode": mode, "world": env.world_size, "P": n_params,
-        "params": _local_bytes(model.parameters()),
-        "grads": _local_bytes(p.grad for p in model.parameters() if p.grad is not None),
-        "optim": _local_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0),
-    }
-    if env.rank == 0:
-        print("RESULT " + json.dumps(record), flush=True)
+    model, spec = _build(config, dims)
+    if mode == "peak":
+        peak, kinds = training_memory(model, config, spec, steps=1)
+        record = {"peak": peak, "kinds": kinds}
+    else:
+        record = (_states if mode == "states" else _loss_params)(model, config, spec)
+    records = [None] * env.world_size
     if env.is_distributed:
+        dist.all_gather_object(records, record)
         dist.destroy_process_group()
+    else:
+        records = [record]
+    if env.rank == 0:
+        print("RESULT " + json.dumps(records), flush=True)
+
+
+def _launch(world: int, *args: str):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if world == 1:
+        cmd = [sys.executable, __file__, *args]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            __file__,
+            *args,
+        ]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{' '.join(args)} at {world} ranks failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[0][7:])
+
+
+def _plan(overrides: list[str], world: int, pp_rank: int | None = None) -> float:
+    """The planner's per-GPU bytes (tensors only, CPU optimizer) for the same job."""
+    from tessera.plan.activations import tessera_precision
+    from tessera.plan.layouts import layout_of
+    from tessera.plan.memory import Setting, estimate_memory, rank_memory
+    from tessera.plan.shapes import model_shape
+
+    config = _config(overrides)
+    layout = layout_of(config, world)
+    setting = Setting(
+        tessera_precision(config.train.dtype, layout.fsdp),
+        config.train.seq_len,
+        "cpu",
+        config.parallel.layers_per_stage,
+    )
+    shape = model_shape(config.model)
+    if pp_rank is not None:
+        return rank_memory(shape, layout, setting, pp_rank).total
+    return estimate_memory(shape, layout, setting).total
+
+
+def part1() -> None:
+    print("Part 1: model states at rest after the optimizer step, MiB per rank (small model, bf16 compute)")
+    print(f"{'layout':<7}{'ranks':>6}{'params':>9}{'grads':>9}{'optim':>9}{'total':>9}{'tessera':>9}{'ZeRO paper':>12}")
+    for mode in ("ddp", "fsdp"):
+        for world in (1, 2, 4):
+            degrees = (
+                ["parallel.dp_shard=1"]
+                if world == 1
+                else (
+                    [f"parallel.dp_replicate={world}", "parallel.dp_shard=1"]
+                    if mode == "ddp"
+                    else [f"parallel.dp_shard={world}"]
+                )
+            )
+            r = _launch(world, "--worker", "states", *SMALL, f"train.batch_size={4 * world}", *degrees)[0]
+            n = world if mode == "fsdp" else 1
+            total = r["params"] + r["grads"] + r["optim"]
+            print(
+                f"{mode:<7}{world:>6}{r['params'] / MIB:>9.2f}{r['grads'] / MIB:>9.2f}{r['optim'] / MIB:>9.2f}"
+                f"{total / MIB:>9.2f}"
+                f"{16 * r['P'] / n / MIB:>9.2f}{16 * r['P'] / n / MIB:>12.2f}"
+            )
+    print("tessera: fp32 params (master) 4P + fp32 grads 4P + AdamW moments 8P = 16P (DDP), 16P/N (FSDP).")
+    print(
+        "ZeRO paper, mixed-precision Adam: 2P bf16 params + 2P bf16 grads + 12P fp32 master and moments "
+        "= 16P (stage 0),"
+    )
+    print("16P/N (stage 3): equal totals by coincidence of the fp32 master weights, not the same tensors.")
+
+
+def part2() -> None:
+    from tessera.plan.shapes import model_shape
+
+    print(
+        "\nPart 2: parameter bytes per rank between forward and backward (at the loss), MiB: "
+        "ZeRO-3 vs ZeRO-2-style FSDP"
+    )
+    print(f"{'reshard_after_forward':<24}{'ranks':>6}{'shards':>9}{'gathered':>10}{'total':>9}{'formula':>9}  formula")
+    shape = model_shape(_config(SMALL).model)
+    p, last = shape.total, shape.blocks[-1].total
+    for world in (2, 4):
+        for reshard in (True, False):
+            r = _launch(
+                world,
+                "--worker",
+                "loss_params",
+                *SMALL,
+                f"train.batch_size={4 * world}",
+                f"parallel.dp_shard={world}",
+                f"parallel.reshard_after_forward={str(reshard).lower()}",
+            )[0]
+            formula = 4 * p / world + (2 * last if reshard else 2 * p)
+            text = "4P/N + 2 x last block (bf16)" if reshard else "4P/N + 2P (every block and the root, bf16)"
+            print(
+                f"{reshard!s:<24}{world:>6}{r['sharded'] / MIB:>9.2f}{r['gathered'] / MIB:>10.2f}"
+                f"{(r['sharded'] + r['gathered']) / MIB:>9.2f}{formula / MIB:>9.2f}  {text}"
+            )
+
+
+# (name, ranks, overrides): each layout family of Part 3, on the small model unless MEDIUM is named.
+PART3 = [
+    ("single", 1, ["parallel.dp_shard=1"]),
+    ("single, full AC", 1, ["parallel.dp_shard=1", "parallel.activation_checkpoint=full"]),
+    ("DDP 2", 2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+    (
+        "DDP 2, selective AC",
+        2,
+        ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.activation_checkpoint=selective"],
+    ),
+    ("FSDP 4", 4, ["parallel.dp_shard=4"]),
+    ("FSDP 4, full AC", 4, ["parallel.dp_shard=4", "parallel.activation_checkpoint=full"]),
+    ("FSDP 4, op AC", 4, ["parallel.dp_shard=4", "parallel.activation_checkpoint=op"]),
+    ("FSDP 4, ZeRO-2-style", 4, ["parallel.dp_shard=4", "parallel.reshard_after_forward=false"]),
+    ("HSDP 2x2", 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+    ("TP 2", 2, ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=false"]),
+    ("TP 2 + SP", 2, ["parallel.dp_shard=1", "parallel.tp=2"]),
+    ("TP 2 + SP, full AC", 2, ["parallel.dp_shard=1", "parallel.tp=2", "parallel.activation_checkpoint=full"]),
+    ("FSDP 2 x TP 2 + SP", 4, ["parallel.dp_shard=2", "parallel.tp=2"]),
+    ("PP 2, 1F1B, 4 micro-batches", 2, ["parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=4"]),
+    (
+        "PP 2, 1F1B, full AC",
+        2,
+        ["parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=4", "parallel.activation_checkpoint=full"],
+    ),
+    (
+        "PP 2, interleaved v2",
+        2,
+        ["parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=4", "parallel.pp_schedule=interleaved_1f1b"],
+    ),
+    ("PP 2 x FSDP 2", 4, ["parallel.dp_shard=2", "parallel.pp=2", "parallel.microbatches=4"]),
+    ("CP 2", 2, ["parallel.dp_shard=1", "parallel.cp=2"]),
+    ("EP 2 (MoE, 4 experts)", 2, ["parallel.dp_shard=2", "parallel.ep=2", "model.moe.experts=4", "model.moe.top_k=2"]),
+    ("medium: FSDP 4", 4, [*MEDIUM, "parallel.dp_shard=4"]),
+    ("medium: FSDP 4, full AC", 4, [*MEDIUM, "parallel.dp_shard=4", "parallel.activation_checkpoint=full"]),
+    ("medium: FSDP 2 x TP 2 + SP", 4, [*MEDIUM, "parallel.dp_shard=2", "parallel.tp=2"]),
+    ("medium: DDP 2", 2, [*MEDIUM, "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+    (
+        "medium: PP 2 x TP 2",
+        4,
+        [*MEDIUM, "parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2", "parallel.microbatches=4"],
+    ),
+]
+
+
+def _refused(overrides: list[str], world: int) -> str:
+    from tessera.errors import ConfigError
+    from tessera.layout import check_layout
+
+    try:
+        check_layout(_config(overrides), world)
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+def part3() -> None:
+    print("\nPart 3: per-rank peak of one training step, MiB (real gloo ranks, real tensors) vs the planner")
+    print(f"{'layout':<34}{'ranks':>6}{'measured (max rank)':>21}{'plan':>9}{'plan/measured':>15}")
+    for name, world, extra in PART3:
+        overrides = [*SMALL, *extra, f"train.batch_size={8 if world < 4 else 16}"]
+        refused = _refused(overrides, world)
+        if refused:
+            print(f"{name:<34}{world:>6}  not run: {refused[:90]}")
+            continue
+        peaks = [r["peak"] for r in _launch(world, "--worker", "peak", *overrides)]
+        planned = _plan(overrides, world)
+        print(f"{name:<34}{world:>6}{max(peaks) / MIB:>21.1f}{planned / MIB:>9.1f}{planned / max(peaks):>15.3f}")
+
+
+LLAMA_1B = [
+    "model.vocab_size=32000",
+    "model.dim=2048",
+    "model.n_layers=16",
+    "model.n_heads=16",
+    "model.n_kv_heads=8",
+    "model.ffn_hidden=5632",
+    "model.max_seq_len=4096",
+    "train.seq_len=4096",
+]
+# (name, recipe, overrides, fake ranks) for Part 4.
+PART4 = [
+    ("1B: FSDP 8", None, [*LLAMA_1B, "parallel.dp_shard=8", "train.batch_size=16"], 8),
+    (
+        "1B: FSDP 4 x TP 2 + SP, full AC",
+        None,
+        [
+            *LLAMA_1B,
+            "parallel.dp_shard=4",
+            "parallel.tp=2",
+            "train.batch_size=8",
+            "parallel.activation_checkpoint=full",
+        ],
+        8,
+    ),
+    (
+        "1B: HSDP 8x8, op AC",
+        None,
+        [
+            *LLAMA_1B,
+            "parallel.dp_replicate=8",
+            "parallel.dp_shard=8",
+            "train.batch_size=64",
+            "parallel.activation_checkpoint=op",
+        ],
+        64,
+    ),
+    (
+        "8B: FSDP 8, op AC",
+        "configs/llama3-8b.toml",
+        ["parallel.tp=1", "parallel.dp_shard=8", "train.batch_size=8", "parallel.activation_checkpoint=op"],
+        8,
+    ),
+    (
+        "8B: FSDP 8 x TP 8 + SP",
+        "configs/llama3-8b.toml",
+        ["parallel.tp=8", "parallel.dp_shard=8", "train.batch_size=8"],
+        64,
+    ),
+    (
+        "8B: FSDP 64, full AC",
+        "configs/llama3-8b.toml",
+        ["parallel.tp=1", "parallel.dp_shard=64", "train.batch_size=64", "parallel.activation_checkpoint=full"],
+        64,
+    ),
+]
+
+
+def part4() -> None:
+    from tessera.config import load_config
+    from tessera.plan.activations import tessera_precision
+    from tessera.plan.layouts import layout_of
+    from tessera.plan.measure import measure_layout
+    from tessera.plan.memory import Setting, estimate_memory
+    from tessera.plan.shapes import model_shape
+
+    print(
+        "\nPart 4: --measure on fake ranks (real model, real parallelize(), fake tensors) vs the planner, GiB per GPU"
+    )
+    print(f"{'layout':<34}{'ranks':>6}{'measured':>10}{'plan':>9}{'plan/measured':>15}{'seconds':>9}")
+    for name, recipe, overrides, world in PART4:
+        config = load_config(recipe, ["train.dtype=bf16", *overrides])
+        m = measure_layout(config, world)
+        layout = layout_of(config, world)
+        setting = Setting(tessera_precision("bf16", layout.fsdp), config.train.seq_len, "cpu")
+        planned = estimate_memory(model_shape(config.model), layout, setting).total
+        print(
+            f"{name:<34}{world:>6}{m.peak / 2**30:>10.2f}{planned / 2**30:>9.2f}{planned / m.peak:>15.3f}"
+            f"{m.seconds:>9.0f}"
+        )
 
 
 def tp_worker() -> None:
@@ -100,7 +437,9 @@ def tp_worker() -> None:
     out = {}
     for sp in (False, True):
         torch.manual_seed(0)
-        model = build_model(model_config(vocab_size=VOCAB, dim=DIM, n_layers=1, n_heads=HEADS, max_seq_len=128, tie_embeddings=False))
+        model = build_model(
+            model_config(vocab_size=VOCAB, dim=DIM, n_layers=1, n_heads=HEADS, max_seq_len=128, tie_embeddings=False)
+        )
         apply_tensor_parallel(model, mesh, sp)
         block = model.layers["0"]
         x = torch.randn(BATCH, SEQ, DIM, requires_grad=True)
@@ -126,50 +465,37 @@ def tp_worker() -> None:
     dist.destroy_process_group()
 
 
-def _launch(world: int, *args: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if world == 1:
-        cmd = [sys.executable, __file__, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"{' '.join(args)} at {world} ranks failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[0][7:])
-
-
-def _theory(mode: str, p: int, n: int) -> float:
-    return {"ddp": 16 * p, "zero1": 4 * p + 12 * p / n, "zero2": 2 * p + 14 * p / n, "zero3": 16 * p / n}[mode]
+def part5() -> None:
+    counts = _launch(2, "--tp-worker")
+    size = BATCH * SEQ * DIM * 4 / 1024
+    print(
+        f"\nPart 5: collectives of one TP block at tp=2 "
+        f"(activation {BATCH}x{SEQ}x{DIM} fp32 = {size:.0f} KiB per collective)"
+    )
+    for name, expected in (
+        ("tp", "2 all_reduce forward, 2 backward"),
+        ("sp", "2 all_gather + 2 reduce_scatter forward, the same backward"),
+    ):
+        print(
+            f"  {name}: measured forward {counts[name]['forward']}, backward {counts[name]['backward']}; "
+            f"expected {expected}"
+        )
 
 
 def main() -> None:
-    """Run every layout and print both tables."""
+    """Run the chosen parts and print their tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", choices=["ddp", "zero2", "zero3"])
+    parser.add_argument("--worker", choices=["states", "loss_params", "peak"])
     parser.add_argument("--tp-worker", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--parts", default="1,2,3,4,5", help="comma-separated parts to run")
+    args, overrides = parser.parse_known_args()
     if args.worker:
-        return worker(args.worker)
+        return worker(args.worker, overrides)
     if args.tp_worker:
         return tp_worker()
-    mib = 2**20
-    print(f"model: dim={DIM} layers={LAYERS} vocab={VOCAB}; bf16 compute, fp32 master weights, AdamW")
-    print(f"{'layout':<7}{'ranks':>6}{'params MiB':>12}{'grads MiB':>11}{'optim MiB':>11}{'total MiB':>11}{'theory MiB':>12}")
-    for mode in ("ddp", "zero2", "zero3"):
-        for world in (1, 2, 4):
-            r = _launch(world, "--worker", mode)
-            total = r["params"] + r["grads"] + r["optim"]
-            theory = _theory(mode if world > 1 else "ddp", r["P"], world)
-            print(f"{mode:<7}{world:>6}{r['params'] / mib:>12.2f}{r['grads'] / mib:>11.2f}{r['optim'] / mib:>11.2f}{total / mib:>11.2f}{theory / mib:>12.2f}")
-    print("theory: DDP 16P, ZeRO-1 4P+12P/N, ZeRO-2 2P+14P/N, ZeRO-3 16P/N bytes (P parameters, N ranks)")
-    print("FSDP2 keeps fp32 master weights sharded at rest in both modes; ZeRO-2-style differs by holding")
-    print("the gathered parameters from forward to backward (transient), hence at-rest bytes below 2P+14P/N")
-    counts = _launch(2, "--tp-worker")
-    size = BATCH * SEQ * DIM * 4 / 1024
-    print(f"\ncollectives of one TP block at tp=2 (activation {BATCH}x{SEQ}x{DIM} fp32 = {size:.0f} KiB per collective)")
-    for name, expected in (("tp", "2 all_reduce forward, 2 backward"), ("sp", "2 all_gather + 2 reduce_scatter forward, the same backward")):
-        print(f"  {name}: measured forward {counts[name]['forward']}, backward {counts[name]['backward']}; expected {expected}")
+    parts = {"1": part1, "2": part2, "3": part3, "4": part4, "5": part5}
+    for part in args.parts.split(","):
+        parts[part.strip()]()
 
 
 if __name__ == "__main__":

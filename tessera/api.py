@@ -6,7 +6,7 @@ from pathlib import Path
 
 from torch import nn
 
-from tessera.config import config_from_dict
+from tessera.config import ConfigError, config_from_dict
 from tessera.data.sources import DataError
 from tessera.data.tokenizer import Tokenizer
 from tessera.model import build_model
@@ -75,6 +75,11 @@ def generate_text(
 
     model, tokenizer = load_with_tokenizer(path)
     ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(prompt)])
+    if ids.shape[1] >= model.cfg.max_seq_len:
+        raise ConfigError(
+            f"--prompt is {ids.shape[1]} tokens but the model's context (model.max_seq_len) is "
+            f"{model.cfg.max_seq_len}; shorten the prompt"
+        )
     gen = torch.Generator().manual_seed(seed)
     out = generate(model, ids, max_new_tokens, temperature, top_k, top_p, tokenizer.eos_id, gen)
     per_token, fixed = cache_footprint(model)

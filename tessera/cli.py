@@ -7,6 +7,8 @@ its handler ``_cmd_<command>(args, overrides) -> exit code``.
 from __future__ import annotations
 
 import argparse
+import difflib
+import math
 import sys
 from collections.abc import Callable, Sequence
 
@@ -66,12 +68,12 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     from tessera.status import claim_run
     from tessera.train.metrics import check_sinks
-    from tessera.train.preemption import PREEMPTED_EXIT_CODE
+    from tessera.train.preemption import stop_exit_code
     from tessera.train.trainer import train_and_exit
 
     check_sinks(config.log)
     with claim_run(config.train.run_dir):  # before anything is built: the run is busy from now on
-        return PREEMPTED_EXIT_CODE if train_and_exit(config).preempted else 0
+        return stop_exit_code(train_and_exit(config).preempted)
 
 
 # ---------------------------------------------------------------- config
@@ -143,6 +145,11 @@ def _add_launch(sub: Subparsers) -> None:
         help="launcher, run by this Python (accelerate: also writes RUN_DIR/accelerate.yaml)",
     )
     launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    launch.add_argument(
+        "--gpu",
+        default="",
+        help="GPU kind of `tessera plan`'s catalog, e.g. h100-80gb: warn if the layout will not fit",
+    )
 
 
 def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -160,6 +167,7 @@ def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
         max_restarts=args.max_restarts,
         via=args.via,
         dry_run=args.dry_run,
+        gpu=args.gpu,
     )
 
 
@@ -229,6 +237,11 @@ def _add_slurm(sub: Subparsers) -> None:
     )
     sl.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     sl.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    sl.add_argument(
+        "--gpu",
+        default="",
+        help="GPU kind of `tessera plan`'s catalog, e.g. h100-80gb: warn if the layout will not fit",
+    )
 
 
 def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -252,6 +265,7 @@ def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
         sbatch_options=args.sbatch,
         setup=args.setup,
         python=args.python or sys.executable,
+        gpu=args.gpu,
     )
     return slurm(args.config, overrides, spec, args.argv, args.submit, args.dry_run)
 
@@ -416,6 +430,12 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0) or args.top_k < 0:
+        raise ConfigError(
+            f"--temperature must be a finite number >= 0 and --top-k >= 0, got {args.temperature}, {args.top_k}"
+        )
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed must be in [0, 2**63), got {args.seed}")
     from tessera.api import generate_text
 
     temperature = 0.0 if args.greedy else args.temperature
@@ -439,6 +459,7 @@ def _add_convert(sub: Subparsers) -> None:
         "gpt2, bert, t5, mamba, mamba2 or jamba",
     )
     imp.add_argument("out_dir", help="tessera run directory to write (one checkpoint, step 0)")
+    imp.add_argument("--overwrite", action="store_true", help="replace what an earlier run wrote into OUT_DIR")
     exp = actions.add_parser(
         "hf-export", help="tessera run or checkpoint directory -> HF model directory", allow_abbrev=False
     )
@@ -459,11 +480,41 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.convert import consolidate, hf_export, hf_import
 
     if args.convert_command == "hf-import":
-        print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir)}")
+        print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir, args.overwrite)}")
     elif args.convert_command == "consolidate":
         print(f"consolidated {args.checkpoint} -> {consolidate(args.checkpoint, args.out_dir)}")
     else:
         print(f"exported {args.checkpoint} -> {args.out_dir} ({hf_export(args.checkpoint, args.out_dir, args.family)})")
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+
+
+def _add_plan(sub: Subparsers) -> None:
+    plan = _command(
+        sub,
+        "plan",
+        _cmd_plan,
+        "rank the layouts of N GPUs by predicted speed, with memory per GPU and what does not fit",
+        epilog=OVERRIDES_HELP,
+    )
+    plan.add_argument("config", help="TOML recipe; overrides follow as for train")
+    plan.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    plan.add_argument("--gpu", required=True, help="GPU kind: a100-40gb, a100-80gb, h100-80gb, h200-141gb, b200")
+    plan.add_argument("--nodes-of", type=int, default=8, help="GPUs per node (default 8)")
+    plan.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    plan.add_argument(
+        "--measure",
+        action="store_true",
+        help="also measure the best measurable layout on fake ranks (real parallelize)",
+    )
+
+
+def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.plan.cli import run_plan
+
+    print(run_plan(args.config, overrides, args.gpus, args.gpu, args.nodes_of, args.top, args.measure))
     return 0
 
 
@@ -474,6 +525,7 @@ COMMANDS = (
     _add_launch,
     _add_slurm,
     _add_parity,
+    _add_plan,
     _add_status,
     _add_config,
     _add_prepare,
@@ -497,12 +549,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_flags(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """A ``--flag`` that is neither an option nor a ``--section.key`` override is a typo: say so (with a guess)."""
+    for i, arg in enumerate(extra):
+        name = arg.split("=", 1)[0]
+        is_value = i > 0 and extra[i - 1].startswith("--") and "." in extra[i - 1] and "=" not in extra[i - 1]
+        if name.startswith("--") and "." not in name and not is_value:
+            options = [o for p in _all_parsers(parser) for o in p._option_string_actions if o.startswith("--")]
+            close = difflib.get_close_matches(name, options, n=1)
+            guess = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(
+                f"unknown option '{name}'{guess}; config overrides are written --section.key VALUE or section.key=VALUE"
+            )
+
+
+def _all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser] + [q for action in subs for p in action.choices.values() for q in _all_parsers(p)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit code (2 for user errors)."""
-    args, extra = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        _unknown_flags(parser, extra)
         return args.handler(args, extra)
     except _user_errors() as err:
         print(f"tessera: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the machine's refusal (disk full, permissions), not a tessera bug: one line
+        where = f": '{err.filename}'" if err.filename else ""
+        print(f"tessera: error: {err.strerror or err}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("tessera: interrupted", file=sys.stderr)
+        return 130

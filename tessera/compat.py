@@ -21,9 +21,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "ep": "expert parallelism is not implemented yet",
     },
     "activation checkpointing": {},
-    "torch.compile": {
-        "pp": "compile is not validated with pipeline stages yet",
-    },
+    "torch.compile": {},
     "bf16": {},
     "fp16": {
         "fsdp": "fp16 needs a sharded grad scaler; use bf16",
@@ -37,9 +35,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "tp": "offload with tensor parallelism is not supported",
         "pp": "offload is not validated with pipeline stages yet",
     },
-    "meta init": {
-        "pp": "each stage would initialize from its own RNG stream; build the full model (parallel.meta_init=false)"
-    },
+    "meta init": {},
     "tied embeddings": {
         "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
     },
@@ -67,12 +63,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 
 
 # Pairs of layouts that do not combine, with the reason.
-UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
-    frozenset({"ddp", "tp"}): "DDP does not take DTensor parameters; use FSDP or HSDP (parallel.dp_shard > 1) with tp",
-    frozenset(
-        {"ddp", "pp"}
-    ): "DDP would all-reduce every micro-batch's gradients; use FSDP or HSDP (parallel.dp_shard > 1) with pp",
-}
+UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {}
 
 
 def job_layouts(parallel: Any, world_size: int | None = None) -> set[str]:

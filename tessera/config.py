@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import tomllib
 import types
@@ -220,6 +221,10 @@ class TrainConfig:
     sample_prompt: str = "def "  # prompt of the sample generated at the end of training
     sample_tokens: int = 64  # tokens generated at the end of training; 0 disables
     threads: int = 0  # torch threads per process; 0 = $OMP_NUM_THREADS, else cores / local processes
+    overwrite: bool = False  # delete an existing run's outputs in run_dir and start fresh (never written as true)
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # NaN/inf loss or grad norm: stop before the update, or skip it
+    max_nonfinite_skips: int = 5  # on_nonfinite=skip: stop after this many skipped steps in a row
+    hang_timeout_s: float = 1800.0  # no step, eval or save completes this long: dump stacks to RUN/hang/, exit; 0 off
 
 
 @dataclass
@@ -510,18 +515,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Load a TOML recipe (or the defaults when ``path`` is None), apply overrides, validate."""
     config = JobConfig()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' does not exist; pass a TOML recipe such as configs/smoke.toml")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
-        _apply_mapping(config, data, str(path))
+        _apply_mapping(config, _read_toml(Path(path)), str(path))
     for key, value in parse_overrides(overrides or []):
         _set(config, key, value)
     validate(config)
     return config
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The tables of a TOML recipe; every way the file can be unreadable is one ConfigError."""
+    if path.is_dir():
+        raise ConfigError(f"config path '{path}' is a directory; pass a TOML recipe such as configs/smoke.toml")
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; pass a TOML recipe such as configs/smoke.toml")
+    try:
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config file '{path}' is not UTF-8 text (byte {err.start} is invalid); pass a TOML recipe"
+        ) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"config file '{path}' cannot be read ({err.strerror})") from None
 
 
 def config_from_dict(data: dict[str, Any], where: str = "config") -> JobConfig:
@@ -555,6 +571,7 @@ def _require_all(section: str, obj: Any, keys: tuple[str, ...], positive: bool) 
 
 def validate_model(m: ModelConfig) -> None:
     """The [model] checks alone (also for configs that come from elsewhere, e.g. an HF checkpoint)."""
+    _require_finite("model", m)
     _require_all("model", m, ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"), positive=True)
     _require_all(
         "model",
@@ -760,9 +777,21 @@ def span_count(length: int, density: float, mean_span: float) -> int:
     return max(round(noise / mean_span), 1)
 
 
+def _require_finite(prefix: str, obj: Any) -> None:
+    """Every float field under ``obj`` is a finite number (NaN and infinity pass most range checks)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _require_finite(f"{prefix}.{f.name}", value)
+        elif isinstance(value, float):
+            _require(math.isfinite(value), f"{prefix}.{f.name} must be a finite number, got {value}")
+
+
 def validate(config: JobConfig) -> None:
     """Cross-field checks: everything that can be known wrong before a process starts."""
     validate_model(config.model)
+    for section in SECTIONS:
+        _require_finite(section, getattr(config, section))
     _validate_objective(config.model, config.train)
     _validate_train(config.train, config.model)
     _validate_optim(config.optim, config.train)
@@ -792,6 +821,9 @@ def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
     )
     _require(t.threads >= 0, f"train.threads must be >= 0 (0 = auto), got {t.threads}")
     _require(bool(t.run_dir), "train.run_dir must not be empty")
+    _require(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32) (numpy and megatron seeds), got {t.seed}")
+    _require(t.max_nonfinite_skips >= 1, f"train.max_nonfinite_skips must be >= 1, got {t.max_nonfinite_skips}")
+    _require(t.hang_timeout_s >= 0, f"train.hang_timeout_s must be >= 0 (0 = no watchdog), got {t.hang_timeout_s}")
 
 
 def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:
@@ -808,6 +840,7 @@ def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:
     )
     _require(0.0 < o.decay_fraction <= 1.0, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
     _require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
+    _require(o.eps > 0, f"optim.eps must be positive (AdamW divides by sqrt(v) + eps), got {o.eps}")
     _require(o.muon_lr >= 0, f"optim.muon_lr must be >= 0 (0 = optim.lr), got {o.muon_lr}")
     _require(0.0 <= o.muon_momentum < 1.0, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
     _require(1 <= o.muon_ns_steps < 100, f"optim.muon_ns_steps must be in [1, 99], got {o.muon_ns_steps}")

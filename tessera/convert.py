@@ -7,10 +7,12 @@ from pathlib import Path
 
 import torch
 
-from tessera.config import JobConfig, resolved_objective, span_count, validate
+from tessera.config import ConfigError, JobConfig, resolved_objective, span_count, validate
 from tessera.model import build_model
 from tessera.model.hf import load_state, read_hf, save_hf
+from tessera.status import RunLock
 from tessera.train.checkpoint import Checkpointer
+from tessera.train.rundir import remove_run_outputs
 
 
 def _job_for(cfg, run_dir: Path) -> JobConfig:
@@ -29,15 +31,44 @@ def _job_for(cfg, run_dir: Path) -> JobConfig:
     return job
 
 
-def hf_import(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Convert an HF model directory into a tessera run directory with one checkpoint (step 0)."""
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+def output_dir(path: str | Path, what: str) -> Path:
+    """``path`` as a directory to write into (created), or one clear error when it cannot be one."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} '{path}' is an existing file, not a directory; give a directory path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{what} '{path}' cannot be created ({err.strerror}); give a writable directory") from None
+    return path
+
+
+def hf_import(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Convert an HF model directory into a tessera run directory with one checkpoint (step 0).
+
+    A non-empty ``out_dir`` is refused unless ``overwrite`` (then what an earlier run wrote there is deleted).
+    """
+    hf_dir, out_dir = Path(hf_dir), output_dir(out_dir, "output directory")
+    if any(out_dir.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"'{out_dir}' is not empty (an existing run?); importing would replace its config and checkpoints. "
+            "Give a new directory, or pass --overwrite to delete that run first"
+        )
     cfg, state, family = read_hf(hf_dir)
     job = _job_for(cfg, out_dir)
     model = build_model(cfg)
     load_state(model, state)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.toml").write_text(job.to_toml())
+    lock = RunLock(out_dir).acquire()
+    try:
+        if overwrite:
+            remove_run_outputs(out_dir)
+        return _write_imported(out_dir, hf_dir, job, model, family)
+    finally:
+        lock.release()
+
+
+def _write_imported(out_dir: Path, hf_dir: Path, job: JobConfig, model: torch.nn.Module, family: str) -> Path:
+    (out_dir / "config.toml").write_text(job.to_toml(), encoding="utf-8")
     if (hf_dir / "tokenizer.model").is_file():
         shutil.copyfile(hf_dir / "tokenizer.model", out_dir / "tokenizer.model")
     extra = {
@@ -57,7 +88,7 @@ def hf_export(checkpoint: str | Path, out_dir: str | Path, family: str | None = 
 
     ckpt = find_checkpoint(checkpoint)
     model = load(ckpt)
-    family = save_hf(model, out_dir, family)
+    family = save_hf(model, output_dir(out_dir, "export directory"), family)
     complete_hf_dir(Path(out_dir), ckpt, family, count_parameters(model))
     return family
 
@@ -79,9 +110,9 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path) -> Path:
         if tensor.data_ptr() not in seen:  # a tied weight appears under two names, stored once
             seen.add(tensor.data_ptr())
             tensors[name] = tensor.detach().contiguous()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(out_dir, "output directory")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": str(ckpt)})
-    if (ckpt.parent.parent / "config.toml").is_file():
-        shutil.copyfile(ckpt.parent.parent / "config.toml", out / "config.toml")
+    config = ckpt.parent.parent / "config.toml"
+    if config.is_file() and config.resolve() != (out / "config.toml").resolve():
+        shutil.copyfile(config, out / "config.toml")
     return out / "model.safetensors"

@@ -144,11 +144,6 @@ def _check_pipeline_plan(config: JobConfig) -> None:
         "parallel.pp > 1 splits decoder and encoder models; model.arch='encoder_decoder' is not supported, "
         "set parallel.pp=1",
     )
-    _require(
-        not config.data.document_mask,
-        "data.document_mask needs positions and document ids on every pipeline stage, which parallel.pp > 1 "
-        "does not pass; set data.document_mask=false or parallel.pp=1",
-    )
     multi = schedule in MULTI_STAGE_SCHEDULES
     _require(
         not multi or v >= 2,

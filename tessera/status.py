@@ -81,8 +81,11 @@ class RunLock:
         if held is not None:
             held.holders += 1
             return held
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        file = open(self.path, "a+")  # noqa: SIM115 (held open until release: the flock lives on it)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            file = open(self.path, "a+")  # noqa: SIM115 (held open until release: the flock lives on it)
+        except OSError as err:
+            raise ConfigError(_unusable_run_dir(self.path.parent, err)) from None
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -123,6 +126,12 @@ class RunLock:
         self._write()
         self.file.close()
         self.file = None
+
+
+def _unusable_run_dir(run_dir: Path, err: OSError) -> str:
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"train.run_dir '{run_dir}' is a file, not a directory; choose another train.run_dir"
+    return f"train.run_dir '{run_dir}' is not writable ({err.strerror}); choose a writable train.run_dir"
 
 
 @contextlib.contextmanager

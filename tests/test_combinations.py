@@ -16,13 +16,34 @@ from tessera.train.trainer import train
 
 from conftest import assert_runs_match, torchrun, write_tiny_recipe
 
-BASE = ["train.steps=5", "train.batch_size=4", "log.every=1", "optim.schedule=constant", "train.eval_every=0", "checkpoint.enabled=false"]
-BERT = [
-    "model.arch=encoder", "model.sentinel_tokens=1", "model.position.kind=learned", "model.norm_position=post",
-    "model.embed_norm=true", "model.type_vocab_size=2", "model.norm=layernorm", "model.bias=true",
-    "model.attention.qkv_bias=true", "model.tie_embeddings=true", "model.activation=gelu",
+BASE = [
+    "train.steps=5",
+    "train.batch_size=4",
+    "log.every=1",
+    "optim.schedule=constant",
+    "train.eval_every=0",
+    "checkpoint.enabled=false",
 ]
-T5 = ["model.arch=encoder_decoder", "model.position.kind=t5_bias", "model.sentinel_tokens=8", "model.attention.scale=1.0", "model.n_decoder_layers=1"]
+BERT = [
+    "model.arch=encoder",
+    "model.sentinel_tokens=1",
+    "model.position.kind=learned",
+    "model.norm_position=post",
+    "model.embed_norm=true",
+    "model.type_vocab_size=2",
+    "model.norm=layernorm",
+    "model.bias=true",
+    "model.attention.qkv_bias=true",
+    "model.tie_embeddings=true",
+    "model.activation=gelu",
+]
+T5 = [
+    "model.arch=encoder_decoder",
+    "model.position.kind=t5_bias",
+    "model.sentinel_tokens=8",
+    "model.attention.scale=1.0",
+    "model.n_decoder_layers=1",
+]
 TP2 = ["parallel.dp_shard=1", "parallel.tp=2"]
 
 # name -> the model/feature overrides; each runs under TP=2 with SP (and a few without)
@@ -63,3 +84,36 @@ def test_tensor_and_sequence_parallel_cover_every_model_feature(tmp_path, cache_
         except AssertionError as err:
             failures.append(f"{name}: {str(err).splitlines()[0]}")
     assert not failures, "\n".join(failures)
+
+
+# name -> (parallel overrides on 4 ranks, feature overrides shared with its one-process reference)
+PIPELINE_AND_DDP = {
+    "ddp2_tp2": (["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.tp=2"], []),
+    "ddp2_pp2": (["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=2"], []),
+    "pp2_fsdp2_compile": (
+        ["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"],
+        ["parallel.compile=true"],
+    ),
+    # With only whole (or replicated) parameters, meta init draws exactly the one-process weights.
+    "ddp2_pp2_meta": (
+        ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=2"],
+        ["parallel.meta_init=true"],
+    ),
+    "pp2_fsdp2_documents": (
+        ["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"],
+        ["data.document_mask=true", "data.mask_eod_loss=true"],
+    ),
+}
+
+
+@pytest.mark.slow
+def test_pipeline_and_data_parallel_cells(tmp_path, cache_dir):
+    recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, *BASE)
+    refs = {}
+    for name, (_, features) in PIPELINE_AND_DDP.items():
+        single = [f for f in features if not f.startswith("parallel.")]
+        refs[name] = train(load_config(recipe, [*single, f"train.run_dir={tmp_path}/ref_{name}"])).run_dir
+    variants = {name: [*layout, *features] for name, (layout, features) in PIPELINE_AND_DDP.items()}
+    torchrun(4, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
+    for name in PIPELINE_AND_DDP:
+        assert assert_runs_match(tmp_path / name, refs[name]) == 5, name

@@ -214,7 +214,7 @@ def test_muon_resumes_exactly_and_refuses_another_optimizer(tiny_config, tmp_pat
     assert resumed.losses == full.losses[2:]  # momentum buffers restored from DCP: bitwise the same run
     with pytest.raises(
         CheckpointError,
-        match=r"^checkpoint '.*' was trained with optim.name=muon and this run asks "
-        r"for optim.name=adamw; resume with optim.name=muon, or start fresh with train.resume=none$",
+        match=r"^checkpoint '.*' was trained with optim.name=muon, not adamw; its optimizer state holds muon's "
+        r"buffers: resume with optim.name=muon or start a new train.run_dir$",
     ):
         train(tiny_config("train.steps=6", "optim.schedule=constant", run_dir=tmp_path / "half"))

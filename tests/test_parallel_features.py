@@ -28,7 +28,9 @@ def test_zero2_compile_and_meta_init_under_fsdp(tmp_path, cache_dir):
     recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, *BASE)
     reference = train(load_config(recipe, [f"train.run_dir={tmp_path}/ref"])).run_dir
     # MoE's aux loss is per rank: its reference accumulates the two ranks' halves of the batch.
-    moe_reference = train(load_config(recipe, [*MOE, "train.batch_size=4", "train.grad_accum=2", f"train.run_dir={tmp_path}/moe_ref"])).run_dir
+    moe_reference = train(
+        load_config(recipe, [*MOE, "train.batch_size=4", "train.grad_accum=2", f"train.run_dir={tmp_path}/moe_ref"])
+    ).run_dir
     variants = {
         "zero2": ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"],
         "compiled": ["parallel.dp_shard=2", "parallel.compile=true"],
@@ -44,7 +46,12 @@ def test_zero2_compile_and_meta_init_under_fsdp(tmp_path, cache_dir):
     meta = step_losses(tmp_path / "meta")
     # Initialized after sharding (other random draws), so only "it trains" can be required of the curve.
     assert meta != step_losses(reference) and meta[-1] < meta[0]
-    _assert_init_statistics_match(load(tmp_path / "meta_frozen"), load_config(recipe, ["model.n_layers=4"]))
+    frozen = load(tmp_path / "meta_frozen")
+    _assert_init_statistics_match(frozen, load_config(recipe, ["model.n_layers=4"]))
+    for name, param in frozen.named_parameters():  # each rank drew its own shard, not a copy of the other's
+        if param.dim() == 2 and param.std() > 0:
+            half = param.shape[0] // 2
+            assert not torch.allclose(param[:half], param[half : 2 * half]), f"{name}: the two shards are copies"
 
 
 def _assert_init_statistics_match(model: torch.nn.Module, config) -> None:

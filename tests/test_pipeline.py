@@ -72,11 +72,7 @@ def test_stages_chain_to_the_full_model(overrides):
         (["parallel.pp=2", "parallel.layers_per_stage=4,0"], "positive block counts"),
         (["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=4", "train.batch_size=4"], "not divisible by the data-parallel degree 2 x parallel.microbatches=4"),
         (["parallel.pp=2", "model.arch=encoder_decoder", "model.sentinel_tokens=8"], "encoder_decoder"),
-        (["parallel.pp=2", "data.document_mask=true"], "data.document_mask"),
         (["parallel.pp=2", "model.tie_embeddings=true"], "tied embeddings with pp"),
-        (["parallel.pp=2", "parallel.meta_init=true"], "meta init with pp"),
-        (["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"], "ddp with pp"),
-        (["parallel.pp=2", "parallel.compile=true"], "torch.compile with pp"),
     ],
 )
 def test_impossible_pipeline_plans_fail_at_config_time(overrides, fragment):

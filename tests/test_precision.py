@@ -56,15 +56,15 @@ def test_fp16_grad_scaler_skips_an_overflowing_step_and_backs_off(tiny_config, t
 
 
 def test_label_smoothing_is_cross_entropy_with_smoothing_on_the_same_logits(tiny_config, tmp_path):
-    trainer = Trainer(tiny_config(*QUICK, "train.label_smoothing=0.1", "train.grad_accum=1"))
+    trainer = Trainer(tiny_config(*QUICK, "train.label_smoothing=0.5", "train.grad_accum=1"))
     state = trainer.data.train.state_dict()
     (inputs,), kwargs, labels, _ = trainer.objective(trainer.data.train.next_batch())
     trainer.data.train.load_state_dict(state)
     with torch.no_grad():
         logits = trainer.model(inputs, **kwargs).flatten(0, 1)
-    smoothed = F.cross_entropy(logits, labels.flatten(), label_smoothing=0.1).item()
+    smoothed = F.cross_entropy(logits, labels.flatten(), label_smoothing=0.5).item()
     plain = F.cross_entropy(logits, labels.flatten()).item()
-    assert abs(smoothed - plain) > 1e-4  # near-uniform logits at init: a small but clear difference
+    assert abs(smoothed - plain) > 20e-6 * smoothed  # near-uniform logits at init: small, but 20x the tolerance
     assert trainer.train_step()["loss"] == pytest.approx(smoothed, rel=1e-6)
 
 

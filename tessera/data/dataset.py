@@ -23,6 +23,7 @@ from tessera.data.sources import DataError
 
 _IDX_HEADER_BYTES = 34  # magic (9) + version (8) + dtype code (1) + sequence count (8) + document count (8)
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
+_NPY_MAGIC = b"\x93NUMPY"
 _DTYPE_CODES = (1, 2, 3, 4, 5, 8)  # megatron's integer DType codes (uint8, int8, int16, int32, int64, uint16)
 
 
@@ -136,6 +137,22 @@ def gpt_config(seq_len: int, seed: int, split: str, eod: int, vocab_size: int, c
     )
 
 
+def check_index_cache(path: Path) -> None:
+    """Refuse cached sample indices that are not plain NumPy files.
+
+    megatron-core loads its cached indices with ``numpy.load(allow_pickle=True)``, which unpickles
+    (runs) anything that is not an ``.npy`` array; a cache directory shared or shipped by someone
+    else must not be able to run code. mmap loading already refuses object arrays inside ``.npy``.
+    """
+    for file in sorted(path.glob("*.npy")) if path.is_dir() else []:
+        with open(file, "rb") as f:
+            if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
+                raise DataError(
+                    f"cached index '{file}' is not a NumPy array file and tessera will not unpickle it; delete it (it "
+                    "is rebuilt) or point data.cache_dir at a directory only you write to"
+                )
+
+
 def index_cache_dir(cache_dir: Path, prefix: str) -> Path:
     """Where the sample indices of ``prefix`` live: keyed by its path, size and modification time."""
     stats = [(p.stat().st_size, p.stat().st_mtime_ns) for p in (Path(f"{prefix}.bin"), Path(f"{prefix}.idx"))]
@@ -162,7 +179,9 @@ class PackedSplit:
                 "more data"
             )
         self.prefix, self.seq_len, self.tokens = prefix, config.sequence_length, tokens
+        self.vocab_size = config.tokenizer.vocab_size
         indices = np.arange(begin, end, dtype=np.int32)
+        check_index_cache(Path(config.path_to_cache))
         # Under a process group megatron writes the index cache on rank 0 only: build there first (the trainer does).
         self.gpt = gpt_dataset.GPTDataset(indexed, prefix, indices, num_samples, Split[split_name], config)
 
@@ -179,4 +198,10 @@ class PackedSplit:
             raise IndexError(i)
         # The raw window (seq_len + 1 tokens); GPTDataset.__getitem__ would add masks tessera builds per batch.
         tokens, _ = self.gpt._query_document_sample_shuffle_indices(int(i))
+        if tokens.size and int(tokens.max()) >= self.vocab_size:  # one max per window: cheap, and every id is seen
+            raise DataError(
+                f"indexed dataset '{self.prefix}.bin' holds token id {int(tokens.max())} but the tokenizer has "
+                f"{self.vocab_size} tokens; it was prepared with another tokenizer: set data.tokenizer to that one or "
+                "re-run 'tessera prepare' with this one"
+            )
         return tokens

@@ -23,7 +23,11 @@ from tessera.data.tokenizer import Tokenizer, train_or_load_tokenizer
 
 def cache_dir(configured: str = "") -> Path:
     """Where tokenizers and prepared datasets are cached: data.cache_dir, $TESSERA_CACHE, ~/.cache/tessera."""
-    return Path(configured or os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera")
+    path = Path(configured or os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera")
+    if path.exists() and not path.is_dir():
+        where = "data.cache_dir" if configured else "$TESSERA_CACHE" if os.environ.get("TESSERA_CACHE") else "the cache"
+        raise DataError(f"{where} '{path}' is a file, not a directory; point {where} at a directory")
+    return path
 
 
 def build_tokenizer(config: JobConfig, docs: list[Document], corpus_hash: str) -> tuple[Tokenizer, bool]:

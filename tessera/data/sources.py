@@ -14,6 +14,7 @@ such local path exists) names a dataset on the Hugging Face hub.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import socket
@@ -121,6 +122,9 @@ def _structured_texts(path: Path, text_field: str) -> Iterator[str]:
     import datasets
 
     datasets.disable_progress_bars()
+    # A builder logs the failure it then raises; tessera reports it (below) in one line of its own.
+    builder = STRUCTURED[path.suffix]
+    logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}").setLevel(logging.CRITICAL)
     try:
         rows = datasets.load_dataset(STRUCTURED[path.suffix], data_files=[str(path)], split="train", streaming=True)
         yield from _rows_text(rows, text_field, str(path))

@@ -26,6 +26,7 @@ from typing import Literal
 
 from tessera.config import JobConfig, load_config
 from tessera.launcher.common import TORCHRUN_ENV, LaunchError, check_world_size, train_args
+from tessera.plan import warn_if_unfit
 from tessera.status import refuse_if_running
 from tessera.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_MARKER
 
@@ -58,6 +59,7 @@ class SlurmSpec:
     python: str = field(
         default_factory=lambda: sys.executable
     )  # runs torchrun (`PYTHON -m torch.distributed.run`) and training
+    gpu: str = ""  # a GPU kind of the planner's catalog: warn when the layout is predicted not to fit it
 
 
 def time_limit_seconds(text: str) -> int:
@@ -285,6 +287,7 @@ def slurm(
     config = load_config(config_path, overrides)
     spec = dataclasses.replace(spec, device=job_device(spec.device, config))
     check_spec(spec, config)
+    warn_if_unfit(config, spec.nodes * spec.gpus_per_node, spec.gpu, spec.gpus_per_node)
     if dry_run:
         print(render_sbatch(config, spec, command), end="")
         return 0

@@ -26,6 +26,7 @@ from tessera.launcher.common import (
     parse_endpoint,
     train_args,
 )
+from tessera.plan import warn_if_unfit
 from tessera.threads import choose_threads
 
 _ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -184,16 +185,19 @@ def launch(
     max_restarts: int = 0,
     via: str = "torchrun",
     dry_run: bool = False,
+    gpu: str = "",
 ) -> int:
     """Validate the job, then print the command (``dry_run``) or replace this process with it.
 
     ``nproc_per_node = 0`` means :func:`default_nproc_per_node`. The command runs with
     :data:`TORCHRUN_ENV` and :func:`thread_env` (printed in front of it, so a copy runs the same).
+    ``gpu`` names a GPU kind of the planner's catalog: a layout predicted not to fit it is warned about.
     """
     config = load_config(config_path, overrides)
     nproc = nproc_per_node or default_nproc_per_node()
     spec = make_spec(nnodes, nproc, rdzv_endpoint, rdzv_backend, rdzv_id, node_rank, max_restarts, config.train.run_dir)
     check_world_size(config, spec.nnodes, spec.nproc_per_node)
+    warn_if_unfit(config, spec.world_size, gpu, spec.nproc_per_node)
     if via == "accelerate":
         yaml_path = Path(config.train.run_dir) / "accelerate.yaml"
         yaml_path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -50,9 +50,10 @@ def is_hf_dir(path: str | Path) -> bool:
     if not config.is_file():
         return False
     try:
-        return "model_type" in json.loads(config.read_text())
-    except json.JSONDecodeError:
+        data = json.loads(config.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
         return False
+    return isinstance(data, dict) and "model_type" in data
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -64,9 +65,14 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         )
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise HFConversionError(
+                f"'{file}' is not a readable safetensors file ({str(err).splitlines()[0]}); download it again"
+            ) from None
     return tensors
 
 
@@ -127,12 +133,18 @@ def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str
     path = Path(path)
     if not is_hf_dir(path):
         raise HFConversionError(f"'{path}' is not an HF model directory (no config.json with a model_type)")
-    hf_config = json.loads((path / "config.json").read_text())
+    hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     tensors = _read_tensors(path)
     if hf_config.get("model_type") == "t5":
         head = tensors.get("lm_head.weight")
         hf_config["tie_word_embeddings"] = head is None or torch.equal(head, tensors["shared.weight"])
-    cfg, family = config_from_hf(hf_config)
+    try:
+        cfg, family = config_from_hf(hf_config)
+    except KeyError as err:
+        raise HFConversionError(
+            f"'{path / 'config.json'}' lacks the key {err} that a {hf_config.get('model_type')} config needs; fix or "
+            "re-download it"
+        ) from None
     spec = FAMILIES[family]
     if family == "gpt2" and "wte.weight" in tensors:  # original OpenAI-format files lack the prefix
         tensors = {f"transformer.{k}": v for k, v in tensors.items()}

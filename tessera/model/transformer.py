@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -161,27 +163,52 @@ class Stack(nn.Module):
         return [layer.new_cache(batch, max_len, dtype, device) for layer in self.layers.values()]
 
 
-def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
-    """Normal(0, init_std) weights; residual-output projections scaled by 1/sqrt(2 n_layers)."""
+ModuleSeed = Callable[[str, nn.Module], int]  # (module name, module) -> seed of its random draws
+
+
+def module_seed(base: int) -> ModuleSeed:
+    """Seeds that depend only on the base seed and a module's name: a module's initial weights are
+    then the same whatever else the model holds (a pipeline stage, a pruned model) or how it was
+    built."""
+    return lambda name, _module: zlib.crc32(f"{base}/{name}".encode())
+
+
+def init_weights(model: nn.Module, cfg: ModelConfig, seed_of: ModuleSeed | None = None) -> None:
+    """Normal(0, init_std) weights; residual-output projections scaled by 1/sqrt(2 n_layers).
+
+    Each module draws from the global RNG reseeded by ``seed_of(name, module)`` (default: from the
+    last ``torch.manual_seed`` and the module's name), so weights do not depend on module order;
+    the caller's RNG state is left as it was. A sharding layer passes seeds that also name the
+    shard, so the shards of one tensor are not copies of each other.
+    """
+    seed_of = seed_of or module_seed(torch.initial_seed())
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        for name, module in model.named_modules():
+            torch.manual_seed(seed_of(name, module))
+            _init_module(name, module, cfg)
+        for name, module in model.named_modules():  # after their linears: the SSM's A, D and time step
+            if isinstance(module, (MambaMixer, Mamba2Mixer)):
+                torch.manual_seed(seed_of(name, module) + 1)
+                module.reset_parameters()
+
+
+def _init_module(name: str, module: nn.Module, cfg: ModelConfig) -> None:
     std = cfg.init_std
     out_std = std / math.sqrt(2 * cfg.n_layers)
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=out_std if name.endswith(_RESIDUAL_OUT) else std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, Experts):
-            for pname, p in module.named_parameters(recurse=False):
-                nn.init.normal_(p, mean=0.0, std=out_std if pname == "down_proj" else std)
-        elif isinstance(module, AbsolutePositions):
-            module.reset_parameters(std)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-    for module in model.modules():  # after their linears: the SSM's A, D and time-step initialization
-        if isinstance(module, (MambaMixer, Mamba2Mixer)):
-            module.reset_parameters()
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=out_std if name.endswith(_RESIDUAL_OUT) else std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    elif isinstance(module, Experts):
+        for pname, p in module.named_parameters(recurse=False):
+            nn.init.normal_(p, mean=0.0, std=out_std if pname == "down_proj" else std)
+    elif isinstance(module, AbsolutePositions):
+        module.reset_parameters(std)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
 
 
 class Decoder(Stack):
@@ -195,9 +222,9 @@ class Decoder(Stack):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    def init_weights(self) -> None:
+    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
         """See :func:`init_weights`."""
-        init_weights(self, self.cfg)
+        init_weights(self, self.cfg, seed_of)
 
     def forward(
         self,
@@ -250,9 +277,9 @@ class Encoder(Stack):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    def init_weights(self) -> None:
+    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
         """See :func:`init_weights`."""
-        init_weights(self, self.cfg)
+        init_weights(self, self.cfg, seed_of)
 
     def embed(self, tokens: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token (+ token-type) embeddings (B, T, dim)."""
@@ -302,9 +329,9 @@ class EncoderDecoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    def init_weights(self) -> None:
+    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
         """See :func:`init_weights`."""
-        init_weights(self, self.cfg)
+        init_weights(self, self.cfg, seed_of)
 
     def encode(self, input_ids: torch.Tensor, moe_log: MoELog | None = None) -> torch.Tensor:
         """Encoder output (B, S, dim), the decoder's cross-attention memory."""

@@ -40,5 +40,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.M
 
 
 def uses_fsdp(dims: ParallelDims) -> bool:
-    """Whether parameters are sharded (FSDP/HSDP), which then also handles mixed precision."""
-    return dims.dp_shard * dims.cp > 1
+    """Whether FSDP2 wraps the model (and then also handles mixed precision): when parameters are
+    sharded, and for plain data parallelism beside TP or PP, where DDP cannot take DTensor
+    parameters or per-micro-batch backward: FSDP2 on a (replicate, shard=1) mesh replicates."""
+    return dims.dp_shard * dims.cp > 1 or (dims.dp_replicate > 1 and (dims.tp > 1 or dims.pp > 1))

@@ -56,8 +56,10 @@ class ParallelDims:
             ("cp", self.cp),
             ("tp", self.tp),
         ]
-        names = tuple(n for n, d in dims if d > 1) or ("dp_shard",)
-        sizes = tuple(d for _, d in dims if d > 1) or (1,)
+        # Data parallelism beside TP/PP replicates through FSDP2 on a (replicate, shard=1) mesh.
+        keep = {"dp_shard"} if self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1) else set()
+        names = tuple(n for n, d in dims if d > 1 or n in keep) or ("dp_shard",)
+        sizes = tuple(d for n, d in dims if d > 1 or n in keep) or (1,)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
         self._named = {name: mesh[name] for name in names if name in ("pp", "tp", "cp")}
         dp = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)

@@ -53,6 +53,7 @@ SCHEDULES = {
 # (logits, labels, label_smoothing, loss_mask) -> mean loss over the masked positions
 LossFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], torch.Tensor]
 
+_DOCUMENT_KEYS = ("positions", "document_ids")  # what a document mask needs on every stage
 _FIRST_STAGE_PARTS = ("tok_embeddings", "type_embeddings", "pos_embeddings", "embed_norm", "embed_dropout")
 _LAST_STAGE_PARTS = ("norm", "head", "output")
 
@@ -77,17 +78,21 @@ class StageHooks:
     """What a pipeline adds around one stage model's forward, as hooks from outside.
 
     Before: a stage after the first receives sequence-parallel activations as local shards and
-    re-wraps them as DTensors. After: the MoE losses of the forward are attached to the output
-    (with gradient ``aux_scale``) and recorded for the reported loss; hidden states leave the
-    stage as plain tensors.
+    re-wraps them as DTensors; with document masks it also receives the micro-batch's positions
+    and document ids (the first stage gets them as keyword arguments from the schedule) and hands
+    them to the model. After: the MoE losses of the forward are attached to the output (with
+    gradient ``aux_scale``) and recorded for the reported loss; hidden states leave the stage as
+    plain tensors, followed by the positions and document ids for the next stage.
     """
 
     first: bool
     last: bool
+    max_len: int  # model.max_seq_len: the position tables' length
     sp_mesh: DeviceMesh | None = None
     aux_scale: float = 0.0
     aux_losses: list[torch.Tensor] = field(default_factory=list)  # this step's scaled MoE losses (detached)
     _log: MoELog = field(default_factory=MoELog)
+    _extras: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) of the micro-batch in flight
 
     def install(self, stage: nn.Module) -> None:
         """Register the hooks on ``stage`` (after it is parallelized)."""
@@ -96,19 +101,26 @@ class StageHooks:
 
     def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
         x = args[0]
-        if not self.first and self.sp_mesh is not None:
-            x = DTensor.from_local(x, self.sp_mesh, (Shard(1),), run_check=False)
-        self._log = MoELog()
-        return (x, *args[1:]), {**kwargs, "moe_log": self._log}
+        if self.first:
+            extras = tuple(kwargs[k] for k in _DOCUMENT_KEYS if kwargs.get(k) is not None)
+        else:
+            extras = args[1:]
+            if extras:  # torch's shape inference runs a stage on uninitialized buffers: keep positions valid
+                extras = (extras[0].clamp(0, self.max_len - 1), *extras[1:])
+            kwargs = {**kwargs, **dict(zip(_DOCUMENT_KEYS, extras))}
+            if self.sp_mesh is not None:
+                x = DTensor.from_local(x, self.sp_mesh, (Shard(1),), run_check=False)
+        self._log, self._extras = MoELog(), extras
+        return (x,), {**kwargs, "moe_log": self._log}
 
-    def _after(self, _module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+    def _after(self, _module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> Any:
         aux, self._log = moe_loss(self._log), MoELog()
         if not self.last and isinstance(out, DTensor):
             out = out.to_local()
         if aux is not None and torch.is_grad_enabled():
             self.aux_losses.append(aux.detach() * self.aux_scale)
             out = _AttachAux.apply(out, aux, self.aux_scale)
-        return out
+        return (out, *self._extras) if self._extras and not self.last else out
 
 
 def stage_model(full: nn.Module, config: JobConfig, keys: list[str], first: bool, last: bool) -> nn.Module:
@@ -170,6 +182,7 @@ class Pipeline:
         p = config.parallel
         stage_ids = [s for s, _, _ in stages]
         self.model = local
+        self.stage_models = [m for _, m, _ in stages]
         self.hooks = [h for _, _, h in stages]
         self.pp_group = pp_mesh.get_group()
         self.microbatches = microbatches(p)
@@ -196,6 +209,7 @@ class Pipeline:
         loss_mask: torch.Tensor | None,
         denominator: float,
         train: bool,
+        model_kwargs: dict[str, torch.Tensor] | None = None,
     ) -> float:
         self._targets = _Targets(loss_mask is not None, denominator, self.label_smoothing if train else 0.0)
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
@@ -204,7 +218,12 @@ class Pipeline:
             hooks.aux_losses = []
         inputs = args if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
-        (self.schedule.step if train else self.schedule.eval)(*inputs, **kwargs)
+        if self.has_first:  # split into micro-batches by the schedule, like the inputs
+            kwargs.update(model_kwargs or {})
+        if train:  # the micro-batches' outputs are not kept: each one's logits die with its backward
+            self.schedule.step(*inputs, return_outputs=False, **kwargs)
+        else:
+            self.schedule.eval(*inputs, **kwargs)
         # The first step's shape inference runs one extra forward per stage: count the schedule's own.
         aux = [a for hooks in self.hooks for a in hooks.aux_losses[-self.microbatches :]]
         local = sum(_scalar(loss) for loss in losses) + sum(float(a) for a in aux)
@@ -213,7 +232,12 @@ class Pipeline:
         return total.item()
 
     def step(
-        self, args: tuple[torch.Tensor, ...], labels: torch.Tensor, loss_mask: torch.Tensor | None, grad_accum: int
+        self,
+        args: tuple[torch.Tensor, ...],
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        grad_accum: int,
+        model_kwargs: dict[str, torch.Tensor] | None = None,
     ) -> float:
         """Forward and backward of one local batch through the pipeline; returns its loss / grad_accum.
 
@@ -223,16 +247,22 @@ class Pipeline:
         for hooks in self.hooks:
             hooks.aux_scale = 1.0 / (grad_accum * self.microbatches)
         tokens = labels.numel() if loss_mask is None else int(loss_mask.sum())
-        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, train=True)
+        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, True, model_kwargs)
 
-    def eval_loss(self, args: tuple[torch.Tensor, ...], labels: torch.Tensor, loss_mask: torch.Tensor | None) -> float:
+    def eval_loss(
+        self,
+        args: tuple[torch.Tensor, ...],
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        model_kwargs: dict[str, torch.Tensor] | None = None,
+    ) -> float:
         """The summed (not averaged) token loss of a batch, forward only, on every pp rank."""
         if labels.shape[0] % self.microbatches:
             raise ConfigError(
                 f"an evaluation batch of {labels.shape[0]} sequences per rank is not divisible by "
                 f"parallel.microbatches={self.microbatches}; raise train.eval_batches or the validation split"
             )
-        return self._run(args, labels, loss_mask, 1.0, train=False)
+        return self._run(args, labels, loss_mask, 1.0, False, model_kwargs)
 
 
 def build_pipeline(
@@ -252,14 +282,15 @@ def build_pipeline(
     v = virtual_stages(p)
     n_stages = p.pp * v
     stage_ids = local_stage_ids(pp_mesh.get_local_rank(), p.pp, v)
-    local, stage_models = split_model(model.to(device), config, stage_ids)
+    on_meta = any(p.is_meta for p in model.parameters())  # meta init: materialized after sharding
+    local, stage_models = split_model(model if on_meta else model.to(device), config, stage_ids)
     sp_mesh = dims.submesh("tp") if p.tp > 1 and p.sequence_parallel else None
     stages = []
     for stage_id, stage in zip(stage_ids, stage_models):
         with warnings.catch_warnings():  # the TP plan names modules other stages hold
             warnings.filterwarnings("ignore", message="Parallelize plan key")
             stage = parallelize_stage(stage)
-        hooks = StageHooks(stage_id == 0, stage_id == n_stages - 1, sp_mesh)
+        hooks = StageHooks(stage_id == 0, stage_id == n_stages - 1, config.model.max_seq_len, sp_mesh)
         hooks.install(stage)
         stages.append((stage_id, stage, hooks))
     return Pipeline(local, stages, n_stages, config, pp_mesh, device, loss_fn)

@@ -5,11 +5,15 @@ A checkpoint is a directory ``checkpoints/step_XXXXXXXX`` holding DCP shards of 
 scheduler, data-loader position, optimizer hyper-parameters, config). It is written under a
 ``.tmp`` name and renamed when complete, so a crash mid-save leaves the previous checkpoint as
 the newest complete one. Loading never unpickles arbitrary objects: tensors are read with
-``weights_only`` and DCP's metadata file goes through an allow-list unpickler.
+``weights_only``, DCP's metadata file goes through an allow-list unpickler, and a checkpoint
+that declares anything tessera never writes (a pickled "bytes" entry, a shard file outside its
+directory, a stream transform) is refused before a byte of it is read.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import pickle
@@ -22,8 +26,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 CHECKPOINT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -58,18 +66,55 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader with an allow-list unpickler for the ``.metadata`` file."""
+    """DCP's file reader with an allow-list unpickler for the ``.metadata`` file.
+
+    It also refuses metadata that declares what tessera never writes: entries stored as pickled
+    bytes (DCP's default planner would ``torch.load(weights_only=False)`` them, i.e. run code),
+    shard files outside the checkpoint directory, and stream transforms.
+    """
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
+        _check_entries(metadata, Path(str(path)))
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_entries(metadata: Any, path: Path) -> None:
+    """Raise unless every entry of DCP ``metadata`` is a tensor in a plain shard file beside ``path``."""
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"'{path}' holds a {type(metadata).__name__}, not DCP metadata; it is not a checkpoint")
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(
+                f"checkpoint metadata '{path}' declares '{fqn}' as {type(entry).__name__}; tessera writes only "
+                "tensors and refuses to load it (the checkpoint was not written by tessera or was tampered with)"
+            )
+    for index, info in metadata.storage_data.items():
+        name = str(getattr(info, "relative_path", ""))
+        if not name or Path(name).name != name or name in (".", "..") or getattr(info, "transform_descriptors", None):
+            raise CheckpointError(
+                f"checkpoint metadata '{path}' stores '{index.fqn}' in {name!r}"
+                f"{' with transforms' if getattr(info, 'transform_descriptors', None) else ''}; tessera reads only "
+                "plain shard files inside the checkpoint directory and refuses to load it"
+            )
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that a bytes entry is read with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -114,8 +159,8 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def read_meta(path: str | Path) -> dict[str, Any]:
-    """The JSON part of a checkpoint (step, config, loader and scheduler state)."""
+def read_meta(path: str | Path, required: tuple[str, ...] = ("step", "config")) -> dict[str, Any]:
+    """The JSON part of a checkpoint (step, config, loader and scheduler state); ``required`` keys must be there."""
     meta = Path(path) / META
     if not meta.is_file():
         raise CheckpointError(
@@ -123,9 +168,21 @@ def read_meta(path: str | Path) -> dict[str, Any]:
             f"<run_dir>/{CHECKPOINT_DIR}/"
         )
     try:
-        return json.loads(meta.read_text())
-    except json.JSONDecodeError as err:
+        data = json.loads(meta.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"'{meta}' is corrupt ({err}); resume from an older checkpoint") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            f"'{meta}' is corrupt (a JSON {type(data).__name__}, not an object); resume from an older checkpoint"
+        )
+    missing = [key for key in required if key not in data]
+    if missing:
+        raise CheckpointError(
+            f"'{meta}' is incomplete (no {', '.join(repr(k) for k in missing)}); resume from an older checkpoint"
+        )
+    if not isinstance(data.get("step", 0), int) or not isinstance(data.get("config", {}), dict):
+        raise CheckpointError(f"'{meta}' is corrupt (a malformed 'step' or 'config'); resume from an older checkpoint")
+    return data
 
 
 class Checkpointer:
@@ -140,7 +197,8 @@ class Checkpointer:
         """Write step ``step`` atomically, then drop all but the newest ``keep_last``.
 
         Collective under torch.distributed: every rank writes its shards into one ``.tmp``
-        directory; rank 0 then writes ``meta.json`` and renames it.
+        directory; rank 0 then writes ``meta.json`` and renames it. A failed write (a full disk)
+        removes the ``.tmp`` and leaves the previous checkpoint the newest.
         """
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
@@ -152,12 +210,27 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         tensors = {"model": model_sd, "optim": optim_sd["state"], "rng": _rng_state()}
         param_groups = _gather_param_groups(_to_json(optim_sd["param_groups"]))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)))
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)))
+            if self.is_main:
+                meta = dict(extra, step=step, optim_param_groups=param_groups)
+                (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        except (CheckpointException, OSError, RuntimeError) as err:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            needed, free = _local_bytes(tensors), shutil.disk_usage(self.root).free
+            if not _out_of_space(err) and needed <= free:
+                raise
+            newest = latest_checkpoint(self.root.parent)
+            raise CheckpointError(
+                f"no space left on the device of '{self.root}' while writing checkpoint step {step} (this rank's "
+                f"shards need about {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free); removed the partial "
+                f"'{tmp.name}', the newest complete checkpoint is {newest.name if newest else 'none'}; free space or "
+                "move train.run_dir"
+            ) from None
         if self.is_main:
-            meta = dict(extra, step=step, optim_param_groups=param_groups)
-            (tmp / META).write_text(json.dumps(meta, indent=1))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -194,10 +267,10 @@ class Checkpointer:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(tensors, storage_reader=reader)
-        except (CheckpointException, RuntimeError, ValueError, KeyError) as err:
+                dcp.load(tensors, storage_reader=reader, planner=_WeightsOnlyLoadPlanner())
+        except (CheckpointException, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
             raise CheckpointError(
-                f"checkpoint '{path}' does not fit this model or is damaged: {str(err).splitlines()[0]}"
+                f"checkpoint '{path}' does not fit this model or is damaged: {_first_failure(err)}"
             ) from None
         if optim_sd is not None:
             full = {"state": tensors["optim"], "param_groups": _param_groups_from_json(meta["optim_param_groups"])}
@@ -227,6 +300,36 @@ def _gather_param_groups(groups: list[dict]) -> list[dict]:
                 seen.add(fqn)
                 group["params"].append(fqn)
     return merged
+
+
+def _local_bytes(tree: Any) -> int:
+    """Bytes of this rank's part of every tensor in ``tree`` (what its checkpoint shards hold)."""
+    if isinstance(tree, DTensor):
+        tree = tree.to_local()
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_local_bytes(v) for v in tree)
+    return 0
+
+
+def _first_failure(err: BaseException) -> str:
+    """The first line of what went wrong (for DCP's wrapper: of the first rank's own exception)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        failure = next(iter(err.failures.values()))
+        err = failure[0] if isinstance(failure, tuple) else failure
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def _out_of_space(err: BaseException) -> bool:
+    """Whether ``err`` (or a rank's failure DCP wrapped in it) is an out-of-space or over-quota error."""
+    causes: list[BaseException] = [err]
+    if isinstance(err, CheckpointException):
+        causes += [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in causes)
 
 
 def _barrier() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import sys
 import time
@@ -26,6 +27,17 @@ def _duration(seconds: float) -> str:
     return (
         f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
     )
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (JSON has no NaN or infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def format_step(record: dict[str, Any], total_steps: int, eta_s: float | None) -> str:
@@ -219,7 +231,7 @@ class MetricsLogger:
 
     def _open_sinks(self, tensorboard: bool, wandb: LogConfig | None, config: dict[str, Any]) -> None:
         self.lock = RunLock(self.run_dir).acquire()
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -248,7 +260,7 @@ class MetricsLogger:
         if self.jsonl is None:
             return
         record = {**record, "time": round(time.time(), 3)}
-        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for tag, value in _scalars(record).items():
@@ -317,9 +329,17 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl."""
+    """All records of a run's metrics.jsonl (a line torn by a crash mid-write is skipped)."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
 
 
 def plot_loss_curve(run_dir: str | Path) -> Path:
@@ -330,8 +350,8 @@ def plot_loss_curve(run_dir: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:
         ax.plot(*zip(*train), label="train loss (logging-window mean)", linewidth=1)

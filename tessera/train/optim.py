@@ -87,13 +87,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     )
 
 
-def check_resumable(path: str | Path, meta: dict[str, Any], cfg: OptimConfig) -> None:
-    """CheckpointError when the checkpoint's optimizer is not ``optim.name`` (its state would not fit)."""
-    saved = meta.get("config", {}).get("optim", {}).get("name", "adamw")
-    if saved != cfg.name:
+def check_optimizer_unchanged(changes: dict[str, tuple[Any, Any]], path: Path) -> None:
+    """CheckpointError when ``optim.name`` changed since ``path`` was saved: its optimizer state would not fit."""
+    if "optim.name" in changes:
+        old, new = changes["optim.name"]
         raise CheckpointError(
-            f"checkpoint '{path}' was trained with optim.name={saved} and this run asks for optim.name={cfg.name}; "
-            f"resume with optim.name={saved}, or start fresh with train.resume=none"
+            f"checkpoint '{path}' was trained with optim.name={old}, not {new}; its optimizer state holds {old}'s "
+            f"buffers: resume with optim.name={old} or start a new train.run_dir"
         )
 
 
@@ -125,3 +125,21 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over :func:`lr_multiplier`; its state_dict is plain numbers."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_multiplier, cfg=cfg, total_steps=total_steps))
+
+
+def keep_config_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, fresh_groups: list[dict]
+) -> None:
+    """After loading a checkpoint, put back the hyper-parameters the config gave (``fresh_groups``).
+
+    The checkpoint's parameter groups and schedule state carry the lr, betas, eps and weight decay
+    it was trained with; a resumed run uses the config's instead (and continues the schedule at the
+    saved step). Unchanged values give the same floats, so an unchanged resume stays bitwise exact.
+    """
+    for group, fresh in zip(optimizer.param_groups, fresh_groups):
+        group.update({k: v for k, v in fresh.items() if k not in ("params", "lr")})
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

@@ -1,4 +1,4 @@
-"""Preemption: on SIGTERM or SIGUSR1 finish the step, checkpoint, and exit so the job is requeued.
+"""Stopping cleanly: on SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) finish the step, checkpoint, and exit.
 
 Clusters stop jobs with a signal: SLURM sends SIGTERM on preemption or ``scancel
 --signal=TERM``, and the signal of ``--signal=USR1@SECONDS`` before the time limit; torchrun
@@ -8,13 +8,19 @@ all-reduce, so every rank stops after the same step), saves a checkpoint, and th
 with :data:`PREEMPTED_EXIT_CODE`. Rank 0 leaves :data:`PREEMPTION_MARKER` in the run directory;
 tessera's sbatch script requeues the job when it finds it, and the requeued job resumes from
 the checkpoint with ``train.resume = "auto"``.
+
+Ctrl-C (SIGINT) stops the same way but is the user's decision, not the cluster's: no marker
+(nothing requeues it), exit code 130 (128 + SIGINT, the shell convention), and a second Ctrl-C
+aborts at once without saving.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -22,8 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped early, run it again to continue
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130: what a shell reports for a Ctrl-C
 PREEMPTION_MARKER = "preempted.json"
 
 
@@ -34,10 +41,16 @@ def _is_rank_zero() -> bool:
 class PreemptionGuard:
     """Records a preemption signal while installed; the loop polls :meth:`stop_requested`."""
 
-    def __init__(self, run_dir: str | Path, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+    def __init__(
+        self, run_dir: str | Path, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS, echo_s: float = 0.0
+    ) -> None:
+        """``echo_s``: a second SIGINT this soon after the first is an echo, not a second Ctrl-C (torchrun
+        forwards the terminal's SIGINT to workers that the terminal already signalled)."""
         self.run_dir = Path(run_dir)
         self.signals = signals
+        self.echo_s = echo_s
         self.received: signal.Signals | None = None
+        self._received_at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> "PreemptionGuard":
@@ -56,7 +69,15 @@ class PreemptionGuard:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = self.received or signal.Signals(signum)
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            if time.monotonic() - self._received_at < self.echo_s:
+                return
+            raise KeyboardInterrupt  # the second Ctrl-C: abort now, without saving
+        if signum == signal.SIGINT and self.received is None and _is_rank_zero():
+            # os.write, not print: a handler may run while the main thread is inside a print.
+            os.write(2, b"\ntessera: Ctrl-C: finishing this step and saving; Ctrl-C again aborts without saving\n")
+        if self.received is None:
+            self.received, self._received_at = signal.Signals(signum), time.monotonic()
 
     def stop_requested(self, device: torch.device) -> bool:
         """Whether any rank has received a preemption signal (a collective when distributed)."""
@@ -72,9 +93,19 @@ class PreemptionGuard:
         """The signal this process received, or a note that another rank received one."""
         return self.received.name if self.received is not None else "a signal on another rank"
 
+    @property
+    def interrupted(self) -> bool:
+        """Whether the stop is a user's Ctrl-C (no requeue) rather than a cluster's signal."""
+        return self.received == signal.SIGINT
+
     def record(self, step: int, checkpoint: Path) -> str:
-        """Leave the marker (rank 0) and return the line to print before exiting."""
+        """Leave the marker (rank 0; not for Ctrl-C) and return the line to print before exiting."""
         name = self.reason
+        if self.interrupted:
+            return (
+                f"interrupted by SIGINT: saved step {step} to {checkpoint}; exiting with code {INTERRUPTED_EXIT_CODE}; "
+                "run the same command to resume"
+            )
         if _is_rank_zero():
             marker = {"step": step, "signal": name, "checkpoint": str(checkpoint), "exit_code": PREEMPTED_EXIT_CODE}
             (self.run_dir / PREEMPTION_MARKER).write_text(json.dumps(marker) + "\n")
@@ -82,3 +113,10 @@ class PreemptionGuard:
             f"preempted by {name}: saved step {step} to {checkpoint}; exiting with code {PREEMPTED_EXIT_CODE} "
             "so the job is requeued and resumes there"
         )
+
+
+def stop_exit_code(reason: str) -> int:
+    """The process exit code for a run that stopped early for ``reason`` (a signal name; "" = finished)."""
+    if not reason:
+        return 0
+    return INTERRUPTED_EXIT_CODE if reason == "SIGINT" else PREEMPTED_EXIT_CODE

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
 import time
@@ -19,16 +18,21 @@ from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
+from tessera.data.sources import DataError
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
+from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
-from tessera.train.optim import build_optimizer, build_scheduler, check_resumable
+from tessera.train.optim import build_optimizer, build_scheduler, check_optimizer_unchanged, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.qk_clip import QKClip
+from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
+from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
 from tessera.parallel import clip_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
+from tessera.parallel.init import shard_seeds
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,11 +95,19 @@ class Trainer:
         self.run_dir = Path(config.train.run_dir)
         self.device = resolve_device(config.train.device)
         self.dtype = DTYPES[config.train.dtype]
-        self.resume_from = resolve_resume(config)
         self.parallel = setup_parallel(config, self.device)
         self.device = self.parallel.device
         self.threads = apply_threads(config.train.threads, self.parallel.env.local_world_size)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_lock = open_run(config, self.parallel.is_main)  # lock (rank 0), refuse mixing two runs
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: JobConfig) -> None:
+        self.parallel.barrier()  # rank 0 has locked (and with train.overwrite, emptied) the run directory
+        self.resume_from = resolve_resume(config)
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
@@ -112,8 +124,13 @@ class Trainer:
         self.peak, self.peak_source = peak_flops(
             self.device, config.log.peak_flops, cache_dir(config.data.cache_dir), self.parallel.env.local_world_size
         )
-        if self.parallel.is_main:
-            self._write_run_files()
+        self.nonfinite = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
+
+    def close(self) -> None:
+        """Release the run directory (the end of :meth:`fit` does it; so does the end of the process)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
 
     def _build_data(self) -> DataBundle:
         # Rank 0 trains the tokenizer and tokenizes the corpus into the cache; the rest reuse it.
@@ -135,17 +152,19 @@ class Trainer:
         self.pipeline = None
         if cfg.parallel.pp > 1:  # this rank's stages; self.model holds their modules under full-model names
             self.pipeline = self.parallel.pipeline(model, cfg, lm_loss)
-            return self.pipeline.model
-        model = self.parallel.parallelize(model, cfg)
+            model, roots = self.pipeline.model, self.pipeline.stage_models
+        else:
+            model = self.parallel.parallelize(model, cfg)
+            roots = [model]
         if cfg.parallel.meta_init:
-            model.to_empty(device=self.device)
-            torch.manual_seed(cfg.train.seed)
+            for root in roots:  # on the FSDP roots, which then re-point their shards
+                root.to_empty(device=self.device)
             with torch.no_grad():
-                model.init_weights()
+                model.init_weights(shard_seeds(cfg.train.seed))
         return model.to(self.device)
 
     def _write_run_files(self) -> None:
-        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        write_text_atomic(self.run_dir / "config.toml", resolved_config_text(self.config))
         shutil.copyfile(self.data.tokenizer.path, self.run_dir / "tokenizer.model")
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -154,18 +173,32 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def restore(self, path: Path) -> None:
-        """Continue from a checkpoint: weights, optimizer, scheduler, data position, RNG, step."""
-        check_resumable(path, read_meta(path), self.config.optim)
-        if read_meta(path).get("model") != self.config.to_dict()["model"]:
+    def restore(self, path: Path) -> str:
+        """Continue from a checkpoint: weights, optimizer, scheduler, data position, RNG, step.
+
+        The config's optimizer hyper-parameters and schedule win over the checkpoint's; returns a line
+        naming the resolved keys that changed since the checkpoint ("" when none did).
+        """
+        saved = read_meta(path, required=("step", "model", "config", "scheduler", "loader", "optim_param_groups"))
+        if saved["model"] != self.config.to_dict()["model"]:
             raise CheckpointError(
                 f"checkpoint '{path}' was trained with a different [model] section; resume with the same model config "
-                "or set train.resume=none"
+                "or start a new train.run_dir"
             )
+        changes = config_changes(saved["config"], self.config)
+        check_resumable(changes, path)
+        check_optimizer_unchanged(changes, path)
+        fresh_groups = [dict(group) for group in self.optimizer.param_groups]
         meta = self.checkpointer.load(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(meta["scheduler"])
-        self.data.train.load_state_dict(meta["loader"])
+        keep_config_hyperparameters(self.optimizer, self.scheduler, fresh_groups)
+        try:
+            self.data.train.load_state_dict(meta["loader"])
+        except DataError as err:
+            changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items() if k.startswith("data."))
+            raise DataError(f"{err}{f' (changed: {changed})' if changed else ''}") from None
         self.step = int(meta["step"])
+        return describe_changes(changes, path)
 
     def save(self) -> Path:
         """Checkpoint the current step."""
@@ -185,9 +218,9 @@ class Trainer:
         for _ in range(cfg.train.grad_accum):
             batch = self.data.train.next_batch().to(self.device)
             args, kwargs, labels, loss_mask = self.objective(batch)
-            if self.pipeline is not None:  # kwargs are empty: document masks are refused with pp
+            if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
-                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum)
+                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum, kwargs)
                 continue
             moe_logs.append(MoELog())
             with self.parallel.loss_context():
@@ -202,14 +235,22 @@ class Trainer:
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.parallel.pp_mesh)
         lr = self.scheduler.get_last_lr()[0]
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.parallel.mean_over_dp(total_loss)
+        self._update(loss, grad_norm, lr)
         stats = moe_metrics(moe_logs)  # tensors: read them with one sync
         moe = dict(zip(stats, torch.stack(list(stats.values())).tolist())) if stats else {}
         qk = self.qk_clip.metrics() if self.qk_clip else {}  # max attention logit per layer
-        return {"loss": self.parallel.mean_over_dp(total_loss), "lr": lr, "grad_norm": grad_norm, **moe, **qk}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe, **qk}
+
+    def _update(self, loss: float, grad_norm: float, lr: float) -> None:
+        """Apply the step's update unless ``train.on_nonfinite`` forbids it (host floats: no extra sync)."""
+        # With fp16 the grad scaler itself skips steps whose gradients overflowed; only the loss is judged.
+        norm = 0.0 if self.scaler.is_enabled() else grad_norm
+        if self.nonfinite.allows_update(self.step + 1, loss, norm, lr):
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def evaluate(self, dataset: Split | None = None) -> float:
@@ -232,7 +273,7 @@ class Trainer:
             weight = labels.numel() if loss_mask is None else int(loss_mask.sum())
             if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
-                    total += self.pipeline.eval_loss(args, labels, loss_mask)
+                    total += self.pipeline.eval_loss(args, labels, loss_mask, kwargs)
                 count += weight
                 continue
             with self.parallel.loss_context():
@@ -269,51 +310,91 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Train to ``train.steps`` (resuming first when asked), then plot and sample."""
-        cfg = self.config
-        if self.resume_from is not None:
-            self.restore(self.resume_from)
-        if self.parallel.is_main:
-            _truncate_metrics(self.run_dir, self.step)
-        logger = MetricsLogger.for_job(cfg, enabled=self.parallel.is_main)
-        window = StepWindow(self.flops_per_token, self.peak * self.parallel.env.world_size)
-        result = TrainResult(self.run_dir, cfg.train.steps)
-        logger.print(self._banner())
-        started = time.perf_counter()
-        preemption = PreemptionGuard(self.run_dir).install()
         try:
-            if self.step == 0 and self.data.val is not None and len(self.data.val) > 0:
-                result.val_losses[0] = self._log_eval(logger, {"step": 0})
-            self.model.train()
-            while self.step < cfg.train.steps:
-                t0 = time.perf_counter()
-                metrics = self.train_step()
-                self.step += 1
-                window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
-                result.losses.append(metrics["loss"])
-                if not math.isfinite(metrics["loss"]):
-                    raise FloatingPointError(
-                        f"loss became {metrics['loss']} at step {self.step}; lower optim.lr or enable optim.grad_clip"
-                    )
-                if self._should_eval():  # logged records hold the logging window's means (StepWindow)
-                    result.val_losses[self.step] = self._log_eval(logger, {"step": self.step, **window.flush()})
-                elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
-                    logger.log({"step": self.step, **window.flush()})
-                saved = self._should_save()
-                if saved:
-                    self.save()
-                if self.step < cfg.train.steps and preemption.stop_requested(self.device):
-                    checkpoint = latest_checkpoint(self.run_dir) if saved else self.save()
-                    logger.print(preemption.record(self.step, checkpoint))
-                    result.preempted = preemption.reason
-                    break
-        finally:
-            preemption.uninstall()
-            logger.close()
-        result.seconds = time.perf_counter() - started
-        if result.preempted:
+            done = completed_step(self.resume_from, self.config.train.steps)
+            if done is not None:
+                return self._already_complete(done)
+            changes = self.restore(self.resume_from) if self.resume_from is not None else ""
+            logger = self._open_logger()
+            logger.print(self._banner())
+            if changes:
+                logger.print(changes)
+            result = TrainResult(self.run_dir, self.config.train.steps)
+            started = time.perf_counter()
+            echo_s = 1.0 if self.parallel.env.is_distributed else 0.0  # torchrun re-sends the terminal's Ctrl-C
+            preemption = PreemptionGuard(self.run_dir, echo_s=echo_s).install()
+            watchdog = HangWatchdog(self.run_dir, self.parallel.env.rank, self.config.train.hang_timeout_s)
+            try:
+                with watchdog:
+                    self._loop(logger, result, preemption, watchdog)
+            finally:
+                preemption.uninstall()
+                logger.close()
+            result.seconds = time.perf_counter() - started
+            if not result.preempted:
+                self._finish(result, logger)
             return result
-        self._finish(result, logger)
-        return result
+        finally:
+            self.close()
+
+    def _open_logger(self) -> MetricsLogger:
+        cfg = self.config
+        if self.parallel.is_main:
+            self._write_run_files()
+            truncate_metrics(self.run_dir, self.step)
+        return MetricsLogger.for_job(cfg, enabled=self.parallel.is_main)
+
+    def _already_complete(self, step: int) -> TrainResult:
+        """Nothing left to train: say so, and leave the run's files as they are."""
+        self._announce(
+            f"tessera: {self.run_dir} is already complete at step {step} (train.steps={self.config.train.steps}), "
+            "so this launch trains 0 steps and leaves summary.json as it is; raise train.steps to continue it"
+        )
+        self.step = step
+        return TrainResult(self.run_dir, step)
+
+    def _announce(self, message: str) -> None:
+        """A line the user must see whatever ``log.progress`` says (rank 0)."""
+        if self.parallel.is_main:
+            print(message, flush=True)
+
+    def _loop(
+        self, logger: MetricsLogger, result: TrainResult, preemption: PreemptionGuard, watchdog: HangWatchdog
+    ) -> None:
+        """Steps until ``train.steps`` or a stop signal; every step, evaluation and save reports progress."""
+        cfg = self.config
+        window = StepWindow(self.flops_per_token, self.peak * self.parallel.env.world_size)
+        if self.step == 0 and self.data.val is not None and len(self.data.val) > 0:
+            result.val_losses[0] = self._log_eval(logger, {"step": 0})
+        self.model.train()
+        while self.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            metrics = self.train_step()
+            self.step += 1
+            watchdog.kick(self.step)
+            window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
+            result.losses.append(metrics["loss"])
+            if self._should_eval():  # logged records hold the logging window's means (StepWindow)
+                result.val_losses[self.step] = self._log_eval(logger, self._record(window))
+                watchdog.kick(self.step)
+            elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
+                logger.log(self._record(window))
+            saved = self._should_save()
+            if saved:
+                self.save()
+                watchdog.kick(self.step)
+            if self.step < cfg.train.steps and preemption.stop_requested(self.device):
+                checkpoint = latest_checkpoint(self.run_dir) if saved else self.save()
+                self._announce(preemption.record(self.step, checkpoint))
+                result.preempted = preemption.reason
+                return
+
+    def _record(self, window: StepWindow) -> dict[str, Any]:
+        """The metrics.jsonl record of the logging window that ends at this step."""
+        record = {"step": self.step, **window.flush()}
+        if self.nonfinite.skipped:
+            record["skipped_steps"] = self.nonfinite.skipped
+        return record
 
     def _log_eval(self, logger: MetricsLogger, record: dict[str, Any]) -> float:
         val = self.evaluate()
@@ -353,27 +434,12 @@ class Trainer:
         param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
         if not self.parallel.is_main:
             return
-        summary = {
-            "steps": self.step,
-            "seconds": result.seconds,
-            "val_losses": result.val_losses,
-            "final_loss": result.losses[-1] if result.losses else None,
-            "param_sumsq": param_sumsq,  # per tensor, layout-independent: the parity tests' final check
-        }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        final_loss = result.losses[-1] if result.losses else None
+        # param_sumsq: per tensor, layout-independent: the parity tests' final check
+        write_summary(self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq)
         vals = list(result.val_losses.values())
         trend = f"val loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
         logger.print(f"done: step {self.step} in {result.seconds:.1f}s {trend}; outputs in {self.run_dir}")
-
-
-def _truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop metrics.jsonl records past ``step`` (left by a run that died after its last checkpoint)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return
-    lines = path.read_text().splitlines() if step > 0 else []  # a fresh run starts an empty file
-    keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
 
 
 def train(config: JobConfig) -> TrainResult:

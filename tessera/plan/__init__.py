@@ -1,0 +1,42 @@
+"""The planner: will a layout fit, and how fast will it run? (``tessera plan``).
+
+Formulas (:mod:`~tessera.plan.memory`, :mod:`~tessera.plan.speed`) over the model's real
+parameter layout (:mod:`~tessera.plan.shapes`), for every layout the compatibility matrix
+allows (:mod:`~tessera.plan.layouts`), on a GPU of the catalog (:mod:`~tessera.plan.gpus`);
+``--measure`` checks one layout on fake ranks with the real ``parallelize()``
+(:mod:`~tessera.plan.measure`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tessera.config import JobConfig
+from tessera.plan.gpus import CATALOG, GIB, gpu
+from tessera.plan.planner import Estimate, Plan, estimate, plan, requested_estimate
+from tessera.plan.shapes import model_shape
+
+__all__ = ["CATALOG", "Estimate", "Plan", "estimate", "fit_warning", "gpu", "plan", "warn_if_unfit"]
+
+
+def fit_warning(config: JobConfig, world: int, gpu_name: str, gpus_per_node: int = 8) -> str:
+    """One line when ``config`` on ``world`` GPUs of kind ``gpu_name`` is predicted not to fit, else ""."""
+    import dataclasses
+
+    kind = dataclasses.replace(gpu(gpu_name), gpus_per_node=gpus_per_node)
+    est = requested_estimate(config, model_shape(config.model), world, kind)
+    if est is None or est.fits:
+        return ""
+    return (
+        f"tessera: warning: the planner predicts {est.memory.total / GIB:.1f} GiB per GPU for this layout "
+        f"({est.memory.moment}), {est.over / GIB:.1f} GiB over the {kind.memory / GIB:.1f} GiB of an {kind.name}; "
+        f"`tessera plan CONFIG --gpus {world} --gpu {gpu_name}` lists layouts that fit"
+    )
+
+
+def warn_if_unfit(config: JobConfig, world: int, gpu_name: str, gpus_per_node: int = 8) -> None:
+    """Print :func:`fit_warning` to stderr (the launchers call this when ``--gpu`` is given)."""
+    if gpu_name:
+        line = fit_warning(config, world, gpu_name, gpus_per_node)
+        if line:
+            print(line, file=sys.stderr, flush=True)

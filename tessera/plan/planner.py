@@ -1,0 +1,98 @@
+"""Plan a job: enumerate layouts, estimate each one's memory and speed, rank them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config import ConfigError, JobConfig
+from tessera.plan.activations import tessera_precision
+from tessera.plan.gpus import ALLOCATOR_SLACK, GPU, RUNTIME_OVERHEAD
+from tessera.plan.layouts import Layout, candidate_layouts, global_batch, layout_of, layout_problem
+from tessera.plan.memory import MemoryBreakdown, Setting, estimate_memory
+from tessera.plan.shapes import ModelShape, model_shape
+from tessera.plan.speed import TESSERA, Engine, Speed, estimate_speed
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout's predicted memory and speed on one GPU kind."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    speed: Speed
+    capacity: float
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak fits in the GPU's memory."""
+        return self.memory.total <= self.capacity
+
+    @property
+    def over(self) -> float:
+        """Bytes beyond the GPU's memory (negative: headroom)."""
+        return self.memory.total - self.capacity
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The ranked estimates of a job on ``world`` GPUs of one kind."""
+
+    config: JobConfig
+    shape: ModelShape
+    gpu: GPU
+    world: int
+    estimates: list[Estimate]
+    requested: Estimate | None  # the layout the config itself asks for, when tessera would run it
+
+
+def estimate(config: JobConfig, shape: ModelShape, layout: Layout, gpu: GPU, engine: Engine = TESSERA) -> Estimate:
+    """Memory (with the GPU runtime's overhead) and speed of ``layout`` for this job."""
+    setting = Setting(
+        tessera_precision(config.train.dtype, layout.fsdp),
+        config.train.seq_len,
+        "cuda",
+        config.parallel.layers_per_stage if layout.pp == config.parallel.pp else "",
+    )
+    memory = estimate_memory(shape, layout, setting, RUNTIME_OVERHEAD, ALLOCATOR_SLACK)
+    speed = estimate_speed(
+        shape, layout, config.train.seq_len, global_batch(config), gpu, engine, setting.layers_per_stage, setting.prec
+    )
+    return Estimate(layout, memory, speed, gpu.memory)
+
+
+# Among layouts about this close in speed, the one leaving more memory free ranks first.
+MEMORY_PREFERENCE = 0.02
+
+
+def rank_key(e: Estimate) -> tuple[int, float]:
+    """Fitting layouts first, fastest first (discounted by up to 2% for the memory they use); then
+    the rest, closest to fitting first."""
+    if not e.fits:
+        return (1, e.over)
+    return (0, -e.speed.tokens_per_s_per_gpu * (1 - MEMORY_PREFERENCE * e.memory.total / e.capacity))
+
+
+def plan(config: JobConfig, world: int, gpu: GPU) -> Plan:
+    """Every layout of ``world`` GPUs tessera would run for ``config``, estimated and ranked."""
+    if world < 1:
+        raise ConfigError(f"--gpus must be positive, got {world}")
+    shape = model_shape(config.model)
+    estimates = [estimate(config, shape, layout, gpu) for layout in candidate_layouts(config, world, gpu.gpus_per_node)]
+    if not estimates:
+        raise ConfigError(
+            f"no layout of {world} GPUs passes tessera's checks for this job; "
+            f"train.batch_size * train.grad_accum = {global_batch(config)} must divide by the data-parallel degree"
+        )
+    estimates.sort(key=rank_key)
+    return Plan(config, shape, gpu, world, estimates, requested_estimate(config, shape, world, gpu))
+
+
+def requested_estimate(config: JobConfig, shape: ModelShape, world: int, gpu: GPU) -> Estimate | None:
+    """The estimate of the layout the config asks for on ``world`` GPUs (None if tessera would refuse it)."""
+    try:
+        layout = layout_of(config, world)
+    except (ConfigError, ZeroDivisionError):
+        return None
+    if layout_problem(config, layout, world):
+        return None
+    return estimate(config, shape, layout, gpu)

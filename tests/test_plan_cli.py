@@ -1,0 +1,149 @@
+"""``tessera plan``: the ranked table, its ordering, its errors, and the launchers' --gpu warning."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from tessera.cli import main
+from tessera.config import load_config
+from tessera.layout import check_layout
+from tessera.plan import estimate, gpu, model_shape, plan
+from tessera.plan.layouts import Layout
+
+
+def test_plan_prints_a_ranked_table_a_measurement_and_a_command_that_runs(capsys):
+    assert (
+        main(["plan", "configs/tiny/llama.toml", "--gpus", "4", "--gpu", "h100-80gb", "--top", "3", "--measure"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "4 x H100-80GB" in out and "efficiency 0.68" in out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("#"))
+    for column in (
+        "params",
+        "grads",
+        "optim",
+        "act",
+        "logits",
+        "pipe",
+        "bufs",
+        "compute",
+        "comm",
+        "bubble",
+        "tok/s/GPU",
+        "MFU",
+    ):
+        assert column in header
+    assert [line.split()[0] for line in out.splitlines() if re.match(r"\s+[123]\s", line)] == ["1", "2", "3"]
+    measured = re.search(r"--measure .*: ([\d.]+) GiB of tensors .* plan ([\d.]+) GiB .*\(([-+][\d.]+)%\)", out)
+    assert measured and abs(float(measured.group(3))) < 10
+    command = out.strip().splitlines()[-1].split()
+    assert command[:5] == ["tessera", "launch", "configs/tiny/llama.toml", "--nproc-per-node", "4"]
+    check_layout(load_config(command[2], command[5:]), 4)  # the suggested overrides are a valid 4-process job
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--gpus", "8", "--gpu", "h300"], "unknown GPU 'h300'; use one of a100-40gb"),
+        (["--gpus", "0", "--gpu", "h100"], "--gpus must be positive"),
+        (["--gpus", "7", "--gpu", "h100", "--train.batch_size", "8"], "no layout of 7 GPUs"),
+    ],
+)
+def test_plan_errors_are_one_line_and_exit_2(capsys, flags, fragment):
+    assert main(["plan", "configs/tiny/llama.toml", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert fragment in err and len(err.splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def llama8b_on_16():
+    config = load_config("configs/llama3-8b.toml", ["train.batch_size=32"])
+    return config, plan(config, 16, gpu("h100-80gb"))
+
+
+def _index(p, **fields) -> int:
+    return next(i for i, e in enumerate(p.estimates) if all(getattr(e.layout, k) == v for k, v in fields.items()))
+
+
+def test_ranking_puts_fitting_and_faster_layouts_first(llama8b_on_16):
+    _, p = llama8b_on_16
+    fits = [e.fits for e in p.estimates]
+    assert fits == sorted(fits, reverse=True), "every layout that fits ranks above every one that does not"
+    speeds = [e.speed.tokens_per_s_per_gpu for e in p.estimates if e.fits]
+    assert speeds[0] >= 0.97 * max(speeds)
+    # Known good above known bad: interleaving shrinks the bubble; GPipe keeps every micro-batch in flight.
+    same = {"dp_shard": 8, "pp": 2, "ac": "full", "micro_batch": 1, "reshard": True}
+    assert _index(p, schedule="interleaved_1f1b", virtual=2, **same) < _index(p, schedule="1f1b", **same)
+    assert _index(p, schedule="1f1b", **same) < _index(p, schedule="gpipe", **same)
+
+
+def test_tensor_parallel_across_nodes_is_predicted_slower(llama8b_on_16):
+    """The same tp=8 layout is slower when a node holds 4 GPUs (tp all-reduces cross the network) than 8."""
+    config, p = llama8b_on_16
+    layout = Layout(dp_shard=2, tp=8, micro_batch=1, microbatches=16, ac="op")
+    inside = estimate(config, p.shape, layout, gpu("h100-80gb"))
+    across = estimate(config, p.shape, layout, dataclasses.replace(gpu("h100-80gb"), gpus_per_node=4))
+    assert across.speed.comm > 5 * inside.speed.comm and across.speed.step > inside.speed.step
+
+
+def test_launch_and_slurm_warn_when_the_layout_will_not_fit(capsys):
+    """llama3-8b's recipe (tp=8, 512 sequences in one micro-batch) cannot fit 8 x A100-40GB; the tiny recipe fits."""
+    assert main(["launch", "configs/llama3-8b.toml", "--nproc-per-node", "8", "--gpu", "a100-40gb", "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(
+        r"tessera: warning: the planner predicts [\d.]+ GiB per GPU .* over the 40.0 GiB of an A100-40GB", err
+    )
+    assert (
+        main(
+            [
+                "slurm",
+                "configs/llama3-8b.toml",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "8",
+                "--device",
+                "gpu",
+                "--gpu",
+                "a100-40gb",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
+    assert "tessera: warning: the planner predicts" in capsys.readouterr().err
+    assert main(["launch", "configs/tiny/llama.toml", "--nproc-per-node", "2", "--gpu", "h100-80gb", "--dry-run"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_shape_of_a_full_size_recipe_matches_its_published_size():
+    assert round(model_shape(load_config("configs/llama3-8b.toml").model).total / 1e9, 2) == 8.03
+
+
+def test_enumeration_follows_the_compatibility_matrix(monkeypatch):
+    """Only layouts the matrix allows: no pp with tied embeddings; cp and ep appear once the matrix allows them."""
+    from tessera import compat
+    from tessera.plan.layouts import candidate_layouts
+
+    tied = load_config("configs/tiny/gpt2.toml", ["train.batch_size=8"])
+    assert tied.model.tie_embeddings
+    layouts = list(candidate_layouts(tied, 4, 8))
+    assert all(lay.pp == 1 for lay in layouts) and any(lay.tp > 1 for lay in layouts)
+    moe = load_config("configs/tiny/mixtral.toml", ["train.batch_size=8", "parallel.tp=1"])
+    before = list(candidate_layouts(moe, 4, 8))
+    assert before and all(lay.cp == 1 and lay.ep == 1 for lay in before)
+    monkeypatch.setitem(compat.UNSUPPORTED, "training", {})
+    after = list(candidate_layouts(moe, 4, 8))
+    assert any(lay.cp > 1 for lay in after) and any(lay.ep > 1 for lay in after)
+    assert all(moe.model.moe.experts % lay.ep == 0 and lay.shard % lay.ep == 0 for lay in after)
+
+
+@pytest.mark.parametrize("recipe", ["tiny/mamba", "tiny/jamba", "tiny/gpt2", "tiny/mixtral", "tiny/t5"])
+def test_model_flops_never_exceed_the_timed_flops(recipe):
+    """MFU <= the efficiency factor for every layout: what the MFU counts is never left out of the compute time."""
+    config = load_config(f"configs/{recipe}.toml", ["train.batch_size=8", "train.dtype=bf16"])
+    p = plan(config, 4, gpu("h100-80gb"))
+    assert p.estimates and max(e.speed.mfu for e in p.estimates) <= gpu("h100-80gb").efficiency + 1e-9
