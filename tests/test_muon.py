@@ -171,12 +171,13 @@ def test_qk_clip_bounds_every_heads_logits():
     layer.qk_observer = lambda q, k, ctx: seen.append((q.detach(), k.detach(), ctx))
     before = logits()
     threshold = (before[0] + before[1:].max()).item() / 2
-    clip = QKClip(model, threshold)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # QK-clip runs after any optimizer's step
+    clip = QKClip.attach(model, optimizer, threshold)
     observe = layer.qk_observer
     layer.qk_observer = lambda q, k, ctx: seen.append((q.detach(), k.detach(), ctx)) or observe(q, k, ctx)
     assert torch.equal(logits(), before)
     torch.testing.assert_close(clip.seen["layers.0.attention"], before)
-    clip.step()
+    optimizer.step()  # no gradients: only the clip acts
     assert clip.metrics()["max_logit/layers.0.attention"] == pytest.approx(before.max().item())
     after = logits()
     torch.testing.assert_close(after[0], torch.tensor(threshold), rtol=1e-5, atol=0)
