@@ -197,7 +197,7 @@ class OptimConfig:
     muon_nesterov: bool = True  # muon: Nesterov momentum
     muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per update
     muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"  # muon: precision of the Newton-Schulz iteration
-    muon_scale: Literal["rms", "spectral"] = "rms"  # rms: 0.2*sqrt(max(out, in)), AdamW-like update RMS; or spectral
+    muon_scale: Literal["rms", "spectral"] = "rms"  # update x 0.2*sqrt(max(out,in)) (rms) or sqrt(max(1,out/in))
     state_dtype: Literal["fp32", "bf16"] = "fp32"  # precision of the optimizer state (Adam moments, Muon momentum)
     qk_clip_threshold: float = 0.0  # QK-clip: shrink q/k weights of heads whose max attention logit exceeds it; 0 off
 
