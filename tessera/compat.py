@@ -18,33 +18,32 @@ LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "training": {
         "cp": "context parallelism is not implemented yet",
-        "ep": "expert parallelism is not implemented yet",
     },
     "activation checkpointing": {},
+    "op-level selective checkpointing": {
+        "ep": "the recompute replays FSDP's hooks of the sharded experts inside the block, which op-level "
+        "checkpointing rejects; use parallel.activation_checkpoint=full or selective",
+    },
     "torch.compile": {},
     "bf16": {},
     "fp16": {
-        "fsdp": "fp16 needs a sharded grad scaler; use bf16",
-        "hsdp": "fp16 needs a sharded grad scaler; use bf16",
-        "tp": "fp16 with DTensor gradients is not supported; use bf16",
-        "pp": "the pipeline schedule runs backward itself, without the fp16 loss scaler; use bf16",
+        "ep": "fp16 with expert parallelism is not validated yet; use bf16",
     },
     "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "ddp": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
         "tp": "offload with tensor parallelism is not supported",
         "pp": "offload is not validated with pipeline stages yet",
+        "ep": "offload is not validated with expert parallelism yet",
     },
     "meta init": {},
-    "tied embeddings": {
-        "pp": "the embedding (first stage) and head (last stage) cannot share a weight; set model.tie_embeddings=false",
+    "tied embeddings": {},
+    "encoder (masked LM)": {},
+    "encoder-decoder": {
+        "pp": "a pipeline would have to carry the encoder output to every decoder stage; set parallel.pp=1",
     },
-    "encoder / encoder-decoder": {},
     "absolute positions (learned, sinusoidal)": {},
-    "T5 relative-position bias": {
-        "pp": "the bias table is shared by the blocks of every stage and would need its gradients summed "
-        "across stages; use rope, alibi or learned positions",
-    },
+    "T5 relative-position bias": {},
     "ALiBi": {},
     "sparse/linear attention kernels": {},
     "mixture of experts": {},
@@ -63,7 +62,9 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 
 
 # Pairs of layouts that do not combine, with the reason.
-UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {}
+UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
+    frozenset({"cp", "ep"}): "expert parallelism over context-parallel ranks is not validated yet",
+}
 
 
 def job_layouts(parallel: Any, world_size: int | None = None) -> set[str]:
@@ -96,6 +97,8 @@ def job_features(config: Any) -> set[str]:
     features = {"training"}
     if p.activation_checkpoint != "none":
         features.add("activation checkpointing")
+    if p.activation_checkpoint == "op":
+        features.add("op-level selective checkpointing")
     if p.compile:
         features.add("torch.compile")
     if config.train.dtype in ("bf16", "fp16"):
@@ -106,8 +109,10 @@ def job_features(config: Any) -> set[str]:
         features.add("meta init")
     if m.tie_embeddings:
         features.add("tied embeddings")
-    if m.arch != "decoder":
-        features.add("encoder / encoder-decoder")
+    if m.arch == "encoder":
+        features.add("encoder (masked LM)")
+    if m.arch == "encoder_decoder":
+        features.add("encoder-decoder")
     if m.position.kind in ("learned", "sinusoidal"):
         features.add("absolute positions (learned, sinusoidal)")
     if m.position.kind == "t5_bias":

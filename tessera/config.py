@@ -69,11 +69,26 @@ class MoEConfig:
     experts: int = 0  # 0 = dense FFN everywhere
     top_k: int = 2  # 1 = switch routing
     every: int = 1  # MoE on every n-th layer (layer i is MoE when (i + 1) % every == 0)
-    router: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"  # softmax after (renormalized) or before top-k
+    first_dense: int = 0  # the first n layers keep a dense FFN (DeepSeek first_k_dense_replace)
+    # Routing scores and weights: "topk_softmax" renormalizes the softmax over the k chosen experts
+    # (Mixtral), "softmax_topk" keeps their raw softmax probabilities (Switch, OLMoE, Qwen2-MoE without
+    # norm_topk_prob), "sigmoid" scores each expert independently (DeepSeek-V3; see norm_topk).
+    router: Literal["topk_softmax", "softmax_topk", "sigmoid"] = "topk_softmax"  # Mixtral | Switch, OLMoE | DeepSeek-V3
+    norm_topk: bool = True  # sigmoid router: divide the k chosen scores by their sum (HF norm_topk_prob)
+    route_scale: float = 1.0  # multiplies the routing weights (DeepSeek routed_scaling_factor)
+    groups: int = 1  # group-limited routing: experts split into this many groups (DeepSeek-V3 n_group)
+    topk_groups: int = 1  # ... and each token picks experts from its best topk_groups groups only (topk_group)
     capacity_factor: float = 0.0  # 0 = dropless; else tokens over capacity are dropped
-    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch / GShard)
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch / GShard; DeepSeek's alpha)
+    aux_loss_scope: Literal["batch", "sequence"] = "batch"  # balance over the batch (Switch) or per sequence (DeepSeek)
     z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE)
+    # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k choice
+    # only; after every step bias += bias_update_rate * sign(mean load - expert load). A rate > 0 implies it.
+    expert_bias: bool = False  # a per-expert bias for the top-k choice only (HF e_score_correction_bias)
+    bias_update_rate: float = 0.0  # aux-free balancing: bias += rate * sign(mean - load) per step (V3: 0.001)
     shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
+    shared_ffn_hidden: int = 0  # hidden width of the shared experts together (0 = shared_experts x ffn_hidden)
+    shared_gate: bool = False  # scale the shared experts' output by sigmoid(w . x) (Qwen2-MoE shared_expert_gate)
     ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
     jitter: float = 0.0  # training only: the MoE input times U(1 - jitter, 1 + jitter) (Mixtral router_jitter_noise)
 
@@ -167,7 +182,7 @@ class ParallelConfig:
     pp_virtual_stages: int = 0  # stages per pp rank; 0 means 2 for interleaved/zero-bubble schedules, else 1
     layers_per_stage: str = ""  # comma-separated block counts per stage, e.g. "3,5"; empty balances by count
     cp: int = 1  # context-parallel degree (not implemented yet: must be 1)
-    ep: int = 1  # expert-parallel degree (not implemented yet: must be 1)
+    ep: int = 1  # expert-parallel degree: experts sharded over this many dp_shard x cp x tp ranks
     sequence_parallel: bool = True  # with tp > 1: shard norms/dropout activations along the sequence
     reshard_after_forward: bool = True  # FSDP: true is ZeRO-3, false keeps params gathered until backward (ZeRO-2)
     cpu_offload: bool = False  # FSDP: parameters, gradients and optimizer step on the CPU
@@ -361,6 +376,16 @@ RENAMED: dict[str, str] = {
             "z_loss_coef",
             "shared_experts",
             "ffn_hidden",
+            "first_dense",
+            "norm_topk",
+            "route_scale",
+            "groups",
+            "topk_groups",
+            "aux_loss_scope",
+            "expert_bias",
+            "bias_update_rate",
+            "shared_ffn_hidden",
+            "shared_gate",
         )
     },
 }
@@ -669,8 +694,9 @@ def _validate_position(m: ModelConfig) -> None:
 
 
 def _validate_moe(moe: MoEConfig) -> None:
-    _require_all("model.moe", moe, ("experts", "shared_experts", "ffn_hidden"), positive=False)
-    _require_all("model.moe", moe, ("every",), positive=True)
+    _require_all("model.moe", moe, ("experts", "shared_experts", "ffn_hidden", "first_dense"), positive=False)
+    _require_all("model.moe", moe, ("shared_ffn_hidden", "bias_update_rate"), positive=False)
+    _require_all("model.moe", moe, ("every", "groups", "topk_groups", "route_scale"), positive=True)
     if not moe.experts:
         return
     _require(
@@ -682,6 +708,20 @@ def _validate_moe(moe: MoEConfig) -> None:
     _require(
         moe.aux_loss_coef >= 0 and moe.z_loss_coef >= 0,
         "model.moe.aux_loss_coef and model.moe.z_loss_coef must be >= 0",
+    )
+    _require(
+        moe.experts % moe.groups == 0,
+        f"model.moe.groups={moe.groups} must divide model.moe.experts={moe.experts} (equal expert groups)",
+    )
+    per_group = moe.experts // moe.groups
+    _require(
+        moe.topk_groups <= moe.groups and moe.top_k <= moe.topk_groups * per_group,
+        f"model.moe.topk_groups={moe.topk_groups} groups of {per_group} experts cannot hold top_k={moe.top_k}; "
+        f"use topk_groups in [1, groups={moe.groups}] with topk_groups * experts / groups >= top_k",
+    )
+    _require(
+        not moe.shared_gate or moe.shared_experts > 0,
+        "model.moe.shared_gate gates the shared experts; set model.moe.shared_experts > 0",
     )
 
 

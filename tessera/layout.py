@@ -74,6 +74,7 @@ def check_layout(config: JobConfig, world_size: int | None = None) -> None:
     dp_shard = resolve_dp_shard(p, world_size) if world_size is not None else p.dp_shard
     dp = p.dp_replicate * dp_shard if dp_shard != -1 else None
     _check_pipeline_plan(config)
+    _check_expert_parallel(config, dp_shard)
     if dp is not None:
         _check_batch(config, dp)
     problems = incompatibilities(config, world_size)
@@ -123,6 +124,36 @@ def _check_tensor_parallel(config: JobConfig) -> None:
     )
 
 
+def check_expert_degree(ep: int, dp_shard: int, cp: int, tp: int) -> None:
+    """ep is carved out of ``dp_shard x cp x tp``: a multiple of ``cp x tp`` that divides it.
+
+    ``dp_shard = -1`` (not resolved yet) skips the second check.
+    """
+    _require(
+        ep % (cp * tp) == 0,
+        f"parallel.ep={ep} must be a multiple of cp*tp={cp * tp} (expert parallelism takes every cp and tp rank "
+        "of a group, then data-parallel shards); raise ep or lower cp/tp",
+    )
+    _require(
+        dp_shard == -1 or (dp_shard * cp * tp) % ep == 0,
+        f"parallel.ep={ep} must divide dp_shard*cp*tp={dp_shard * cp * tp} (experts are spread over data-parallel "
+        "shards and tp ranks); pick an ep that divides it or raise parallel.dp_shard",
+    )
+
+
+def _check_expert_parallel(config: JobConfig, dp_shard: int) -> None:
+    p, moe = config.parallel, config.model.moe
+    if p.ep == 1:
+        return
+    _require(moe.experts > 0, f"parallel.ep={p.ep} shards experts, but the model has none; set model.moe.experts > 0")
+    _require(
+        moe.experts % p.ep == 0,
+        f"model.moe.experts={moe.experts} is not divisible by parallel.ep={p.ep}; "
+        "every ep rank holds experts/ep experts",
+    )
+    check_expert_degree(p.ep, dp_shard, p.cp, p.tp)
+
+
 def _check_batch(config: JobConfig, dp: int) -> None:
     """The global batch splits evenly over data-parallel ranks (and their pipeline micro-batches)."""
     batch, p = config.train.batch_size, config.parallel
@@ -139,11 +170,6 @@ def _check_pipeline_plan(config: JobConfig) -> None:
     if p.pp == 1:
         return
     schedule, v, mb = p.pp_schedule, virtual_stages(p), microbatches(p)
-    _require(
-        m.arch != "encoder_decoder",
-        "parallel.pp > 1 splits decoder and encoder models; model.arch='encoder_decoder' is not supported, "
-        "set parallel.pp=1",
-    )
     multi = schedule in MULTI_STAGE_SCHEDULES
     _require(
         not multi or v >= 2,

@@ -103,6 +103,19 @@ PIPELINE_AND_DDP = {
         ["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"],
         ["data.document_mask=true", "data.mask_eod_loss=true"],
     ),
+    # Parameters used by stages on several pp ranks: gradients summed over those ranks, counted once.
+    "pp2_fsdp2_tied": (
+        ["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"],
+        ["model.tie_embeddings=true", "checkpoint.enabled=true"],
+    ),
+    "pp4_tied": (
+        ["parallel.pp=4", "parallel.dp_shard=1", "parallel.microbatches=4"],
+        ["model.tie_embeddings=true", "model.n_layers=4"],
+    ),
+    "pp2_fsdp2_t5_bias": (
+        ["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"],
+        ["model.position.kind=t5_bias"],
+    ),
 }
 
 
@@ -117,3 +130,8 @@ def test_pipeline_and_data_parallel_cells(tmp_path, cache_dir):
     torchrun(4, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
     for name in PIPELINE_AND_DDP:
         assert assert_runs_match(tmp_path / name, refs[name]) == 5, name
+    # The tied pipeline's checkpoint (step 5) resumes on one process: same steps 6-7 as an unsplit run.
+    tied = ["model.tie_embeddings=true", "checkpoint.enabled=true", "train.steps=7"]
+    longer = train(load_config(recipe, [*tied, "checkpoint.every=5", f"train.run_dir={tmp_path}/ref_tied7"])).run_dir
+    train(load_config(recipe, [*tied, f"train.run_dir={tmp_path}/pp2_fsdp2_tied"]))
+    assert assert_runs_match(tmp_path / "pp2_fsdp2_tied", longer, after=5) == 2

@@ -3,7 +3,8 @@
 Measured on the tiny job (5-8 steps, dim 64): single-process bf16 autocast is ~1e-5 from fp32 in
 loss and ~4e-4 in grad norm; fp16 autocast ~3e-6 / ~4e-5. Layouts in bf16 against the single
 process in bf16: FSDP2 (parameters cast to bf16, so norms and softmax run in bf16 too) ~3e-5 /
-~2e-3, TP ~6e-6 / ~3e-4; DDP in fp16 against one fp16 process ~7e-7 / ~1.5e-5. The tolerances
+~2e-3, TP ~6e-6 / ~3e-4; DDP in fp16 against one fp16 process ~7e-7 / ~1.5e-5; FSDP, TP and PP
+in fp16 (ShardedGradScaler; a pipeline scales its own loss) ~5e-6 / ~2e-4. The tolerances
 below are those with a margin; each low-precision run must also differ from fp32, which proves
 the precision was in effect.
 """
@@ -76,10 +77,16 @@ def test_bf16_under_fsdp_and_tp_and_fp16_under_ddp_match_one_process(tmp_path, c
         "fsdp_bf16": ["parallel.dp_shard=2", "train.dtype=bf16"],
         "tp_bf16": ["parallel.dp_shard=1", "parallel.tp=2", "train.dtype=bf16"],
         "ddp_fp16": ["parallel.dp_replicate=2", "parallel.dp_shard=1", "train.dtype=fp16"],
+        # fp16 with sharded or split gradients: the sharded grad scaler decides overflow on all ranks
+        "fsdp_fp16": ["parallel.dp_shard=2", "train.dtype=fp16"],
+        "tp_fp16": ["parallel.dp_shard=1", "parallel.tp=2", "train.dtype=fp16"],
+        "pp_fp16": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=2", "train.dtype=fp16"],
     }
     torchrun(2, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
     _assert_close_but_not_equal(tmp_path / "fsdp_bf16", refs["bf16"], 2e-4, 1e-2)
     _assert_close_but_not_equal(tmp_path / "tp_bf16", refs["bf16"], 1e-4, 3e-3)
     _assert_close_but_not_equal(tmp_path / "ddp_fp16", refs["fp16"], 1e-5, 2e-4)
+    for name in ("fsdp_fp16", "tp_fp16", "pp_fp16"):
+        _assert_close_but_not_equal(tmp_path / name, refs["fp16"], 2e-5, 1e-3)
     for name in variants:
         assert _max_rel(tmp_path / name, refs["fp32"], "grad_norm") > 1e-6, f"{name} equals fp32"

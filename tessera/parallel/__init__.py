@@ -9,6 +9,7 @@ from tessera.config import JobConfig
 from tessera.parallel.blocks import block_containers
 from tessera.parallel.activation import apply_activation_checkpointing, apply_compile
 from tessera.parallel.dims import ParallelDims
+from tessera.parallel.expert import apply_expert_parallel
 from tessera.parallel.grads import clip_grad_norm
 from tessera.parallel.fsdp import apply_ddp, apply_fsdp
 from tessera.parallel.tensor import apply_tensor_parallel
@@ -19,7 +20,7 @@ _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.Module:
-    """Apply TP/SP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to ``model``.
+    """Apply TP/SP -> EP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to ``model``.
 
     ``dims.build_mesh`` must have run. Returns the model to train (the same module, or its
     DDP wrapper).
@@ -28,12 +29,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.M
     tp_mesh = dims.submesh("tp")
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, p.sequence_parallel)
+    ep_mesh = dims.submesh("ep")
+    if ep_mesh is not None:
+        apply_expert_parallel(model, ep_mesh, tp_mesh)
     apply_activation_checkpointing(block_containers(model), p.activation_checkpoint, p.ac_every)
     if p.compile:
         apply_compile(block_containers(model))
     if uses_fsdp(dims):
         mesh = dims.submesh("hsdp") or dims.submesh("fsdp")
-        apply_fsdp(model, mesh, _PARAM_DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload)
+        experts = (dims.submesh("ehsdp") or dims.submesh("efsdp"), dims.dp * dims.cp) if ep_mesh is not None else None
+        apply_fsdp(model, mesh, _PARAM_DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload, experts)
     elif dims.dp_replicate > 1:
         model = apply_ddp(model, dims.submesh("dp"))
     return model

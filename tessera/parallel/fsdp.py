@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from tessera.parallel.blocks import block_containers
+from tessera.parallel.expert import shard_experts
 
 
 def apply_fsdp(
@@ -16,6 +17,7 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    experts: tuple[DeviceMesh, int] | None = None,
 ) -> None:
     """``fully_shard`` every block, then the root (embedding, final norm, head).
 
@@ -23,6 +25,8 @@ def apply_fsdp(
     to ``param_dtype`` for compute while gradients are reduced in float32.
     ``reshard_after_forward=False`` keeps gathered parameters until backward (ZeRO-2 memory,
     fewer all-gathers).
+    With expert parallelism, ``experts`` is (the efsdp or ehsdp mesh, the data-parallel degree):
+    each block's experts are sharded over that mesh first (:func:`shard_experts`).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
@@ -31,6 +35,8 @@ def apply_fsdp(
         for i, block in enumerate(blocks):
             # The last block's parameters are needed again at once by backward: keep them gathered.
             reshard = reshard_after_forward and i < len(blocks) - 1
+            if experts is not None:
+                shard_experts(block, experts[0], mp, offload, reshard, experts[1])
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload)
 

@@ -20,7 +20,10 @@ def _group_key(p: torch.Tensor) -> tuple:
 
 @torch.no_grad()
 def clip_grad_norm(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    pp_mesh: DeviceMesh | None = None,
+    skip: Iterable[torch.Tensor] = (),
 ) -> float:
     """Clip gradients to a global L2 norm ``max_norm`` and return the norm before clipping.
 
@@ -28,15 +31,20 @@ def clip_grad_norm(
     some plain (modules outside the TP plan) and FSDP puts others on different meshes. Each
     group's norm is computed by torch (a DTensor norm reduces over its mesh), then combined.
     With pipeline parallelism each rank holds only its stages' parameters: the squared norms
-    are summed over ``pp_mesh`` so every stage clips by the same global norm.
+    are summed over ``pp_mesh`` so every stage clips by the same global norm; ``skip`` names
+    copies of a parameter another pp rank also holds (counted there), which are still clipped.
     """
     groups: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
             groups[_group_key(p)].append(p)
+    skipped = {id(p) for p in skip}
     norms = []
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        counted = [p.grad for p in params if id(p) not in skipped]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, 2.0)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
     total = math.sqrt(sum(n * n for n in norms))
     if pp_mesh is not None:

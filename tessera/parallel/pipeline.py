@@ -42,6 +42,14 @@ from torch.distributed.tensor import DTensor, Shard
 from tessera.config import ConfigError, JobConfig
 from tessera.layout import MULTI_STAGE_SCHEDULES, local_stage_ids, microbatches, stage_layer_counts, virtual_stages
 from tessera.model import MoELog, build_model, moe_loss
+from tessera.parallel.shared import (
+    SharedParameter,
+    find_shared,
+    make_groups,
+    norm_duplicates,
+    reduce_shared_grads,
+    tie_local_uses,
+)
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -89,8 +97,10 @@ class StageHooks:
     last: bool
     max_len: int  # model.max_seq_len: the position tables' length
     sp_mesh: DeviceMesh | None = None
-    aux_scale: float = 0.0
-    aux_losses: list[torch.Tensor] = field(default_factory=list)  # this step's scaled MoE losses (detached)
+    aux_scale: float = 0.0  # the MoE losses' weight in the step's loss: 1 / (grad_accum * micro-batches)
+    grad_scale: float = 1.0  # the fp16 loss scale, applied to their gradient like to the main loss's
+    aux_losses: list[torch.Tensor] = field(default_factory=list)  # this step's weighted MoE losses (detached)
+    logs: list[MoELog] = field(default_factory=list)  # this step's training forwards' MoE stats
     _log: MoELog = field(default_factory=MoELog)
     _extras: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) of the micro-batch in flight
 
@@ -114,18 +124,23 @@ class StageHooks:
         return (x,), {**kwargs, "moe_log": self._log}
 
     def _after(self, _module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> Any:
-        aux, self._log = moe_loss(self._log), MoELog()
+        log, self._log = self._log, MoELog()
+        aux = moe_loss(log)
         if not self.last and isinstance(out, DTensor):
             out = out.to_local()
         if aux is not None and torch.is_grad_enabled():
+            self.logs.append(log)
             self.aux_losses.append(aux.detach() * self.aux_scale)
-            out = _AttachAux.apply(out, aux, self.aux_scale)
+            out = _AttachAux.apply(out, aux, self.aux_scale * self.grad_scale)
         return (out, *self._extras) if self._extras and not self.last else out
 
 
-def stage_model(full: nn.Module, config: JobConfig, keys: list[str], first: bool, last: bool) -> nn.Module:
+def stage_model(
+    full: nn.Module, config: JobConfig, keys: list[str], first: bool, last: bool, keep: frozenset[str] = frozenset()
+) -> nn.Module:
     """A model of ``full``'s class holding its modules for blocks ``keys`` (shared, not copied);
-    the embedding parts only on the first stage, the final norm and head only on the last."""
+    the embedding parts only on the first stage, the final norm and head only on the last (or
+    where ``keep`` names them)."""
     with torch.device("meta"):
         part = build_model(config.model)
     for name, child in full.named_children():
@@ -135,22 +150,36 @@ def stage_model(full: nn.Module, config: JobConfig, keys: list[str], first: bool
     part.layers = nn.ModuleDict({k: full.layers[k] for k in keys})
     absent = (_FIRST_STAGE_PARTS if not first else ()) + (_LAST_STAGE_PARTS if not last else ())
     for name in absent:
-        if hasattr(part, name):
+        if hasattr(part, name) and name not in keep:
             setattr(part, name, None)
     return part
 
 
-def split_model(full: nn.Module, config: JobConfig, stage_ids: list[int]) -> tuple[nn.Module, list[nn.Module]]:
-    """(local model, stage models) of one pp rank; all share ``full``'s modules."""
+def _stage_keys(config: JobConfig) -> list[list[str]]:
+    """The block keys of every stage."""
     p = config.parallel
     n_stages = p.pp * virtual_stages(p)
     counts = stage_layer_counts(config.model.n_layers, n_stages, p.layers_per_stage)
     bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
-    keys = [[str(i) for i in range(bounds[s], bounds[s + 1])] for s in range(n_stages)]
-    stages = [stage_model(full, config, keys[s], s == 0, s == n_stages - 1) for s in stage_ids]
+    return [[str(i) for i in range(bounds[s], bounds[s + 1])] for s in range(n_stages)]
+
+
+def split_model(
+    full: nn.Module, config: JobConfig, stage_ids: list[int]
+) -> tuple[nn.Module, list[nn.Module], list[SharedParameter]]:
+    """(local model, stage models, parameters shared across pp ranks) of one pp rank; all share
+    ``full``'s modules. The local model also holds the other uses of this rank's shared
+    parameters (a tied head beside the embedding), so its names are the unsplit model's."""
+    keys = _stage_keys(config)
+    n = len(keys)
+    every = {s: stage_model(full, config, keys[s], s == 0, s == n - 1) for s in range(n)}
+    shared = find_shared(every, config.parallel.pp)
+    rank = stage_ids[0] % config.parallel.pp
+    children = {id(child): name for name, child in full.named_children()}
+    keep = frozenset(children[id(m)] for sp in shared if rank in sp.ranks for m, _ in sp.uses if id(m) in children)
     local_keys = sorted((k for s in stage_ids for k in keys[s]), key=int)
-    local = stage_model(full, config, local_keys, 0 in stage_ids, n_stages - 1 in stage_ids)
-    return local, stages
+    local = stage_model(full, config, local_keys, 0 in stage_ids, n - 1 in stage_ids, keep)
+    return local, [every[s] for s in stage_ids], shared
 
 
 def _scalar(t: torch.Tensor) -> float:
@@ -164,6 +193,7 @@ class _Targets:
     masked: bool
     denominator: float
     label_smoothing: float
+    scale: float = 1.0  # the fp16 loss scale (1 otherwise)
 
 
 class Pipeline:
@@ -182,6 +212,8 @@ class Pipeline:
         p = config.parallel
         stage_ids = [s for s, _, _ in stages]
         self.model = local
+        self.shared: list[SharedParameter] = []  # used by stages on several pp ranks (tied embeddings)
+        self.pp_rank = pp_mesh.get_local_rank()
         self.stage_models = [m for _, m, _ in stages]
         self.hooks = [h for _, _, h in stages]
         self.pp_group = pp_mesh.get_group()
@@ -200,7 +232,7 @@ class Pipeline:
         labels, mask = (target[..., 0], target[..., 1].bool()) if self._targets.masked else (target, None)
         count = labels.numel() if mask is None else int(mask.sum())
         loss = self._loss_fn(output, labels, self._targets.label_smoothing, mask)
-        return loss * (count / self._targets.denominator)
+        return loss * (count / self._targets.denominator * self._targets.scale)
 
     def _run(
         self,
@@ -210,12 +242,14 @@ class Pipeline:
         denominator: float,
         train: bool,
         model_kwargs: dict[str, torch.Tensor] | None = None,
+        loss_scale: float = 1.0,
     ) -> float:
-        self._targets = _Targets(loss_mask is not None, denominator, self.label_smoothing if train else 0.0)
+        smoothing = self.label_smoothing if train else 0.0
+        self._targets = _Targets(loss_mask is not None, denominator, smoothing, loss_scale)
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
         losses: list[torch.Tensor] = []
         for hooks in self.hooks:
-            hooks.aux_losses = []
+            hooks.aux_losses, hooks.logs = [], []
         inputs = args if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         if self.has_first:  # split into micro-batches by the schedule, like the inputs
@@ -226,10 +260,14 @@ class Pipeline:
             self.schedule.eval(*inputs, **kwargs)
         # The first step's shape inference runs one extra forward per stage: count the schedule's own.
         aux = [a for hooks in self.hooks for a in hooks.aux_losses[-self.microbatches :]]
-        local = sum(_scalar(loss) for loss in losses) + sum(float(a) for a in aux)
+        local = sum(_scalar(loss) for loss in losses) / self._targets.scale + sum(float(a) for a in aux)
         total = torch.tensor([local], dtype=torch.float64, device=labels.device)
         dist.all_reduce(total, group=self.pp_group)
         return total.item()
+
+    def moe_logs(self) -> list[MoELog]:
+        """The MoE stats of the last step's training forwards on this rank's stages."""
+        return [log for hooks in self.hooks for log in hooks.logs[-self.microbatches :]]
 
     def step(
         self,
@@ -238,16 +276,26 @@ class Pipeline:
         loss_mask: torch.Tensor | None,
         grad_accum: int,
         model_kwargs: dict[str, torch.Tensor] | None = None,
+        loss_scale: float = 1.0,
     ) -> float:
         """Forward and backward of one local batch through the pipeline; returns its loss / grad_accum.
 
         The number is the same on every pp rank (the last stage's losses plus every stage's
-        MoE losses, summed over the pp group).
+        MoE losses, summed over the pp group). ``loss_scale`` (fp16) multiplies every gradient,
+        as the grad scaler's ``scale(loss)`` does outside a pipeline; the returned loss is unscaled.
         """
         for hooks in self.hooks:
-            hooks.aux_scale = 1.0 / (grad_accum * self.microbatches)
+            hooks.aux_scale, hooks.grad_scale = 1.0 / (grad_accum * self.microbatches), loss_scale
         tokens = labels.numel() if loss_mask is None else int(loss_mask.sum())
-        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, True, model_kwargs)
+        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, True, model_kwargs, loss_scale)
+
+    def reduce_shared_grads(self) -> None:
+        """Sum the gradients of parameters used on several pp ranks (before clipping and stepping)."""
+        reduce_shared_grads(self.shared)
+
+    def norm_duplicates(self) -> list[torch.Tensor]:
+        """Copies of shared parameters this rank leaves out of the global gradient norm."""
+        return norm_duplicates(self.shared, self.pp_rank)
 
     def eval_loss(
         self,
@@ -283,7 +331,7 @@ def build_pipeline(
     n_stages = p.pp * v
     stage_ids = local_stage_ids(pp_mesh.get_local_rank(), p.pp, v)
     on_meta = any(p.is_meta for p in model.parameters())  # meta init: materialized after sharding
-    local, stage_models = split_model(model if on_meta else model.to(device), config, stage_ids)
+    local, stage_models, shared = split_model(model if on_meta else model.to(device), config, stage_ids)
     sp_mesh = dims.submesh("tp") if p.tp > 1 and p.sequence_parallel else None
     stages = []
     for stage_id, stage in zip(stage_ids, stage_models):
@@ -293,4 +341,8 @@ def build_pipeline(
         hooks = StageHooks(stage_id == 0, stage_id == n_stages - 1, config.model.max_seq_len, sp_mesh)
         hooks.install(stage)
         stages.append((stage_id, stage, hooks))
-    return Pipeline(local, stages, n_stages, config, pp_mesh, device, loss_fn)
+    tie_local_uses(shared, local)
+    make_groups(shared, dims.mesh, pp_mesh.get_group())
+    pipeline = Pipeline(local, stages, n_stages, config, pp_mesh, device, loss_fn)
+    pipeline.shared = shared
+    return pipeline

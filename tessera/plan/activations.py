@@ -118,7 +118,7 @@ def _ffn_hidden(f: int, gated: bool, c: int) -> float:
 def _moe(shape: ModelShape, prec: Precision) -> float:
     """Per-token bytes of a routed MoE layer (router, dispatch, experts, weighting), all whole under TP."""
     h, c, k, e = shape.dim, prec.compute, shape.top_k, shape.experts
-    inputs = (2 if prec.autocast and shape.gated else 1) * c * h
+    inputs = c * h  # the routed rows, cast once for all expert projections (one grouped matmul each)
     per_assignment = 12 + inputs + _ffn_hidden(shape.expert_hidden, shape.gated, c) + c * h + prec.stream * h
     router = c * h + 8.0 * e + 12 * k + 4
     shared = shape.cfg.moe.shared_experts

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+
 from tessera.config import ConfigError, JobConfig, LogConfig
 from tessera.status import RunLock
 
@@ -67,6 +69,14 @@ def _bar_text(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def _add(a: Any, b: Any) -> Any:
+    return [_add(x, y) for x, y in zip(a, b, strict=True)] if isinstance(a, list) else a + b
+
+
+def _scale(a: Any, factor: float) -> Any:
+    return [_scale(x, factor) for x in a] if isinstance(a, list) else a * factor
+
+
 class StepWindow:
     """The steps since the last logged one, reduced to what is logged.
 
@@ -85,9 +95,10 @@ class StepWindow:
         self.steps, self.tokens, self.seconds = 0, 0, 0.0
 
     def add(self, metrics: dict[str, float], tokens: int, seconds: float) -> None:
-        """One optimizer step's metrics, tokens and wall seconds."""
+        """One optimizer step's metrics, tokens and wall seconds (tables, e.g. MoE load per layer and
+        expert, are averaged element by element)."""
         for key, value in metrics.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value
+            self.sums[key] = _add(self.sums[key], value) if key in self.sums else value
         self.last = dict(metrics)
         self.steps, self.tokens, self.seconds = self.steps + 1, self.tokens + tokens, self.seconds + seconds
 
@@ -95,7 +106,7 @@ class StepWindow:
         """The window's record fields (empty when no step was added); starts a new window."""
         if not self.steps:
             return {}
-        record = {key: total / self.steps for key, total in self.sums.items()}
+        record = {key: _scale(total, 1.0 / self.steps) for key, total in self.sums.items()}
         record["lr"] = self.last.get("lr", 0.0)
         tokens_per_s = self.tokens / max(self.seconds, 1e-12)
         mfu = min(1.0, tokens_per_s * self.flops_per_token / self.peak) if self.peak else 0.0
@@ -119,6 +130,10 @@ def _scalars(record: dict[str, Any]) -> dict[str, float]:
     return {
         tensorboard_tag(k): v for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float))
     }
+
+
+def _tables(record: dict[str, Any]) -> dict[str, list[list[float]]]:
+    return {k: v for k, v in record.items() if isinstance(v, list) and v and isinstance(v[0], list)}
 
 
 def check_sinks(log: LogConfig) -> None:
@@ -265,6 +280,9 @@ class MetricsLogger:
         if self.tb is not None:
             for tag, value in _scalars(record).items():
                 self.tb.add_scalar(tag, value, record["step"])
+            for key, rows in _tables(record).items():  # e.g. MoE load per layer and expert: one histogram a row
+                for i, row in enumerate(rows):
+                    self.tb.add_histogram(f"{tensorboard_tag(key)}/{i}", torch.tensor(row), record["step"])
         if self.wandb is not None:
             self.wandb.log(record)
         if self.lock is not None:

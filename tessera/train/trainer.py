@@ -19,12 +19,13 @@ from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
-from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss, moe_metrics
+from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, read_meta
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
+from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.optim import build_optimizer, build_scheduler, check_optimizer_unchanged, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.qk_clip import QKClip
@@ -33,6 +34,7 @@ from tessera.train.rundir import resolved_config_text, truncate_metrics, write_s
 from tessera.parallel import clip_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.parallel.init import shard_seeds
+from tessera.parallel.scaler import build_grad_scaler
 from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -110,11 +112,12 @@ class Trainer:
         self.resume_from = resolve_resume(config)
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
+        self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
         self.optimizer = build_optimizer(self.model, config.optim)
         self.qk_clip = QKClip.attach(self.model, self.optimizer, config.optim.qk_clip_threshold)  # None when off
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+        self.scaler = build_grad_scaler(self.device, self.dtype == torch.float16, self.parallel.env.is_distributed)
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.parallel.is_main)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
@@ -210,6 +213,13 @@ class Trainer:
         }
         return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
 
+    def _pipeline_loss_scale(self) -> float:
+        """The fp16 loss scale for a pipeline step (whose schedule runs backward itself), else 1."""
+        if not self.scaler.is_enabled():
+            return 1.0
+        self.scaler.scale(torch.zeros((), device=self.device))  # initializes the scaler's state on first use
+        return float(self.scaler.get_scale())
+
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``grad_accum`` micro-batches; returns its metrics."""
         cfg = self.config
@@ -220,7 +230,8 @@ class Trainer:
             args, kwargs, labels, loss_mask = self.objective(batch)
             if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
-                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum, kwargs)
+                    scale = self._pipeline_loss_scale()
+                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum, kwargs, scale)
                 continue
             moe_logs.append(MoELog())
             with self.parallel.loss_context():
@@ -233,12 +244,17 @@ class Trainer:
             total_loss += scalar(loss)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.parallel.pp_mesh)
+        skip = ()
+        if self.pipeline is not None:  # parameters used on several pp ranks: gradients summed, counted once
+            self.pipeline.reduce_shared_grads()
+            skip = self.pipeline.norm_duplicates()
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.parallel.pp_mesh, skip)
         lr = self.scheduler.get_last_lr()[0]
         loss = self.parallel.mean_over_dp(total_loss)
         self._update(loss, grad_norm, lr)
-        stats = moe_metrics(moe_logs)  # tensors: read them with one sync
-        moe = dict(zip(stats, torch.stack(list(stats.values())).tolist())) if stats else {}
+        if self.pipeline is not None:
+            moe_logs = self.pipeline.moe_logs()
+        moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}  # all ranks' load; aux-free bias
         qk = self.qk_clip.metrics() if self.qk_clip else {}  # max attention logit per layer
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe, **qk}
 
@@ -431,6 +447,8 @@ class Trainer:
         ):  # every rank decodes: FSDP's gathers are collective
             result.sample = self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens)
             logger.print("sample:\n" + result.sample)
+        if self.moe_tracker is not None:
+            logger.print(self.moe_tracker.finish(self.run_dir, write=self.parallel.is_main))
         param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
         if not self.parallel.is_main:
             return
