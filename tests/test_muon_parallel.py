@@ -16,12 +16,11 @@ import json
 import shutil
 
 import pytest
+from conftest import assert_runs_match, step_records, torchrun, write_tiny_recipe
 
 from tessera.config import load_config
 from tessera.train.checkpoint import SafeFileSystemReader
 from tessera.train.trainer import train
-
-from conftest import assert_runs_match, step_records, torchrun, write_tiny_recipe
 
 STEPS = 5
 MUON = ["optim.name=muon", "optim.muon_lr=0.02", "optim.muon_ns_dtype=fp32", "optim.qk_clip_threshold=0.1"]
@@ -63,7 +62,11 @@ def test_muon_matches_single_process_in_every_layout_and_reshards(tmp_path, cach
     assert max(r["max_logit/layers.0.attention"] for r in step_records(ref)) > 0.1  # the clip really acts
 
     two = {
-        **{"fsdp2": FSDP2, "tp2": TP2, "pp2": PP2, "ddp2": DDP2, "moe_fsdp2": [*FSDP2, *MOE]},
+        "fsdp2": FSDP2,
+        "tp2": TP2,
+        "pp2": PP2,
+        "ddp2": DDP2,
+        "moe_fsdp2": [*FSDP2, *MOE],
         "moe_ep2": [*FSDP2, "parallel.ep=2", *MOE],
     }
     torchrun(2, "tests/dist_muon.py", str(recipe), str(tmp_path), json.dumps(two))
