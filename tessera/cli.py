@@ -22,6 +22,12 @@ OVERRIDES_HELP = (
     "`tessera config keys [SECTION]` lists every key with its type, default, allowed values and meaning."
 )
 
+UPTRAIN_HELP = (
+    "The new run's recipe is the source's with --uptrain-fraction of its steps (warmup: a tenth of them); dotted "
+    "overrides after the flags change it (optim.lr=1e-3 train.steps=40), [model] excepted. Then: tessera train "
+    "OUT/config.toml."
+)
+
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from tessera.data.sources import DataError
@@ -473,9 +479,27 @@ def _add_convert(sub: Subparsers) -> None:
     )
     cons.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
     cons.add_argument("out_dir", help="directory to write model.safetensors (and config.toml) into")
+    gqa = actions.add_parser(
+        "gqa",
+        help="pool KV heads (MHA -> GQA/MQA, Ainslie et al. 2023) into a new run to up-train",
+        allow_abbrev=False,
+        epilog=UPTRAIN_HELP,
+    )
+    gqa.add_argument("run", help="run directory (newest checkpoint) or checkpoint directory")
+    gqa.add_argument("--kv-heads", type=int, required=True, help="KV heads after pooling (1 = multi-query)")
+    gqa.add_argument("--out", required=True, help="new run directory to write")
+    gqa.add_argument("--batches", type=int, default=0, help="validation batches (default: train.eval_batches)")
+    gqa.add_argument(
+        "--uptrain-fraction", type=float, default=0.05, help="the new run's train.steps as a share of the source's"
+    )
 
 
 def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.convert_command == "gqa":  # overrides: the new run's up-training recipe
+        from tessera.analysis.gqa import convert_gqa
+
+        convert_gqa(args.run, args.kv_heads, args.out, args.uptrain_fraction, args.batches, overrides, print)
+        return 0
     _no_overrides("convert", overrides)
     from tessera.convert import consolidate, hf_export, hf_import
 
@@ -485,6 +509,74 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"consolidated {args.checkpoint} -> {consolidate(args.checkpoint, args.out_dir)}")
     else:
         print(f"exported {args.checkpoint} -> {args.out_dir} ({hf_export(args.checkpoint, args.out_dir, args.family)})")
+    return 0
+
+
+# ---------------------------------------------------------------- looking inside: inspect, prune
+
+
+def _add_inspect(sub: Subparsers) -> None:
+    ins = _command(sub, "inspect", _cmd_inspect, "look inside a model")
+    actions = ins.add_subparsers(dest="inspect_command", required=True, metavar="ACTION")
+    att = actions.add_parser(
+        "attention",
+        help="attention heatmaps (PNG, one grid per layer) and per-head entropy, distance, first/previous-token "
+        "shares; weights recomputed with an exact eager pass whatever kernel trained the model",
+        allow_abbrev=False,
+    )
+    att.add_argument("path", help="run directory, checkpoint directory or HF model directory")
+    att.add_argument("--text", required=True, help="the text to attend over")
+    att.add_argument("--layers", default="", help="block indices, e.g. 0,3 or 0-2 (default: all)")
+    att.add_argument("--heads", default="", help="head indices, e.g. 0-7 (default: all)")
+    att.add_argument("--generate", type=int, default=0, help="also record N greedy decoding steps")
+    att.add_argument("--out", default=None, help="output directory (default: PATH/attention)")
+    att.add_argument("--window", type=int, default=128, help="longer inputs are drawn in windows of this many tokens")
+
+
+def _cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
+    _no_overrides(f"inspect {args.inspect_command}", overrides)
+    from tessera.analysis.inspect import inspect_attention
+
+    print(inspect_attention(args.path, args.text, args.layers, args.heads, args.generate, args.out, args.window))
+    return 0
+
+
+def _add_prune(sub: Subparsers) -> None:
+    pr = _command(sub, "prune", _cmd_prune, "make a model smaller")
+    actions = pr.add_subparsers(dest="prune_command", required=True, metavar="ACTION")
+    heads = actions.add_parser(
+        "heads",
+        help="remove the least important attention heads (whole KV groups) and write the smaller model as a new run",
+        allow_abbrev=False,
+        epilog=UPTRAIN_HELP,
+    )
+    heads.add_argument("run", help="run directory (newest checkpoint) or checkpoint directory")
+    heads.add_argument("--metric", choices=("entropy", "gradient"), default="gradient", help="head importance")
+    heads.add_argument("--fraction", type=float, default=0.25, help="share of the heads to remove")
+    heads.add_argument(
+        "--layerwise", action="store_true", help="prune layer by layer, re-measuring after each (default: global)"
+    )
+    heads.add_argument("--out", required=True, help="new run directory to write")
+    heads.add_argument("--batches", type=int, default=0, help="validation batches (default: train.eval_batches)")
+    heads.add_argument(
+        "--uptrain-fraction", type=float, default=0.05, help="the new run's train.steps as a share of the source's"
+    )
+
+
+def _cmd_prune(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.analysis.prune import prune_heads
+
+    prune_heads(
+        args.run,
+        args.out,
+        args.metric,
+        args.fraction,
+        args.layerwise,
+        args.uptrain_fraction,
+        args.batches,
+        overrides,  # the new run's up-training recipe
+        print,
+    )
     return 0
 
 
@@ -533,6 +625,8 @@ COMMANDS = (
     _add_tokenizer,
     _add_generate,
     _add_convert,
+    _add_inspect,
+    _add_prune,
 )
 
 

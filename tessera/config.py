@@ -43,6 +43,7 @@ class AttentionConfig:
     block_size: int = 16  # bigbird block
     random_blocks: int = 1  # bigbird random key blocks per query block
     performer_features: int = 64  # performer random features
+    heads_per_layer: str = ""  # query heads per layer, e.g. "4,2,4,2" (pruned models); "" = n_heads in every layer
 
 
 @dataclass
@@ -547,6 +548,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
+def apply_overrides(config: JobConfig, overrides: list[str]) -> JobConfig:
+    """``config`` with dotted ``overrides`` (as on the command line) applied, then validated."""
+    for key, value in parse_overrides(overrides):
+        _set(config, key, value)
+    validate(config)
+    return config
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     """The tables of a TOML recipe; every way the file can be unreadable is one ConfigError."""
     if path.is_dir():
@@ -628,6 +637,7 @@ def validate_model(m: ModelConfig) -> None:
     _require(0.0 < m.mask_prob < 1.0, f"model.mask_prob must be in (0, 1), got {m.mask_prob}")
     _require(m.mean_span_length >= 1.0, f"model.mean_span_length must be >= 1, got {m.mean_span_length}")
     _validate_attention(m)
+    _validate_heads_per_layer(m)
     _validate_position(m)
     _validate_moe(m.moe)
     _validate_mixers(m)
@@ -651,6 +661,43 @@ def _validate_attention(m: ModelConfig) -> None:
     _require(
         a.kernel != "longformer" or a.sliding_window > 0,
         "model.attention.kernel='longformer' needs model.attention.sliding_window > 0 (the local width)",
+    )
+
+
+def layer_heads(m: ModelConfig) -> list[int]:
+    """Query heads of each layer: ``model.attention.heads_per_layer``, or ``model.n_heads`` everywhere."""
+    spec = m.attention.heads_per_layer
+    return [int(c) for c in spec.split(",")] if spec else [m.n_heads] * m.n_layers
+
+
+def _validate_heads_per_layer(m: ModelConfig) -> None:
+    """Per-layer head counts: whole GQA groups of the standard attention of a decoder or encoder."""
+    spec = m.attention.heads_per_layer
+    if not spec:
+        return
+    key = f"model.attention.heads_per_layer={m.attention.heads_per_layer!r}"
+    counts = spec.split(",")
+    _require(
+        all(c.strip().isdigit() for c in counts) and len(counts) == m.n_layers,
+        f"{key} must be {m.n_layers} comma-separated head counts, one per layer (model.n_layers)",
+    )
+    group = m.n_heads // (m.n_kv_heads or m.n_heads)
+    _require(
+        all(1 <= int(c) <= m.n_heads and int(c) % group == 0 for c in counts),
+        f"{key}: each count must be a multiple of the GQA group size n_heads/n_kv_heads={group} in [{group}, "
+        f"{m.n_heads}]",
+    )
+    refused = [
+        (m.arch == "encoder_decoder", "arch='encoder_decoder'"),
+        (m.position.kind in ("t5_bias", "alibi"), f"position.kind='{m.position.kind}' (a bias per head)"),
+        (m.mla.kv_rank > 0, "model.mla (latent attention)"),
+        ("M" in m.layer_pattern, "Mamba layers"),
+    ]
+    unsupported = next((name for hit, name in refused if hit), "")
+    _require(
+        not unsupported,
+        f"{key} is not supported with {unsupported}; per-layer head counts need a decoder or "
+        "encoder of standard attention layers without per-head position biases",
     )
 
 

@@ -13,7 +13,7 @@ from tessera.compat import incompatibilities
 from tessera.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tessera.config import JobConfig, ParallelConfig
+    from tessera.config import JobConfig, ModelConfig, ParallelConfig
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
 
@@ -112,6 +112,7 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         kv % p.tp == 0,
         f"model.n_kv_heads={kv} is not divisible by parallel.tp={p.tp}; use tp <= n_kv_heads that divides it",
     )
+    _check_layer_heads(m, p.tp)
     _require(
         m.vocab_size % p.tp == 0,
         f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
@@ -122,6 +123,21 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallelism splits it); "
         "change seq_len or set parallel.sequence_parallel=false",
     )
+
+
+def _check_layer_heads(m: ModelConfig, tp: int) -> None:
+    """Every layer's query and KV heads split evenly over tp ranks (``model.attention.heads_per_layer``)."""
+    from tessera.config import layer_heads  # tessera.config imports this module
+
+    if not m.attention.heads_per_layer:
+        return
+    kv = m.n_kv_heads or m.n_heads
+    for i, heads in enumerate(layer_heads(m)):
+        _require(
+            heads % tp == 0 and heads * kv // m.n_heads % tp == 0,
+            f"layer {i} of model.attention.heads_per_layer={m.attention.heads_per_layer!r} has {heads} query and "
+            f"{heads * kv // m.n_heads} KV heads, not divisible by parallel.tp={tp}; use a tp that divides them",
+        )
 
 
 def check_expert_degree(ep: int, dp_shard: int, cp: int, tp: int) -> None:

@@ -2,7 +2,7 @@
 
 ``sdpa`` calls ``F.scaled_dot_product_attention`` (flash/memory-efficient on GPU); ``eager`` writes
 softmax(QK^T * scale + bias)V out in float32 and hands the weights to ``weights_observer`` when an
-inspection tool has set one; ``longformer``
+inspection tool has set one (the linear kernels hand it their implicit weights); ``longformer``
 and ``bigbird`` are those sparsity patterns (see masks.py) as sdpa masks; ``linear`` (elu + 1)
 and ``performer`` (FAVOR+ random features) replace the softmax by a kernel feature map.
 """
@@ -228,4 +228,8 @@ class Attention(nn.Module):
             phi_q, phi_k = self.features(q, is_query=True), self.features(k, is_query=False)
         else:
             phi_q, phi_k = F.elu(q.float()) + 1, F.elu(k.float()) + 1
+        if self.weights_observer is not None:  # the implicit weights phi(q).phi(k) / sum_k, exactly as applied
+            scores = phi_q @ phi_k.transpose(-2, -1)
+            scores = scores.tril(scores.shape[-1] - scores.shape[-2]) if ctx.causal else scores
+            self.weights_observer(scores / scores.sum(-1, keepdim=True).clamp_min(1e-12))
         return linear_attention(phi_q, phi_k, v, ctx.causal).to(q.dtype)

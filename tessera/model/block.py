@@ -6,12 +6,13 @@ a layer gets is the letter of ``model.layer_pattern`` at its index (see :func:`l
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from tessera.config import ModelConfig
+from tessera.config import ModelConfig, layer_heads
 from tessera.model.attention import Attention, AttnContext, KVCache
 from tessera.model.ffn import FeedForward, ffn_hidden_size
 from tessera.model.mamba import MambaCache, build_mamba
@@ -26,6 +27,16 @@ def layer_kind(cfg: ModelConfig, layer_id: int) -> str:
     """The ``model.layer_pattern`` letter of layer ``layer_id``: A (attention), G (global attention), M (Mamba)."""
     pattern = cfg.layer_pattern or "A"
     return pattern[layer_id % len(pattern)]
+
+
+def layer_attention_config(cfg: ModelConfig, layer_id: int) -> ModelConfig:
+    """``cfg`` with layer ``layer_id``'s query and KV head counts (``model.attention.heads_per_layer``:
+    whole GQA groups, so the group size and the head size stay the model's)."""
+    if not cfg.attention.heads_per_layer:
+        return cfg
+    heads = layer_heads(cfg)[layer_id]
+    kv = heads * (cfg.n_kv_heads or cfg.n_heads) // cfg.n_heads
+    return dataclasses.replace(cfg, n_heads=heads, n_kv_heads=kv, head_dim=cfg.head_dim or cfg.dim // cfg.n_heads)
 
 
 class TransformerBlock(nn.Module):
@@ -46,7 +57,9 @@ class TransformerBlock(nn.Module):
             self.mamba = build_mamba(cfg)
         else:
             self.attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
-            self.attention = LatentAttention(cfg) if cfg.mla.kv_rank else Attention(cfg)
+            self.attention = (
+                LatentAttention(cfg) if cfg.mla.kv_rank else Attention(layer_attention_config(cfg, layer_id))
+            )
             if cfg.attention.scale_by_layer:
                 self.attention.scale /= layer_id + 1
         self.cross_attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cross else None

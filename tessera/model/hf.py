@@ -295,6 +295,11 @@ def export_config(cfg: ModelConfig, family: str | None = None) -> tuple[dict[str
     if family not in FAMILIES:
         raise HFConversionError(f"unknown HF family {family!r}; supported: {', '.join(FAMILIES)}")
     spec = FAMILIES[family]
+    if cfg.attention.heads_per_layer:
+        raise HFConversionError(
+            f"model.attention.heads_per_layer={cfg.attention.heads_per_layer!r} (a head count per layer) cannot be "
+            f"expressed in an HF {family} checkpoint, whose config has one head count for all layers"
+        )
     hf = {"architectures": [spec.architecture], "model_type": family, "dtype": "float32", **spec.to_hf(cfg)}
     back, _ = config_from_hf(json.loads(json.dumps(hf)))
     ours, theirs = _canonical(cfg), _canonical(back)

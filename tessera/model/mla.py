@@ -14,13 +14,14 @@ Parameter names follow HF transformers' ``DeepseekV3Attention``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.model.attention import AttnContext
+from tessera.model.attention import AttnContext, _allowed
 from tessera.model.norm import RMSNorm
 from tessera.model.position import apply_rope
 
@@ -71,6 +72,8 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.dim, bias=cfg.bias or cfg.attention.o_bias)
         self.dropout = cfg.attention.dropout
+        # Set only while a tool inspects attention: called with each forward's softmax weights (float32).
+        self.weights_observer: Callable[[torch.Tensor], None] | None = None
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -92,6 +95,11 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
+        if self.weights_observer is not None:
+            scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
+            allowed = _allowed(ctx, q.shape[2], k.shape[2], q.device)
+            scores = scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+            self.weights_observer(scores.softmax(dim=-1))
         dropout = self.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=ctx.mask, dropout_p=dropout, is_causal=ctx.is_causal, scale=self.scale

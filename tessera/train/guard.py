@@ -7,9 +7,10 @@ counts it, and stops after ``train.max_nonfinite_skips`` skipped steps in a row.
 
 Hangs: :class:`HangWatchdog` is a thread that waits for the loop to report progress (a step,
 an evaluation or a checkpoint). When none arrives within ``train.hang_timeout_s`` (a dead peer,
-a stuck collective; three times that before the first step completes), it writes every thread's Python stack to ``RUN/hang/rank_K.txt`` and ends
-the process with :data:`HANG_EXIT_CODE`, so torchrun or SLURM can restart the job. Every rank
-runs one: the ranks waiting on a stalled peer time out too and leave their stacks.
+a stuck collective; three times that before the first step completes), it writes every
+thread's Python stack to ``RUN/hang/rank_K.txt`` and ends the process with
+:data:`HANG_EXIT_CODE`, so torchrun or SLURM can restart the job. Every rank runs one: the
+ranks waiting on a stalled peer time out too and leave their stacks.
 """
 
 from __future__ import annotations
