@@ -1,114 +1,252 @@
-"""Training throughput of tessera's decoder against HF transformers' LlamaForCausalLM.
+"""Training-step throughput: tessera's full Trainer step against a bare loop and against HF transformers.
 
-Both models have the same Llama shape, random weights, the same AdamW and the same batches;
-each step is forward + cross-entropy + backward + optimizer step. Rounds alternate between the
-two so machine noise hits both alike. Prints tokens/s per framework and, per precision,
-``ratio=<tessera/HF>`` (above 1 means tessera is faster).
+Four contenders train the same Llama shape (random init, AdamW, gradient clipping at 1.0):
 
-    python benchmarks/throughput.py                  # the issue's shape: dim 512, 8 layers, seq 512, batch 8
-    python benchmarks/throughput.py --dim 256 --layers 4 --seq 256   # quicker
+- ``trainer``: ``tessera.train.Trainer.train_step()`` as ``tessera train`` runs it: its data
+  loader (prefetching), objective, fused chunked head + loss, the one host read per step, the
+  non-finite guard, clipping, LR schedule.
+- ``bare``: the same tessera model in a hand-written loop (``model(x)``, ``F.cross_entropy`` on
+  the full logits, backward, clip, AdamW) on pre-made batches: the floor any trainer adds to.
+- ``hf``: HF transformers' ``LlamaForCausalLM`` in the same hand-written loop.
+- ``hf-trainer``: ``transformers.Trainer``'s inner step (``training_step`` then the clip,
+  optimizer and scheduler steps its ``train()`` loop runs), on pre-made batches.
+
+Rounds interleave the contenders (each times ``--steps`` steps per round, after a warm-up) so
+machine noise hits all alike. Printed per contender: median tokens/s over rounds and the spread
+(min..max); then ratios of medians. Threads are stated (``--threads``, default 1).
+
+    python benchmarks/throughput.py                      # dim 256, 4 layers, seq 256, batch 4, vocab 32k
+    python benchmarks/throughput.py --vocab 8192 --dtype bf16 --rounds 7
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tessera.config import model_config
-from tessera.model import build_model
+Step = Callable[[], None]
 
 
-def _tessera(args: argparse.Namespace) -> torch.nn.Module:
-    cfg = model_config(
-        vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
-        ffn_hidden=args.ffn, max_seq_len=args.seq, norm_eps=1e-5,
+def _tessera_overrides(args: argparse.Namespace) -> list[str]:
+    return [
+        f"model.vocab_size={args.vocab}",
+        f"model.dim={args.dim}",
+        f"model.n_layers={args.layers}",
+        f"model.n_heads={args.heads}",
+        f"model.n_kv_heads={args.kv_heads}",
+        f"model.ffn_hidden={args.ffn}",
+        f"model.max_seq_len={args.seq}",
+        "model.norm_eps=1e-5",
+        f"train.seq_len={args.seq}",
+        "model.tie_embeddings=false",
+    ]
+
+
+def _batches(args: argparse.Namespace) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
+
+
+def _cycle(batches: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
+    state = {"i": 0}
+
+    def next_batch() -> torch.Tensor:
+        state["i"] += 1
+        return batches[state["i"] % len(batches)]
+
+    return next_batch
+
+
+def _autocast(dtype: str) -> contextlib.AbstractContextManager:
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def tessera_trainer(args: argparse.Namespace, workdir: Path) -> Step:
+    """The full Trainer step (real data loader over the stdlib corpus, tokenizer of 512 tokens)."""
+    from tessera.config import load_config
+    from tessera.data.pipeline import build_data
+    from tessera.train.trainer import Trainer
+
+    data = ["data.max_chars=400000", "data.tokenizer_chars=400000", f"data.cache_dir={workdir / 'cache'}"]
+    small = load_config(None, [*data, "model.vocab_size=512", f"train.run_dir={workdir / 'tok'}"])
+    tokenizer = build_data(small).tokenizer.path  # ids < 512 cost the same as any: only the vocab size matters
+    overrides = (
+        _tessera_overrides(args)
+        + data
+        + [
+            f"data.tokenizer={tokenizer}",
+            f"train.seq_len={args.seq}",
+            f"train.batch_size={args.batch}",
+            "train.steps=100000",
+            "train.eval_every=0",
+            "train.sample_tokens=0",
+            f"train.dtype={args.dtype}",
+            f"train.threads={args.threads}",
+            "optim.lr=1e-4",
+            "optim.grad_clip=1.0",
+            "checkpoint.enabled=false",
+            "log.progress=none",
+            "log.tensorboard=false",
+            "log.plot=false",
+            "log.peak_flops=1e12",
+            f"train.run_dir={workdir / 'run'}",
+        ]
     )
-    return build_model(cfg)
+    if not args.fused:
+        overrides.append("train.fused_loss=false")
+    trainer = Trainer(load_config(None, overrides))
+    return trainer.train_step
 
 
-def _hf(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=args.ffn, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False,
-    )
-    return LlamaForCausalLM(cfg)
-
-
-def _step_fn(model: torch.nn.Module, is_hf: bool, dtype: torch.dtype, device: torch.device):
+def _loop(model: torch.nn.Module, batches: list[torch.Tensor], dtype: str, logits_of) -> Step:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
+    next_batch = _cycle(batches)
 
-    def step(batch: torch.Tensor) -> None:
-        inputs, labels = batch[:, :-1], batch[:, 1:]
-        with autocast():
-            logits = model(input_ids=inputs).logits if is_hf else model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    def step() -> None:
+        batch = next_batch()
+        with _autocast(dtype):
+            logits = logits_of(model, batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
 
 
-def _time(step, batches: list[torch.Tensor], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def tessera_bare(args: argparse.Namespace, workdir: Path) -> Step:
+    """tessera's model in a hand-written loop."""
+    from tessera.config import load_config
+    from tessera.model import build_model
+
+    torch.manual_seed(0)
+    cfg = load_config(None, _tessera_overrides(args)).model
+    return _loop(build_model(cfg), _batches(args), args.dtype, lambda m, x: m(x))
+
+
+def _hf_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def hf_bare(args: argparse.Namespace, workdir: Path) -> Step:
+    """HF LlamaForCausalLM in the same hand-written loop."""
+    return _loop(_hf_model(args), _batches(args), args.dtype, lambda m, x: m(input_ids=x).logits)
+
+
+def hf_trainer(args: argparse.Namespace, workdir: Path) -> Step:
+    """transformers.Trainer's inner step: ``training_step`` + clip + optimizer + scheduler (its ``train()`` loop)."""
+    from transformers import Trainer, TrainingArguments
+
+    model = _hf_model(args)
+    targs = TrainingArguments(
+        output_dir=str(workdir / "hf"),
+        per_device_train_batch_size=args.batch,
+        learning_rate=1e-4,
+        max_grad_norm=1.0,
+        bf16=args.dtype == "bf16",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+    )
+    trainer = Trainer(model=model, args=targs)
+    trainer.create_optimizer_and_scheduler(num_training_steps=100000)
+    trainer.current_gradient_accumulation_steps = 1  # set by its train() loop
+    model.train()
+    next_batch = _cycle(_batches(args))
+
+    def step() -> None:
+        batch = next_batch()
+        inputs = {"input_ids": batch[:, :-1], "labels": batch[:, :-1]}  # HF shifts the labels itself
+        trainer.training_step(model, inputs)
+        trainer.accelerator.clip_grad_norm_(model.parameters(), targs.max_grad_norm)
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+CONTENDERS = {"trainer": tessera_trainer, "bare": tessera_bare, "hf": hf_bare, "hf-trainer": hf_trainer}
+
+
+def _time(step: Step, n: int) -> float:
     start = time.perf_counter()
-    for batch in batches:
-        step(batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    for _ in range(n):
+        step()
     return time.perf_counter() - start
 
 
-def run(args: argparse.Namespace, dtype_name: str) -> tuple[float, float]:
-    """Tokens/s of tessera and HF at one precision."""
-    device = torch.device(args.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    torch.manual_seed(0)
-    models = {"tessera": _tessera(args).to(device), "hf": _hf(args).to(device)}
-    steps = {name: _step_fn(m, name == "hf", dtype, device) for name, m in models.items()}
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(device) for _ in range(args.steps)]
-    for name in steps:  # warm up kernels, allocator and optimizer state
-        _time(steps[name], batches[: args.warmup], device)
-    seconds = {name: 0.0 for name in steps}
-    for _ in range(args.rounds):
-        for name in steps:
-            seconds[name] += _time(steps[name], batches, device)
-    tokens = args.rounds * args.steps * args.batch * args.seq
-    return tokens / seconds["tessera"], tokens / seconds["hf"]
+def measure(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Tokens/s of each contender in each round (rounds interleave the contenders)."""
+    names = args.contenders.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = {name: CONTENDERS[name](args, Path(tmp) / name) for name in names}
+        torch.set_num_threads(args.threads)  # after the builders: the Trainer applies train.threads itself
+        for name in names:  # warm up kernels, allocator and optimizer state
+            _time(steps[name], args.warmup)
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        tokens = args.steps * args.batch * args.seq
+        for _ in range(args.rounds):
+            for name in names:
+                rates[name].append(tokens / _time(steps[name], args.steps))
+    return rates
 
 
 def main() -> None:
-    """Parse the shape, run both precisions, print the table and the ratios."""
+    """Parse the shape, measure, print tokens/s (median and spread) and the ratios of medians."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=1408)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=2)
+    for flag, default in [("dim", 256), ("layers", 4), ("heads", 8), ("kv-heads", 4), ("ffn", 704)]:
+        p.add_argument(f"--{flag}", type=int, default=default)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--dtypes", default="fp32,bf16")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--no-fused", dest="fused", action="store_false", help="the trainer with train.fused_loss=false")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
     args = p.parse_args()
-    print(f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__} shape: dim={args.dim} layers={args.layers} "
-          f"heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} seq={args.seq} batch={args.batch}")
-    for dtype_name in args.dtypes.split(","):
-        ours, theirs = run(args, dtype_name)
-        print(f"{dtype_name}: tessera {ours:,.0f} tok/s | hf {theirs:,.0f} tok/s | ratio={ours / theirs:.3f}")
+    print(
+        f"threads={args.threads} torch={torch.__version__} dtype={args.dtype} dim={args.dim} layers={args.layers} "
+        f"heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} seq={args.seq} batch={args.batch} "
+        f"rounds={args.rounds}x{args.steps} steps fused_loss={args.fused}"
+    )
+    rates = measure(args)
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    for name, r in rates.items():
+        print(f"{name:>10}: {medians[name]:8,.0f} tok/s median  (min {min(r):,.0f} .. max {max(r):,.0f})")
+    for a, b in [("trainer", "bare"), ("trainer", "hf-trainer"), ("bare", "hf"), ("trainer", "hf")]:
+        if a in medians and b in medians:
+            print(f"ratio {a}/{b} = {medians[a] / medians[b]:.3f}")
 
 
 if __name__ == "__main__":

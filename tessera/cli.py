@@ -454,7 +454,9 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _add_convert(sub: Subparsers) -> None:
-    conv = _command(sub, "convert", _cmd_convert, "convert between HF transformers checkpoints and tessera")
+    conv = _command(
+        sub, "convert", _cmd_convert, "convert between HF transformers or DeepSpeed checkpoints and tessera"
+    )
     actions = conv.add_subparsers(dest="convert_command", required=True, metavar="ACTION")
     imp = actions.add_parser(
         "hf-import", help="HF model directory (config.json + safetensors) -> tessera run directory", allow_abbrev=False
@@ -479,6 +481,7 @@ def _add_convert(sub: Subparsers) -> None:
     )
     cons.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
     cons.add_argument("out_dir", help="directory to write model.safetensors (and config.toml) into")
+    _add_deepspeed_import(actions)
     gqa = actions.add_parser(
         "gqa",
         help="pool KV heads (MHA -> GQA/MQA, Ainslie et al. 2023) into a new run to up-train",
@@ -494,6 +497,23 @@ def _add_convert(sub: Subparsers) -> None:
     )
 
 
+def _add_deepspeed_import(actions: argparse._SubParsersAction) -> None:
+    """`tessera convert deepspeed-import`: its arguments."""
+    dsi = actions.add_parser(
+        "deepspeed-import",
+        help="DeepSpeed ZeRO-1/2/3 or universal checkpoint -> tessera run directory (weights and Adam state)",
+        allow_abbrev=False,
+    )
+    dsi.add_argument("ds_checkpoint", help="DeepSpeed checkpoint folder (global_stepN, or its parent with 'latest')")
+    dsi.add_argument("out_dir", help="tessera run directory to write (one checkpoint at the DeepSpeed step)")
+    dsi.add_argument(
+        "--config",
+        default=None,
+        help="tessera recipe of the model when the names are tessera's (default: an HF config.json beside the "
+        "checkpoint)",
+    )
+
+
 def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.convert_command == "gqa":  # overrides: the new run's up-training recipe
         from tessera.analysis.gqa import convert_gqa
@@ -501,9 +521,11 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         convert_gqa(args.run, args.kv_heads, args.out, args.uptrain_fraction, args.batches, overrides, print)
         return 0
     _no_overrides("convert", overrides)
-    from tessera.convert import consolidate, hf_export, hf_import
+    from tessera.convert import consolidate, deepspeed_import, hf_export, hf_import
 
-    if args.convert_command == "hf-import":
+    if args.convert_command == "deepspeed-import":
+        print(f"imported {args.ds_checkpoint} -> {deepspeed_import(args.ds_checkpoint, args.out_dir, args.config)}")
+    elif args.convert_command == "hf-import":
         print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir, args.overwrite)}")
     elif args.convert_command == "consolidate":
         print(f"consolidated {args.checkpoint} -> {consolidate(args.checkpoint, args.out_dir)}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
+LAYOUTS = ("single", "ddp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep", "deepspeed")
 
 # feature -> layouts it does NOT support, with the reason shown to the user. "sp" is tensor
 # parallelism with sequence parallelism on, so it inherits every "tp" entry (a job with sp
@@ -23,11 +23,16 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "op-level selective checkpointing": {
         "ep": "the recompute replays FSDP's hooks of the sharded experts inside the block, which op-level "
         "checkpointing rejects; use parallel.activation_checkpoint=full or selective",
+        "deepspeed": "op-level checkpointing is not validated with ZeRO's hooks; use "
+        "parallel.activation_checkpoint=full or selective",
     },
-    "torch.compile": {},
+    "torch.compile": {
+        "deepspeed": "compile is not validated with the DeepSpeed engine yet; set parallel.compile=false",
+    },
     "bf16": {},
     "fp16": {
         "ep": "fp16 with expert parallelism is not validated yet; use bf16",
+        "deepspeed": "fp16 with the DeepSpeed engine is not validated yet (its CPU accelerator refuses fp16); use bf16",
     },
     "cpu offload (CUDA)": {
         "single": "offload is an FSDP feature; shard with parallel.dp_shard > 1",
@@ -35,13 +40,14 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "tp": "offload with tensor parallelism is not supported",
         "pp": "offload is not validated with pipeline stages yet",
         "ep": "offload is not validated with expert parallelism yet",
+        "deepspeed": "the DeepSpeed engine offloads with parallel.offload_optimizer / parallel.offload_params",
     },
-    "meta init": {},
+    "meta init": {
+        "deepspeed": "the DeepSpeed engine partitions a built model; set parallel.meta_init=false",
+    },
     "tied embeddings": {},
     "encoder (masked LM)": {},
-    "encoder-decoder": {
-        "pp": "a pipeline would have to carry the encoder output to every decoder stage; set parallel.pp=1",
-    },
+    "encoder-decoder": {},
     "absolute positions (learned, sinusoidal)": {},
     "T5 relative-position bias": {},
     "ALiBi": {},
@@ -64,6 +70,11 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 # Pairs of layouts that do not combine, with the reason.
 UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
     frozenset({"cp", "ep"}): "expert parallelism over context-parallel ranks is not validated yet",
+    **{
+        frozenset({"deepspeed", layout}): f"the DeepSpeed engine is data parallel only; set parallel.{key}=1 "
+        "or parallel.engine='torch'"
+        for layout, key in (("ddp", "dp_replicate"), ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep"))
+    },
 }
 
 
@@ -79,6 +90,8 @@ def job_layouts(parallel: Any, world_size: int | None = None) -> set[str]:
             layouts.add(dim)
     if parallel.tp > 1 and parallel.sequence_parallel:
         layouts.add("sp")
+    if parallel.engine == "deepspeed":  # ZeRO over every rank; dp_replicate > 1 shows as ddp (refused)
+        return layouts | {"deepspeed"} | ({"ddp"} if parallel.dp_replicate > 1 else set())
     dp_shard = parallel.dp_shard
     if dp_shard == -1:
         if world_size is None:

@@ -191,6 +191,12 @@ class ParallelConfig:
     ac_every: int = 2  # selective: checkpoint every n-th block
     compile: bool = False  # torch.compile each transformer block
     meta_init: bool = False  # build on the meta device, shard, then initialize (for models too big for one host)
+    engine: Literal["torch", "deepspeed"] = "torch"  # torch: FSDP2/DDP/TP/PP/CP/EP; deepspeed: ZeRO data parallelism
+    zero_stage: int = 2  # deepspeed: ZeRO 1 shards optimizer state, 2 also gradients, 3 also parameters
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"  # deepspeed: optimizer state and step off the GPU
+    offload_params: Literal["none", "cpu", "nvme"] = "none"  # deepspeed, zero_stage 3: parameters off the GPU
+    nvme_path: str = ""  # deepspeed: directory on a fast local disk for nvme offload (ZeRO-Infinity)
+    deepspeed_config: str = ""  # deepspeed: a ds.json merged into the generated config; contradictions refused
 
 
 @dataclass
@@ -241,6 +247,8 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"  # NaN/inf loss or grad norm: stop before the update, or skip it
     max_nonfinite_skips: int = 5  # on_nonfinite=skip: stop after this many skipped steps in a row
     hang_timeout_s: float = 1800.0  # no step, eval or save completes this long: dump stacks to RUN/hang/, exit; 0 off
+    fused_loss: bool = True  # head + cross-entropy in chunks: no whole (tokens x vocab) logits (torch engine)
+    loss_chunk_tokens: int = 0  # tokens per chunk of the fused head + loss; 0 = 64 MiB of fp32 logits per chunk
 
 
 @dataclass
@@ -885,6 +893,8 @@ def validate(config: JobConfig) -> None:
     _validate_qk_clip(config.optim, config.model)
     check_layout(config)
     _validate_data(config.data)
+    _validate_engine(config.parallel, config.train)
+    _validate_engine_optimizer(config.parallel, config.optim)
     _require(
         not (config.data.document_mask and "M" in config.model.layer_pattern),
         "data.document_mask cannot reset Mamba layers' state at document boundaries; set data.document_mask=false "
@@ -895,7 +905,7 @@ def validate(config: JobConfig) -> None:
 
 def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _require_all("train", t, ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches"), positive=True)
-    _require_all("train", t, ("eval_every", "sample_tokens"), positive=False)
+    _require_all("train", t, ("eval_every", "sample_tokens", "loss_chunk_tokens"), positive=False)
     _require(
         t.seq_len <= m.max_seq_len,
         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len or shorten "
@@ -947,6 +957,45 @@ def _validate_qk_clip(o: OptimConfig, m: ModelConfig) -> None:
         m.attention.kernel not in ("linear", "performer"),
         f"optim.qk_clip_threshold needs softmax attention logits, not model.attention.kernel='{m.attention.kernel}'",
     )
+
+
+def _validate_engine_optimizer(p: ParallelConfig, o: OptimConfig) -> None:
+    """DeepSpeed runs its own AdamW: tessera's Muon, bf16 state and QK-clip live in the torch engine."""
+    if p.engine != "deepspeed":
+        return
+    for key, used in {"name": o.name != "adamw", "state_dtype": o.state_dtype != "fp32"}.items():
+        _require(not used, f"optim.{key}={getattr(o, key)!r} needs parallel.engine='torch' (DeepSpeed runs its own AdamW)")
+    _require(o.qk_clip_threshold == 0, "optim.qk_clip_threshold needs parallel.engine='torch'; set it to 0 for DeepSpeed")
+
+
+def _validate_engine(p: ParallelConfig, t: TrainConfig) -> None:
+    """The DeepSpeed keys (the layouts the engine refuses are in the compatibility table)."""
+    _require(
+        p.engine == "torch" or t.on_nonfinite == "stop",
+        "train.on_nonfinite=skip cannot hold back a DeepSpeed step (it reduces, clips and updates in one call); "
+        "set train.on_nonfinite=stop or parallel.engine='torch'",
+    )
+    deepspeed_only = {"offload_optimizer": p.offload_optimizer != "none", "offload_params": p.offload_params != "none"}
+    deepspeed_only.update(nvme_path=bool(p.nvme_path), deepspeed_config=bool(p.deepspeed_config))
+    for key, used in deepspeed_only.items():
+        _require(not used or p.engine == "deepspeed", f"parallel.{key} needs parallel.engine='deepspeed'")
+    _require(p.zero_stage in (1, 2, 3), f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}")
+    _require(
+        p.offload_params == "none" or p.zero_stage == 3,
+        f"parallel.offload_params={p.offload_params!r} needs parallel.zero_stage=3 (only ZeRO-3 partitions parameters)",
+    )
+    _require(
+        "nvme" not in (p.offload_optimizer, p.offload_params) or bool(p.nvme_path),
+        "nvme offload needs parallel.nvme_path = a directory on a fast local disk",
+    )
+    if p.deepspeed_config:
+        path = Path(p.deepspeed_config)
+        _require(path.is_file(), f"parallel.deepspeed_config='{path}' does not exist; give the path of a ds.json")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"parallel.deepspeed_config='{path}' is not valid JSON ({err})") from None
+        _require(isinstance(data, dict), f"parallel.deepspeed_config='{path}' must hold a JSON object")
 
 
 def _validate_data(d: DataConfig) -> None:

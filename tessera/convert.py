@@ -1,4 +1,5 @@
-"""``tessera convert``: HF model directory <-> tessera checkpoint (the model-level mapping is model/hf.py)."""
+"""``tessera convert``: HF model directory <-> tessera checkpoint (the model-level mapping is model/hf.py), and
+DeepSpeed checkpoints -> tessera run (the DeepSpeed reading is train/ds_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tessera.config import ConfigError, JobConfig, resolved_objective, span_coun
 from tessera.model import build_model
 from tessera.model.hf import load_state, read_hf, save_hf
 from tessera.status import RunLock
-from tessera.train.checkpoint import Checkpointer
+from tessera.train.checkpoint import Checkpointer, CheckpointError
+from tessera.train.ds_checkpoint import MOMENTS
 from tessera.train.rundir import remove_run_outputs
 
 
@@ -116,3 +118,89 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path) -> Path:
     if config.is_file() and config.resolve() != (out / "config.toml").resolve():
         shutil.copyfile(config, out / "config.toml")
     return out / "model.safetensors"
+
+
+def _hf_config_near(path: Path) -> dict | None:
+    """The config.json of an HF Trainer + DeepSpeed checkpoint (in the global_stepN folder or next to it)."""
+    import json
+
+    for folder in (path, path.parent):
+        if (folder / "config.json").is_file():
+            return json.loads((folder / "config.json").read_text())
+    return None
+
+
+def _ds_model_and_job(ds_path: Path, state, config: str | None, out_dir: Path):
+    """(JobConfig, tessera weights, tessera moments, source) for a DeepSpeed state: tessera-named with a
+    recipe, or HF-named next to its config.json."""
+    from tessera.config import load_config
+    from tessera.model.hf import state_from_hf
+
+    if config is not None:
+        return load_config(config, [f"train.run_dir={out_dir}"]), state.weights, state.moments, "tessera"
+    hf_config = _hf_config_near(ds_path)
+    if hf_config is None:
+        raise CheckpointError(
+            f"'{ds_path}' has no config.json beside it; pass --config RECIPE.toml (the tessera model it trained)"
+        )
+    cfg, weights, family = state_from_hf(dict(hf_config), dict(state.weights))
+    moments = {}
+    if state.moments:
+        per_moment = {
+            m: state_from_hf(dict(hf_config), {k: v[m] for k, v in state.moments.items()})[1] for m in MOMENTS
+        }
+        moments = {name: {m: per_moment[m][name] for m in MOMENTS} for name in per_moment[MOMENTS[0]]}
+    return _job_for(cfg, out_dir), weights, moments, f"HF {family}"
+
+
+def _shaped(tensors: dict[str, torch.Tensor], shapes: dict[str, torch.Size], what: str) -> dict[str, torch.Tensor]:
+    """``tensors`` reshaped to the model's shapes (universal ZeRO-3 checkpoints store some flattened)."""
+    missing = sorted(set(shapes) - set(tensors))
+    if missing:
+        raise CheckpointError(f"the DeepSpeed checkpoint lacks {what} '{missing[0]}' of the model")
+    out = {}
+    for name, shape in shapes.items():
+        if tensors[name].numel() != shape.numel():
+            raise CheckpointError(f"{what} '{name}' has {tensors[name].numel()} elements, the model's has {shape}")
+        out[name] = tensors[name].reshape(shape)
+    return out
+
+
+def deepspeed_import(ds_path: str | Path, out_dir: str | Path, config: str | None = None) -> Path:
+    """Convert a DeepSpeed ZeRO or universal checkpoint into a tessera run directory (weights and Adam state).
+
+    Parameter names are tessera's (give the recipe ``config``) or an HF family's (a config.json
+    beside the checkpoint, as the HF Trainer writes). Returns the checkpoint written.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from tessera.train.ds_checkpoint import find_deepspeed_checkpoint, read_deepspeed
+    from tessera.train.optim import build_optimizer, build_scheduler
+
+    ds_path = Path(ds_path)
+    state = read_deepspeed(ds_path)
+    out_dir = output_dir(out_dir, "output directory")
+    if any(out_dir.iterdir()):
+        raise ConfigError(f"'{out_dir}' is not empty (an existing run?); give a new directory to import into")
+    job, weights, moments, source = _ds_model_and_job(find_deepspeed_checkpoint(ds_path), state, config, out_dir)
+    model = build_model(job.model)
+    params = dict(model.named_parameters())
+    shapes = {k: v.shape for k, v in model.state_dict().items() if k in weights or k in params}
+    load_state(model, _shaped(weights, shapes, "weight"))  # a tied output weight comes from the embedding
+    optimizer = build_optimizer(model, job.optim)
+    _, optim_sd = get_state_dict(model, optimizer)
+    if moments:
+        for name, entry in optim_sd["state"].items():
+            shaped = _shaped({m: moments[name][m] for m in MOMENTS}, {m: params[name].shape for m in MOMENTS}, name)
+            entry.update(step=torch.tensor(float(state.step)), **shaped)
+    set_state_dict(model, optimizer, model_state_dict=model.state_dict(), optim_state_dict=optim_sd)
+    (out_dir / "config.toml").write_text(job.to_toml(), encoding="utf-8")
+    scheduler = build_scheduler(optimizer, job.optim, job.train.steps)
+    scheduler.last_epoch = state.global_steps  # training continues the schedule (tessera train OUT_DIR)
+    extra = {
+        "config": job.to_dict(),
+        "model": job.to_dict()["model"],
+        "scheduler": scheduler.state_dict(),
+        "imported_from": {"path": str(ds_path), "family": f"DeepSpeed {state.kind} ({source} names)"},
+    }
+    return Checkpointer(out_dir, keep_last=1).save(state.global_steps, model, optimizer, extra)

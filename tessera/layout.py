@@ -57,6 +57,11 @@ def stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage: str = "")
     return [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]
 
 
+def pipeline_blocks(m: ModelConfig) -> int:
+    """The blocks a pipeline splits into stages: the encoder's then the decoder's for an encoder-decoder."""
+    return m.n_layers + ((m.n_decoder_layers or m.n_layers) if m.arch == "encoder_decoder" else 0)
+
+
 def local_stage_ids(rank: int, pp: int, v: int) -> list[int]:
     """The stage indices a pp rank runs, looped: ``rank + k*pp`` for each of its ``v`` stages."""
     return [rank + k * pp for k in range(v)]
@@ -197,7 +202,7 @@ def _check_pipeline_plan(config: JobConfig) -> None:
         f"parallel.pp_schedule='{schedule}' runs one stage per rank; "
         "set parallel.pp_virtual_stages=1 or use interleaved_1f1b / interleaved_zb",
     )
-    _check_stage_split(p, m.n_layers, p.pp * v)
+    _check_stage_split(p, pipeline_blocks(m), p.pp * v, m.arch == "encoder_decoder")
     _require(
         schedule != "1f1b" or mb >= p.pp,
         f"parallel.pp_schedule='1f1b' needs microbatches >= pp, got parallel.microbatches={mb} with pp={p.pp}",
@@ -213,11 +218,12 @@ def _check_pipeline_plan(config: JobConfig) -> None:
     )
 
 
-def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int) -> None:
+def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int, enc_dec: bool = False) -> None:
+    blocks = "model.n_layers + n_decoder_layers" if enc_dec else "model.n_layers"
     if not p.layers_per_stage:
         _require(
             n_stages <= n_layers,
-            f"{n_stages} pipeline stages (pp={p.pp} x {n_stages // p.pp} per rank) but model.n_layers={n_layers}; "
+            f"{n_stages} pipeline stages (pp={p.pp} x {n_stages // p.pp} per rank) but {blocks}={n_layers}; "
             "every stage needs a block, lower parallel.pp or pp_virtual_stages",
         )
         return
@@ -229,5 +235,5 @@ def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int) -> None:
     _require(
         len(counts) == n_stages and sum(map(int, counts)) == n_layers,
         f"parallel.layers_per_stage={p.layers_per_stage!r} must list {n_stages} stages (pp * virtual stages) "
-        f"summing to model.n_layers={n_layers}",
+        f"summing to {blocks}={n_layers}",
     )

@@ -135,3 +135,41 @@ def test_pipeline_and_data_parallel_cells(tmp_path, cache_dir):
     longer = train(load_config(recipe, [*tied, "checkpoint.every=5", f"train.run_dir={tmp_path}/ref_tied7"])).run_dir
     train(load_config(recipe, [*tied, f"train.run_dir={tmp_path}/pp2_fsdp2_tied"]))
     assert assert_runs_match(tmp_path / "pp2_fsdp2_tied", longer, after=5) == 2
+
+
+T5_RECIPE = "configs/tiny/t5.toml"  # 2 encoder + 2 decoder blocks, tied embeddings, T5 relative bias
+T5_STEPS = [*BASE, "train.seq_len=32", "model.max_seq_len=64", "optim.warmup_steps=2", "train.sample_tokens=0"]
+T5_PP2 = ["parallel.pp=2", "parallel.dp_shard=1", "parallel.microbatches=2"]
+# world size -> name -> (layout, feature overrides shared with its one-process reference). Data parallelism
+# is left out: span corruption draws its noise from the local batch, so a dp split changes the masks.
+T5_PIPELINES = {
+    2: {
+        "pp2": (T5_PP2, []),  # encoder | decoder: the memory crosses one stage boundary
+        "pp2_interleaved": ([*T5_PP2, "parallel.pp_schedule=interleaved_1f1b"], []),  # one block per stage
+        "pp2_split13": ([*T5_PP2, "parallel.layers_per_stage=1,3"], []),  # a stage ends the encoder, runs the decoder
+    },
+    4: {
+        "pp4": (["parallel.pp=4", "parallel.dp_shard=1", "parallel.microbatches=4"], []),
+        # The tied embedding's vocab shards: its gradient on the encoder's stage comes back replicated.
+        "pp2_tp2": ([*T5_PP2[:2], "parallel.tp=2", "parallel.microbatches=2"], []),
+    },
+}
+
+
+@pytest.mark.slow
+def test_encoder_decoder_trains_under_pipeline_parallelism(tmp_path, cache_dir):
+    """Decoder token ids ride through the encoder stages, the memory through the decoder stages
+    (its gradient flows back into the encoder), the tied embedding is summed over its stages."""
+    recipe = tmp_path / "t5.toml"
+    recipe.write_text(load_config(T5_RECIPE, [*T5_STEPS, f"data.cache_dir={cache_dir}"]).to_toml())
+    refs = {}
+    for world, variants in T5_PIPELINES.items():
+        for name, (_, features) in variants.items():
+            key = tuple(features)
+            if key not in refs:
+                refs[key] = train(load_config(recipe, [*features, f"train.run_dir={tmp_path}/ref{len(refs)}"])).run_dir
+        runs = {name: [*layout, *features] for name, (layout, features) in variants.items()}
+        torchrun(world, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(runs))
+    for variants in T5_PIPELINES.values():
+        for name, (_, features) in variants.items():
+            assert assert_runs_match(tmp_path / name, refs[tuple(features)]) == 5, name

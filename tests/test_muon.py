@@ -200,6 +200,9 @@ def _max_logits(q, k, scale, ctx) -> torch.Tensor:
         (["optim.muon_ns_steps=0"], r"optim.muon_ns_steps must be in \[1, 99\]"),
         (["optim.muon_momentum=1.0"], r"optim.muon_momentum must be in \[0, 1\)"),
         (["optim.name=lion"], "optim.name"),
+        (["optim.name=muon", "parallel.engine=deepspeed"], "optim.name='muon' needs parallel.engine='torch'"),
+        (["optim.state_dtype=bf16", "parallel.engine=deepspeed"], "optim.state_dtype='bf16' needs parallel.engine"),
+        (["optim.qk_clip_threshold=5", "parallel.engine=deepspeed"], "qk_clip_threshold needs parallel.engine"),
     ],
 )
 def test_optimizer_config_errors(overrides, message):

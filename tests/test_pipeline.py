@@ -59,6 +59,42 @@ def test_stages_chain_to_the_full_model(overrides):
     assert isinstance(local0, type(full)) and isinstance(stages1[-1], type(full))  # same type, stage forward
 
 
+T5 = ["model.arch=encoder_decoder", "model.sentinel_tokens=8", "model.position.kind=t5_bias"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.pp_schedule=gpipe"],  # encoder | decoder
+        ["parallel.pp_schedule=gpipe", "parallel.layers_per_stage=3,5"],  # a stage ends the encoder, starts the decoder
+        ["parallel.pp_schedule=interleaved_1f1b", "parallel.microbatches=2", "model.n_decoder_layers=2"],
+    ],
+)
+def test_encoder_decoder_stages_carry_decoder_ids_and_memory(overrides):
+    """Stages take the encoder blocks, then the decoder's: (hidden, decoder ids) flow through the
+    encoder stages, (memory, decoder hidden) through the decoder stages; chained, they give the logits."""
+    cfg = _config("parallel.pp=2", *T5, "model.tie_embeddings=true", *overrides)
+    torch.manual_seed(0)
+    full = build_model(cfg.model).eval()
+    enc, dec = torch.randint(0, 500, (2, 16)), torch.randint(0, 500, (2, 12))
+    with torch.no_grad():
+        want = full(enc, dec)
+    v = 2 if "interleaved" in cfg.parallel.pp_schedule else 1
+    stages = {}
+    for rank in range(2):
+        local, own, _ = split_model(full, cfg, local_stage_ids(rank, 2, v))
+        stages.update(zip(local_stage_ids(rank, 2, v), own))
+        assert set(local.state_dict()) <= set(full.state_dict())
+    last = stages[max(stages)]
+    assert stages[0].decoder is None and stages[0].output is None and last.output is not None
+    assert (last.encoder is not None) == ("3,5" in cfg.parallel.layers_per_stage)  # the mixed stage holds both
+    out = (enc, dec)
+    with torch.no_grad():
+        for s in sorted(stages):
+            out = stages[s](*out)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [
@@ -71,7 +107,7 @@ def test_stages_chain_to_the_full_model(overrides):
         (["parallel.pp=2", "parallel.layers_per_stage=2,1"], "summing to model.n_layers=4"),
         (["parallel.pp=2", "parallel.layers_per_stage=4,0"], "positive block counts"),
         (["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=4", "train.batch_size=4"], "not divisible by the data-parallel degree 2 x parallel.microbatches=4"),
-        (["parallel.pp=2", "model.arch=encoder_decoder", "model.sentinel_tokens=8"], "encoder-decoder with pp"),
+        (["parallel.pp=16", *T5], "but model.n_layers + n_decoder_layers=8"),
     ],
 )
 def test_impossible_pipeline_plans_fail_at_config_time(overrides, fragment):

@@ -124,11 +124,14 @@ def test_shape_of_a_full_size_recipe_matches_its_published_size():
 
 
 def test_enumeration_follows_the_compatibility_matrix(monkeypatch):
-    """Only layouts the matrix allows: no pp for an encoder-decoder; ep is allowed, cp appears once the matrix allows it."""
+    """Only layouts the matrix allows: pp for an encoder-decoder until the matrix refuses it; ep is allowed,
+    cp appears once the matrix allows it."""
     from tessera import compat
     from tessera.plan.layouts import candidate_layouts
 
     t5 = load_config("configs/tiny/t5.toml", ["train.batch_size=8"])
+    assert any(lay.pp > 1 for lay in candidate_layouts(t5, 4, 8))  # issue 15: encoder-decoder pipelines
+    monkeypatch.setitem(compat.UNSUPPORTED, "encoder-decoder", {"pp": "refused for this test"})
     layouts = list(candidate_layouts(t5, 4, 8))
     assert all(lay.pp == 1 for lay in layouts) and any(lay.tp > 1 for lay in layouts)
     moe = load_config("configs/tiny/mixtral.toml", ["train.batch_size=8", "parallel.tp=1"])

@@ -163,10 +163,10 @@ def _weights(ckpt: Path) -> list[torch.Tensor]:
 
 def _nan_loss_on(monkeypatch, steps: set[int]) -> None:
     """Make the training loss NaN on the given optimizer steps (1-based; evaluation untouched)."""
-    real = trainer_module.lm_loss
+    real = trainer_module.Trainer._loss
     calls = {"n": 0}
 
-    def lm_loss(*args, **kwargs):
+    def loss_with_nans(*args, **kwargs):
         loss = real(*args, **kwargs)
         if torch.is_grad_enabled():
             calls["n"] += 1
@@ -174,7 +174,7 @@ def _nan_loss_on(monkeypatch, steps: set[int]) -> None:
                 return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(trainer_module, "lm_loss", lm_loss)
+    monkeypatch.setattr(trainer_module.Trainer, "_loss", loss_with_nans)
 
 
 def test_skip_leaves_weights_and_schedule_alone_and_stops_after_n_in_a_row(tiny_config, monkeypatch):

@@ -134,7 +134,17 @@ def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str
     if not is_hf_dir(path):
         raise HFConversionError(f"'{path}' is not an HF model directory (no config.json with a model_type)")
     hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    tensors = _read_tensors(path)
+    return state_from_hf(hf_config, _read_tensors(path), path / "config.json")
+
+
+def state_from_hf(
+    hf_config: dict[str, Any], tensors: dict[str, torch.Tensor], source: str | Path = "config.json"
+) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    """(ModelConfig, tessera state dict, family) of HF-named tensors and their config.json as a dict.
+
+    The mapping only moves, transposes, splits and stacks tensors, so it also maps tensors laid
+    out like the weights (e.g. Adam moments).
+    """
     if hf_config.get("model_type") == "t5":
         head = tensors.get("lm_head.weight")
         hf_config["tie_word_embeddings"] = head is None or torch.equal(head, tensors["shared.weight"])
@@ -142,8 +152,7 @@ def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str
         cfg, family = config_from_hf(hf_config)
     except KeyError as err:
         raise HFConversionError(
-            f"'{path / 'config.json'}' lacks the key {err} that a {hf_config.get('model_type')} config needs; fix or "
-            "re-download it"
+            f"'{source}' lacks the key {err} that a {hf_config.get('model_type')} config needs; fix or re-download it"
         ) from None
     spec = FAMILIES[family]
     if family == "gpt2" and "wte.weight" in tensors:  # original OpenAI-format files lack the prefix

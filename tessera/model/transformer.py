@@ -36,6 +36,18 @@ from tessera.model.position import (
 
 _RESIDUAL_OUT = ("o_proj", "down_proj")
 
+# ``output_fn(h, output)``: what a caller computes from the final hidden states and the output head
+# instead of the logits ``output(h)``; a training loss passes one that fuses the head into the
+# loss, so the (tokens x vocab) logits never exist whole (tessera.train.loss.FusedHeadLoss).
+OutputFn = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
+
+
+def apply_output(h: torch.Tensor, output: nn.Linear | None, output_fn: OutputFn | None) -> torch.Tensor:
+    """``output_fn(h, output)``, or the logits ``output(h)``; ``h`` itself when the head is absent."""
+    if output is None:
+        return h
+    return output(h) if output_fn is None else output_fn(h, output)
+
 
 class Stack(nn.Module):
     """Absolute positions (if any), ``n_layers`` blocks and, for pre-norm, the final norm."""
@@ -235,14 +247,16 @@ class Decoder(Stack):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         moe_log: MoELog | None = None,
+        output_fn: OutputFn | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab). With ``caches``, queries start at position ``start``; ``positions``
         (B, T) overrides position ids; ``document_ids`` (B, T) blocks attention across documents;
-        ``moe_log`` collects MoE routing stats. Without an embedding ``tokens`` are hidden states,
-        without a head the result is (pipeline stages)."""
+        ``moe_log`` collects MoE routing stats; ``output_fn(h, self.output)`` replaces ``self.output(h)``
+        (see :data:`OutputFn`). Without an embedding ``tokens`` are hidden states, without a head the
+        result is (pipeline stages)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         h = self.hidden_states(h, caches, start, positions, document_ids, moe_log=moe_log)
-        return self.output(h) if self.output is not None else h
+        return apply_output(h, self.output, output_fn)
 
     def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
         """One empty KV cache per layer, sized for ``max_len`` positions."""
@@ -309,10 +323,12 @@ class Encoder(Stack):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         moe_log: MoELog | None = None,
+        output_fn: OutputFn | None = None,
     ) -> torch.Tensor:
-        """Masked-LM logits (B, T, vocab) (hidden states when the head is absent: pipeline stages)."""
+        """Masked-LM logits (B, T, vocab) (hidden states when the head is absent: pipeline stages);
+        ``output_fn`` as in :meth:`Decoder.forward`."""
         h = self.encode(tokens, token_type_ids, positions, document_ids, moe_log)
-        return self.output(self.head(h)) if self.output is not None else h
+        return apply_output(self.head(h), self.output, output_fn) if self.output is not None else h
 
 
 class EncoderDecoder(nn.Module):
@@ -344,20 +360,48 @@ class EncoderDecoder(nn.Module):
         caches: list[LayerCache] | None = None,
         start: int = 0,
         moe_log: MoELog | None = None,
+        output_fn: OutputFn | None = None,
     ) -> torch.Tensor:
-        """Decoder logits (B, T, vocab) given the encoder ``memory``."""
+        """Decoder logits (B, T, vocab) given the encoder ``memory``; ``output_fn`` as in :meth:`Decoder.forward`."""
         h = self.decoder.hidden_states(
             self.tok_embeddings(decoder_input_ids), caches, start, memory=memory, moe_log=moe_log
         )
         if self.cfg.output_dim_scale:
             h = h * self.cfg.dim**-0.5
-        return self.output(h)
+        return apply_output(h, self.output, output_fn)
 
     def forward(
-        self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, *, moe_log: MoELog | None = None
-    ) -> torch.Tensor:
-        """Logits (B, T, vocab) of ``decoder_input_ids`` conditioned on ``input_ids``."""
-        return self.decode(decoder_input_ids, self.encode(input_ids, moe_log), moe_log=moe_log)
+        self,
+        input_ids: torch.Tensor,
+        decoder_input_ids: torch.Tensor,
+        *,
+        moe_log: MoELog | None = None,
+        output_fn: OutputFn | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, T, vocab) of ``decoder_input_ids`` conditioned on ``input_ids``.
+
+        Parts may be absent (a pipeline stage); floating inputs are then hidden states, integer
+        ones token ids. With encoder blocks, ``input_ids`` (token ids or the encoder's hidden
+        states) runs through them (and the encoder's final norm where present, making it the
+        memory); without, ``input_ids`` is the memory. Without decoder blocks the result is
+        ``(encoder hidden states or memory, decoder_input_ids)``; with them,
+        ``decoder_input_ids`` (token ids or the decoder's hidden states) runs through them,
+        cross-attending to the memory, and the result is ``(memory, hidden states)``, or the
+        logits where the head is present (``output_fn`` as in :meth:`Decoder.forward`).
+        """
+        source, target = input_ids, decoder_input_ids
+        if self.encoder is not None:
+            h = source if source.is_floating_point() else self.tok_embeddings(source)
+            source = self.encoder.hidden_states(h, moe_log=moe_log)
+        if self.decoder is None:
+            return source, target
+        h = target if target.is_floating_point() else self.tok_embeddings(target)
+        h = self.decoder.hidden_states(h, memory=source, moe_log=moe_log)
+        if self.output is None:
+            return source, h
+        if self.cfg.output_dim_scale:
+            h = h * self.cfg.dim**-0.5
+        return apply_output(h, self.output, output_fn)
 
     def new_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
         """Decoder self-attention caches."""

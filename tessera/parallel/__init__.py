@@ -35,6 +35,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.M
     apply_activation_checkpointing(block_containers(model), p.activation_checkpoint, p.ac_every)
     if p.compile:
         apply_compile(block_containers(model))
+    if p.engine == "deepspeed":  # deepspeed.initialize partitions it (tessera/parallel/deepspeed.py)
+        return model
     if uses_fsdp(dims):
         mesh = dims.submesh("hsdp") or dims.submesh("fsdp")
         experts = (dims.submesh("ehsdp") or dims.submesh("efsdp"), dims.dp * dims.cp) if ep_mesh is not None else None

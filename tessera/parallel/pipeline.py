@@ -40,7 +40,14 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Shard
 
 from tessera.config import ConfigError, JobConfig
-from tessera.layout import MULTI_STAGE_SCHEDULES, local_stage_ids, microbatches, stage_layer_counts, virtual_stages
+from tessera.layout import (
+    MULTI_STAGE_SCHEDULES,
+    local_stage_ids,
+    microbatches,
+    pipeline_blocks,
+    stage_layer_counts,
+    virtual_stages,
+)
 from tessera.model import MoELog, build_model, moe_loss
 from tessera.parallel.shared import (
     SharedParameter,
@@ -91,6 +98,10 @@ class StageHooks:
     them to the model. After: the MoE losses of the forward are attached to the output (with
     gradient ``aux_scale``) and recorded for the reported loss; hidden states leave the stage as
     plain tensors, followed by the positions and document ids for the next stage.
+
+    An encoder-decoder (``vocab_size`` set) carries its own tensors: every stage passes its inputs
+    to the model as they come and sends on what the model returns (hidden states or the memory,
+    and the decoder's token ids or hidden states, see ``EncoderDecoder.stage_forward``).
     """
 
     first: bool
@@ -103,6 +114,7 @@ class StageHooks:
     logs: list[MoELog] = field(default_factory=list)  # this step's training forwards' MoE stats
     _log: MoELog = field(default_factory=MoELog)
     _extras: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) of the micro-batch in flight
+    vocab_size: int = 0  # an encoder-decoder's: its stages carry token ids and the memory themselves
 
     def install(self, stage: nn.Module) -> None:
         """Register the hooks on ``stage`` (after it is parallelized)."""
@@ -110,6 +122,9 @@ class StageHooks:
         stage.register_forward_hook(self._after)
 
     def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        if self.vocab_size:
+            self._log = MoELog()
+            return tuple(self._received(a) for a in args) if not self.first else args, {**kwargs, "moe_log": self._log}
         x = args[0]
         if self.first:
             extras = tuple(kwargs[k] for k in _DOCUMENT_KEYS if kwargs.get(k) is not None)
@@ -123,16 +138,31 @@ class StageHooks:
         self._log, self._extras = MoELog(), extras
         return (x,), {**kwargs, "moe_log": self._log}
 
-    def _after(self, _module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> Any:
-        log, self._log = self._log, MoELog()
-        aux = moe_loss(log)
+    def _received(self, x: torch.Tensor) -> torch.Tensor:
+        """An encoder-decoder stage's input from the previous stage, as its model reads it."""
+        if not x.is_floating_point():  # torch's shape inference runs a stage on uninitialized buffers
+            return x.clamp(0, self.vocab_size - 1)
+        return DTensor.from_local(x, self.sp_mesh, (Shard(1),), run_check=False) if self.sp_mesh is not None else x
+
+    def _after(self, _module: nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
+        if self.vocab_size and not self.last:  # (hidden states or memory, decoder token ids or hidden states)
+            out = tuple(t.to_local() if isinstance(t, DTensor) else t for t in out)
+            hidden = len(out) - 1 if out[-1].is_floating_point() else 0
+            return (*out[:hidden], self._with_aux(out[hidden]), *out[hidden + 1 :])
         if not self.last and isinstance(out, DTensor):
             out = out.to_local()
+        out = self._with_aux(out)
+        return (out, *self._extras) if self._extras and not self.last else out
+
+    def _with_aux(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` with the forward's MoE losses attached (recorded when training)."""
+        log, self._log = self._log, MoELog()
+        aux = moe_loss(log)
         if aux is not None and torch.is_grad_enabled():
             self.logs.append(log)
             self.aux_losses.append(aux.detach() * self.aux_scale)
             out = _AttachAux.apply(out, aux, self.aux_scale * self.grad_scale)
-        return (out, *self._extras) if self._extras and not self.last else out
+        return out
 
 
 def stage_model(
@@ -140,13 +170,16 @@ def stage_model(
 ) -> nn.Module:
     """A model of ``full``'s class holding its modules for blocks ``keys`` (shared, not copied);
     the embedding parts only on the first stage, the final norm and head only on the last (or
-    where ``keep`` names them)."""
+    where ``keep`` names them). An encoder-decoder's keys count the encoder's blocks, then the decoder's."""
     with torch.device("meta"):
         part = build_model(config.model)
+    stacks = {name: getattr(part, name) for name in ("encoder", "decoder") if hasattr(part, name)}
     for name, child in full.named_children():
         setattr(part, name, child)
     for name, buf in full.named_buffers(recurse=False):
         setattr(part, name, buf)
+    if config.model.arch == "encoder_decoder":
+        return _encoder_decoder_stage(full, part, stacks, config.model.n_layers, keys, keep)
     part.layers = nn.ModuleDict({k: full.layers[k] for k in keys})
     absent = (_FIRST_STAGE_PARTS if not first else ()) + (_LAST_STAGE_PARTS if not last else ())
     for name in absent:
@@ -155,11 +188,55 @@ def stage_model(
     return part
 
 
+def _encoder_decoder_stage(
+    full: nn.Module,
+    part: nn.Module,
+    stacks: dict[str, nn.Module],
+    n_encoder: int,
+    keys: list[str],
+    keep: frozenset[str],
+) -> nn.Module:
+    """``part`` (holding ``full``'s children; ``stacks``: its own encoder and decoder, built on meta)
+    as the stage of ``full`` running blocks ``keys``: its encoder and decoder hold only their blocks
+    of the stage (None without any), each stack's embedding parts where its first block is and its
+    final norm where its last is; the shared token embedding wherever a stack starts, the head
+    with the decoder's last block."""
+    blocks = [int(k) for k in keys]
+    encoder = [str(i) for i in blocks if i < n_encoder]
+    decoder = [str(i - n_encoder) for i in blocks if i >= n_encoder]
+    part.encoder = _stack_part(full.encoder, stacks["encoder"], encoder)
+    part.decoder = _stack_part(full.decoder, stacks["decoder"], decoder)
+    starts = "0" in encoder or "0" in decoder
+    ends = str(len(full.decoder.layers) - 1) in decoder
+    if not starts and "tok_embeddings" not in keep:
+        part.tok_embeddings = None
+    if not ends and "output" not in keep:
+        part.output = None
+    return part
+
+
+def _stack_part(full: nn.Module, part: nn.Module, keys: list[str]) -> nn.Module | None:
+    """``part`` (built on meta) holding ``full``'s modules for blocks ``keys``, or None without any."""
+    if not keys:
+        return None
+    for name, child in full.named_children():
+        setattr(part, name, child)
+    for name, buf in full.named_buffers(recurse=False):
+        setattr(part, name, buf)
+    part.layers = nn.ModuleDict({k: full.layers[k] for k in keys})
+    if "0" not in keys:
+        for name in ("pos_embeddings", "embed_norm", "embed_dropout"):
+            setattr(part, name, None)
+    if str(len(full.layers) - 1) not in keys:
+        part.norm = None
+    return part
+
+
 def _stage_keys(config: JobConfig) -> list[list[str]]:
-    """The block keys of every stage."""
+    """The block keys of every stage (an encoder-decoder's count the encoder's blocks, then the decoder's)."""
     p = config.parallel
     n_stages = p.pp * virtual_stages(p)
-    counts = stage_layer_counts(config.model.n_layers, n_stages, p.layers_per_stage)
+    counts = stage_layer_counts(pipeline_blocks(config.model), n_stages, p.layers_per_stage)
     bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
     return [[str(i) for i in range(bounds[s], bounds[s + 1])] for s in range(n_stages)]
 
@@ -182,8 +259,8 @@ def split_model(
     return local, [every[s] for s in stage_ids], shared
 
 
-def _scalar(t: torch.Tensor) -> float:
-    return float((t.full_tensor() if isinstance(t, DTensor) else t).detach())
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double()
 
 
 @dataclass
@@ -191,7 +268,7 @@ class _Targets:
     """What the loss function needs for one pipeline step."""
 
     masked: bool
-    denominator: float
+    denominator: float | torch.Tensor
     label_smoothing: float
     scale: float = 1.0  # the fp16 loss scale (1 otherwise)
 
@@ -230,7 +307,7 @@ class Pipeline:
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         labels, mask = (target[..., 0], target[..., 1].bool()) if self._targets.masked else (target, None)
-        count = labels.numel() if mask is None else int(mask.sum())
+        count = labels.numel() if mask is None else mask.sum().double()  # a tensor: no host sync
         loss = self._loss_fn(output, labels, self._targets.label_smoothing, mask)
         return loss * (count / self._targets.denominator * self._targets.scale)
 
@@ -243,7 +320,7 @@ class Pipeline:
         train: bool,
         model_kwargs: dict[str, torch.Tensor] | None = None,
         loss_scale: float = 1.0,
-    ) -> float:
+    ) -> torch.Tensor:
         smoothing = self.label_smoothing if train else 0.0
         self._targets = _Targets(loss_mask is not None, denominator, smoothing, loss_scale)
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
@@ -260,10 +337,12 @@ class Pipeline:
             self.schedule.eval(*inputs, **kwargs)
         # The first step's shape inference runs one extra forward per stage: count the schedule's own.
         aux = [a for hooks in self.hooks for a in hooks.aux_losses[-self.microbatches :]]
-        local = sum(_scalar(loss) for loss in losses) / self._targets.scale + sum(float(a) for a in aux)
-        total = torch.tensor([local], dtype=torch.float64, device=labels.device)
-        dist.all_reduce(total, group=self.pp_group)
-        return total.item()
+        scale = self._targets.scale
+        parts = [_local(loss) / scale for loss in losses] + [a.detach().double() for a in aux]
+        total = torch.stack(parts).sum().reshape(1) if parts else torch.zeros(1, dtype=torch.float64)
+        total = total.to(labels.device)
+        dist.all_reduce(total, group=self.pp_group)  # a tensor: the trainer reads it with the step's one sync
+        return total[0]
 
     def moe_logs(self) -> list[MoELog]:
         """The MoE stats of the last step's training forwards on this rank's stages."""
@@ -277,17 +356,18 @@ class Pipeline:
         grad_accum: int,
         model_kwargs: dict[str, torch.Tensor] | None = None,
         loss_scale: float = 1.0,
-    ) -> float:
+    ) -> torch.Tensor:
         """Forward and backward of one local batch through the pipeline; returns its loss / grad_accum.
 
-        The number is the same on every pp rank (the last stage's losses plus every stage's
-        MoE losses, summed over the pp group). ``loss_scale`` (fp16) multiplies every gradient,
-        as the grad scaler's ``scale(loss)`` does outside a pipeline; the returned loss is unscaled.
+        The number (a float64 scalar tensor, not read here) is the same on every pp rank (the last
+        stage's losses plus every stage's MoE losses, summed over the pp group). ``loss_scale`` (fp16)
+        multiplies every gradient, as the grad scaler's ``scale(loss)`` does outside a pipeline; the
+        returned loss is unscaled.
         """
         for hooks in self.hooks:
             hooks.aux_scale, hooks.grad_scale = 1.0 / (grad_accum * self.microbatches), loss_scale
-        tokens = labels.numel() if loss_mask is None else int(loss_mask.sum())
-        return self._run(args, labels, loss_mask, max(tokens, 1) * grad_accum, True, model_kwargs, loss_scale)
+        tokens = labels.numel() if loss_mask is None else loss_mask.sum().clamp(min=1)
+        return self._run(args, labels, loss_mask, tokens * grad_accum, True, model_kwargs, loss_scale)
 
     def reduce_shared_grads(self) -> None:
         """Sum the gradients of parameters used on several pp ranks (before clipping and stepping)."""
@@ -310,7 +390,7 @@ class Pipeline:
                 f"an evaluation batch of {labels.shape[0]} sequences per rank is not divisible by "
                 f"parallel.microbatches={self.microbatches}; raise train.eval_batches or the validation split"
             )
-        return self._run(args, labels, loss_mask, 1.0, False, model_kwargs)
+        return self._run(args, labels, loss_mask, 1.0, False, model_kwargs).item()
 
 
 def build_pipeline(
@@ -339,6 +419,8 @@ def build_pipeline(
             warnings.filterwarnings("ignore", message="Parallelize plan key")
             stage = parallelize_stage(stage)
         hooks = StageHooks(stage_id == 0, stage_id == n_stages - 1, config.model.max_seq_len, sp_mesh)
+        if config.model.arch == "encoder_decoder":
+            hooks.vocab_size = config.model.vocab_size
         hooks.install(stage)
         stages.append((stage_id, stage, hooks))
     tie_local_uses(shared, local)

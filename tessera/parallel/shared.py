@@ -74,9 +74,14 @@ def tie_local_uses(shared: list[SharedParameter], local: nn.Module) -> None:
 def reduce_shared_grads(shared: list[SharedParameter]) -> None:
     """Sum each shared parameter's gradient over the ranks that hold a copy."""
     for param in shared:
-        grad = param.live().grad
-        if grad is not None and param.group is not None:
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=param.group)
+        live = param.live()
+        grad = live.grad
+        if grad is None or param.group is None:
+            continue
+        if isinstance(grad, DTensor) and grad.placements != live.placements:
+            # A vocab-sharded embedding's gradient comes back replicated: its copies must hold the same shard.
+            grad = live.grad = grad.redistribute(live.device_mesh, live.placements)
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=param.group)
 
 
 def norm_duplicates(shared: list[SharedParameter], pp_rank: int) -> list[torch.Tensor]:

@@ -152,7 +152,8 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
 
 def _stacks(model: nn.Module) -> list[nn.Module]:
     """The block stacks of a zoo model: itself (decoder, encoder) or its encoder and decoder."""
-    return [model.encoder, model.decoder] if hasattr(model, "encoder") else [model]
+    stacks = [model.encoder, model.decoder] if hasattr(model, "encoder") else [model]
+    return [stack for stack in stacks if stack is not None]  # a pipeline stage may lack one
 
 
 def _embeds_before_blocks(model: nn.Module) -> bool:

@@ -200,6 +200,21 @@ class Checkpointer:
         directory; rank 0 then writes ``meta.json`` and renames it. A failed write (a full disk)
         removes the ``.tmp`` and leaves the previous checkpoint the newest.
         """
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return self.save_state(step, model_sd, optim_sd["state"], optim_sd["param_groups"], extra)
+
+    def save_state(
+        self,
+        step: int,
+        model_state: dict[str, Any],
+        optim_state: dict[str, Any],
+        param_groups: list[dict[str, Any]],
+        extra: dict[str, Any],
+    ) -> Path:
+        """:meth:`save` of state dicts in DCP's naming (an engine that is not a torch optimizer builds them).
+
+        A rank may hold only some keys (each key's full value on one rank, or shards on several).
+        """
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
         if self.is_main:
@@ -207,9 +222,8 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        tensors = {"model": model_sd, "optim": optim_sd["state"], "rng": _rng_state()}
-        param_groups = _gather_param_groups(_to_json(optim_sd["param_groups"]))
+        tensors = {"model": model_state, "optim": optim_state, "rng": _rng_state()}
+        param_groups = _gather_param_groups(_to_json(param_groups))
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -257,21 +271,7 @@ class Checkpointer:
         tensors: dict[str, Any] = {"model": model_sd, "rng": _rng_state()}
         if optim_sd is not None:
             tensors["optim"] = optim_sd["state"]
-        reader = SafeFileSystemReader(str(path))
-        try:
-            reader.read_metadata()
-        except (OSError, EOFError, pickle.UnpicklingError) as err:
-            raise CheckpointError(
-                f"checkpoint '{path}' has unreadable DCP metadata ({err}); resume from another checkpoint"
-            ) from None
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(tensors, storage_reader=reader, planner=_WeightsOnlyLoadPlanner())
-        except (CheckpointException, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
-            raise CheckpointError(
-                f"checkpoint '{path}' does not fit this model or is damaged: {_first_failure(err)}"
-            ) from None
+        load_tensors(path, tensors)
         if optim_sd is not None:
             full = {"state": tensors["optim"], "param_groups": _param_groups_from_json(meta["optim_param_groups"])}
             set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=full)
@@ -280,6 +280,32 @@ class Checkpointer:
         if restore_rng:
             _set_rng_state(tensors["rng"])
         return meta
+
+
+def load_tensors(path: str | Path, tensors: dict[str, Any]) -> None:
+    """Fill ``tensors`` (any subset of a checkpoint's keys, shaped as wanted) in place from checkpoint ``path``."""
+    reader = SafeFileSystemReader(str(path))
+    try:
+        reader.read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError) as err:
+        raise CheckpointError(
+            f"checkpoint '{path}' has unreadable DCP metadata ({err}); resume from another checkpoint"
+        ) from None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, storage_reader=reader, planner=_WeightsOnlyLoadPlanner())
+    except (CheckpointException, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
+        raise CheckpointError(
+            f"checkpoint '{path}' does not fit this model or is damaged: {_first_failure(err)}"
+        ) from None
+
+
+def load_rng_state(path: str | Path) -> None:
+    """Set this process's RNG states to those saved in checkpoint ``path``."""
+    tensors = {"rng": _rng_state()}
+    load_tensors(path, tensors)
+    _set_rng_state(tensors["rng"])
 
 
 def _gather_param_groups(groups: list[dict]) -> list[dict]:

@@ -48,14 +48,14 @@ class ParallelContext:
         """``loss_parallel`` when the head's logits are vocab-sharded (tensor parallelism)."""
         return loss_parallel() if self.tp_enabled else contextlib.nullcontext()
 
-    def mean_over_dp(self, value: float) -> float:
-        """Average a per-rank number over the data-parallel ranks (for logging)."""
+    def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        """Average a per-rank scalar tensor over the data-parallel ranks (no host sync)."""
         mesh = self.dims.submesh("dp")
         if mesh is None:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        t = value.detach().clone().reshape(1)
         dist.all_reduce(t, group=mesh.get_group())
-        return t.item() / mesh.size()
+        return t[0] / mesh.size()
 
     def sum_over_dp(self, values: list[float]) -> list[float]:
         """Sum per-rank numbers over the data-parallel ranks."""
@@ -111,6 +111,11 @@ def scalar(value: torch.Tensor) -> float:
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return value.item()
+
+
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a tensor or a replicated DTensor (loss parallelism), without a host sync."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def add_replicated(loss: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from tessera.config import ConfigError, JobConfig
 from tessera.data.objectives import Objective
@@ -31,11 +29,13 @@ from tessera.train.preemption import PreemptionGuard
 from tessera.train.qk_clip import QKClip
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
-from tessera.parallel import clip_grad_norm
+from tessera.parallel.grads import clip_grads, global_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.parallel.init import shard_seeds
 from tessera.parallel.scaler import build_grad_scaler
-from tessera.train.distributed import add_replicated, scalar, setup_parallel, teardown_parallel
+from tessera.train.distributed import add_replicated, local_value, scalar, setup_parallel, teardown_parallel
+from tessera.train.engine import build_engine
+from tessera.train.loss import FusedHeadLoss, lm_loss
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,19 +49,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, loss_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Mean next-token cross-entropy in float32, over the positions where ``loss_mask`` (B, T) is true."""
-    if loss_mask is None:
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing)
-    losses = F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=label_smoothing, reduction="none"
-    )
-    mask = loss_mask.flatten().float()
-    if isinstance(losses, DTensor):  # loss parallelism: the per-token losses are replicated over tp
-        mask = DTensor.from_local(mask, losses.device_mesh, losses.placements, run_check=False)
-    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+MicroBatch = tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor, "torch.Tensor | None"]
+
+
+def on_device(parts: MicroBatch, device: torch.device) -> MicroBatch:
+    """An objective's (args, kwargs, labels, loss_mask) moved to ``device``."""
+    args, kwargs, labels, loss_mask = parts
+    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    return tuple(map(move, args)), {k: move(v) for k, v in kwargs.items()}, move(labels), move(loss_mask)
 
 
 def resolve_resume(config: JobConfig) -> Path | None:
@@ -114,10 +109,15 @@ class Trainer:
         self.model = self._build_model()
         self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
-        self.optimizer = build_optimizer(self.model, config.optim)
+        self.engine = build_engine(config, self.model, self.parallel)  # DeepSpeed (train/engine.py), or None: torch
+        if self.engine is None:
+            self.optimizer = build_optimizer(self.model, config.optim)
+            self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
+        else:
+            self.model, self.optimizer, self.scheduler = self.engine.model, self.engine.optimizer, self.engine.scheduler
         self.qk_clip = QKClip.attach(self.model, self.optimizer, config.optim.qk_clip_threshold)  # None when off
-        self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
-        self.scaler = build_grad_scaler(self.device, self.dtype == torch.float16, self.parallel.env.is_distributed)
+        fp16_scaler = self.dtype == torch.float16 and self.engine is None  # DeepSpeed scales fp16 losses itself
+        self.scaler = build_grad_scaler(self.device, fp16_scaler, self.parallel.env.is_distributed)
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint.keep_last, is_main=self.parallel.is_main)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
@@ -182,21 +182,28 @@ class Trainer:
         The config's optimizer hyper-parameters and schedule win over the checkpoint's; returns a line
         naming the resolved keys that changed since the checkpoint ("" when none did).
         """
-        saved = read_meta(path, required=("step", "model", "config", "scheduler", "loader", "optim_param_groups"))
+        imported = "imported_from" in read_meta(path)  # convert deepspeed-import: a schedule but no data position
+        keys = ("step", "model", "config", "scheduler", "optim_param_groups") + (() if imported else ("loader",))
+        saved = read_meta(path, required=keys)
         if saved["model"] != self.config.to_dict()["model"]:
             raise CheckpointError(
                 f"checkpoint '{path}' was trained with a different [model] section; resume with the same model config "
                 "or start a new train.run_dir"
             )
         changes = config_changes(saved["config"], self.config)
-        check_resumable(changes, path)
-        check_optimizer_unchanged(changes, path)
+        if not imported:
+            check_resumable(changes, path)
+            check_optimizer_unchanged(changes, path)
         fresh_groups = [dict(group) for group in self.optimizer.param_groups]
-        meta = self.checkpointer.load(path, self.model, self.optimizer)
+        if self.engine is not None:
+            meta = self.engine.load(path)
+        else:
+            meta = self.checkpointer.load(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(meta["scheduler"])
         keep_config_hyperparameters(self.optimizer, self.scheduler, fresh_groups)
         try:
-            self.data.train.load_state_dict(meta["loader"])
+            if not imported:
+                self.data.train.load_state_dict(meta["loader"])
         except DataError as err:
             changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items() if k.startswith("data."))
             raise DataError(f"{err}{f' (changed: {changed})' if changed else ''}") from None
@@ -211,6 +218,8 @@ class Trainer:
             "model": self.config.to_dict()["model"],
             "config": self.config.to_dict(),
         }
+        if self.engine is not None:
+            return self.engine.save(self.checkpointer, self.step, extra)
         return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
 
     def _pipeline_loss_scale(self) -> float:
@@ -220,49 +229,102 @@ class Trainer:
         self.scaler.scale(torch.zeros((), device=self.device))  # initializes the scaler's state on first use
         return float(self.scaler.get_scale())
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over ``grad_accum`` micro-batches; returns its metrics."""
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over ``grad_accum`` micro-batches; returns its metrics.
+
+        Without MoE the host waits for the device once per optimizer step: the loss and the gradient
+        norm are read together for the non-finite guard and clipping.
+        """
         cfg = self.config
-        total_loss = 0.0
+        accum = cfg.train.grad_accum
+        losses: list[torch.Tensor] = []  # per micro-batch, divided by grad_accum, detached
         moe_logs: list[MoELog] = []
-        for _ in range(cfg.train.grad_accum):
-            batch = self.data.train.next_batch().to(self.device)
-            args, kwargs, labels, loss_mask = self.objective(batch)
+        for _ in range(accum):
+            args, kwargs, labels, loss_mask = self._micro_batch()
             if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
                     scale = self._pipeline_loss_scale()
-                    total_loss += self.pipeline.step(args, labels, loss_mask, cfg.train.grad_accum, kwargs, scale)
+                    losses.append(self.pipeline.step(args, labels, loss_mask, accum, kwargs, scale))
                 continue
             moe_logs.append(MoELog())
-            with self.parallel.loss_context():
-                with self._autocast():
-                    logits = self.model(*args, **kwargs, moe_log=moe_logs[-1])
-                loss = lm_loss(logits, labels, cfg.train.label_smoothing, loss_mask)
-                aux = moe_loss(moe_logs[-1])  # MoE load-balancing and router z-losses (None without MoE)
-                loss = (loss if aux is None else add_replicated(loss, aux)) / cfg.train.grad_accum
-                self.scaler.scale(loss).backward()
-            total_loss += scalar(loss)
+            with self._loss_context():
+                loss = self._loss(args, kwargs, labels, loss_mask, cfg.train.label_smoothing, moe_logs[-1]) / accum
+                if self.engine is not None:
+                    self.engine.backward(loss)
+                else:
+                    self.scaler.scale(loss).backward()
+            losses.append(local_value(loss.detach()))
+        if self.engine is not None:
+            return self._engine_step(self.parallel.mean_over_dp(torch.stack(losses).sum()).item(), moe_logs)
         self.scaler.unscale_(self.optimizer)
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         skip = ()
         if self.pipeline is not None:  # parameters used on several pp ranks: gradients summed, counted once
             self.pipeline.reduce_shared_grads()
             skip = self.pipeline.norm_duplicates()
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.parallel.pp_mesh, skip)
+        grad_norm = global_grad_norm(self.model.parameters(), self.parallel.pp_mesh, skip)
+        loss = self.parallel.mean_over_dp(torch.stack([x.double() for x in losses]).sum())
+        loss_value, norm_value = torch.stack([loss, grad_norm.double()]).tolist()  # the step's one host sync
         lr = self.scheduler.get_last_lr()[0]
-        loss = self.parallel.mean_over_dp(total_loss)
-        self._update(loss, grad_norm, lr)
+        self._update(loss_value, norm_value, lr)
         if self.pipeline is not None:
             moe_logs = self.pipeline.moe_logs()
         moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}  # all ranks' load; aux-free bias
         qk = self.qk_clip.metrics() if self.qk_clip else {}  # max attention logit per layer
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe, **qk}
+        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, **moe, **qk}
+
+    def _micro_batch(self) -> MicroBatch:
+        """The next micro-batch through the objective (on the host: no device syncs), then on the device."""
+        return on_device(self.objective(self.data.train.next_batch()), self.device)
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """``loss_parallel`` for the unfused loss on vocab-sharded logits (the fused loss needs none)."""
+        return contextlib.nullcontext() if self._fused_loss else self.parallel.loss_context()
+
+    @property
+    def _fused_loss(self) -> bool:
+        """``train.fused_loss``, except under the DeepSpeed engine: ZeRO-3 gathers the head's weight only
+        inside the head's own forward, which the fused loss does not call."""
+        return self.config.train.fused_loss and self.engine is None
+
+    def _loss(
+        self,
+        args: tuple[torch.Tensor, ...],
+        kwargs: dict[str, Any],
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        label_smoothing: float,
+        moe_log: MoELog | None,
+    ) -> torch.Tensor:
+        """The micro-batch's mean loss plus its MoE losses; the head is fused into the loss unless
+        ``train.fused_loss=false``."""
+        cfg = self.config.train
+        with self._autocast():
+            if self._fused_loss:
+                head = FusedHeadLoss(labels, loss_mask, label_smoothing, cfg.loss_chunk_tokens)
+                loss = self.model(*args, **kwargs, moe_log=moe_log, output_fn=head)
+            else:
+                logits = self.model(*args, **kwargs, moe_log=moe_log)
+        if not self._fused_loss:
+            loss = lm_loss(logits, labels, label_smoothing, loss_mask)
+        aux = moe_loss(moe_log) if moe_log is not None else None  # MoE load-balancing and router z-losses
+        return loss if aux is None else add_replicated(loss, aux)
+
+    def _engine_step(self, loss: float, moe_logs: list[MoELog]) -> dict[str, float]:
+        """The DeepSpeed engine's reduce, clip and update; ``train.on_nonfinite`` judges the loss before it
+        (skipping is refused at config time: DeepSpeed's step cannot be held back) and the grad norm after."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.nonfinite.allows_update(self.step + 1, loss, 0.0, lr)
+        grad_norm = self.engine.step()
+        self.nonfinite.allows_update(self.step + 1, loss, grad_norm, lr)
+        moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe}
 
     def _update(self, loss: float, grad_norm: float, lr: float) -> None:
-        """Apply the step's update unless ``train.on_nonfinite`` forbids it (host floats: no extra sync)."""
+        """Clip and apply the step's update unless ``train.on_nonfinite`` forbids it (host floats: no sync)."""
         # With fp16 the grad scaler itself skips steps whose gradients overflowed; only the loss is judged.
         norm = 0.0 if self.scaler.is_enabled() else grad_norm
         if self.nonfinite.allows_update(self.step + 1, loss, norm, lr):
+            clip_grads(self.model.parameters(), self.config.optim.grad_clip, grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.scheduler.step()
@@ -284,19 +346,15 @@ class Trainer:
         self.model.eval()
         total, count = 0.0, 0.0
         for start in starts:
-            batch = self.data.collate([dataset[i] for i in range(start, start + size)]).to(self.device)
-            args, kwargs, labels, loss_mask = self.objective(batch)
-            weight = labels.numel() if loss_mask is None else int(loss_mask.sum())
+            parts = self.objective(self.data.collate([dataset[i] for i in range(start, start + size)]))
+            weight = parts[2].numel() if parts[3] is None else int(parts[3].sum())  # on the host
+            args, kwargs, labels, loss_mask = on_device(parts, self.device)
             if self.pipeline is not None:
                 with self.parallel.loss_context(), self._autocast():
                     total += self.pipeline.eval_loss(args, labels, loss_mask, kwargs)
-                count += weight
-                continue
-            with self.parallel.loss_context():
-                with self._autocast():
-                    logits = self.model(*args, **kwargs)
-                loss = lm_loss(logits, labels, loss_mask=loss_mask)
-            total += scalar(loss) * weight
+            else:
+                with self._loss_context():
+                    total += scalar(self._loss(args, kwargs, labels, loss_mask, 0.0, None)) * weight
             count += weight
         self.model.train()
         if n:
@@ -449,7 +507,9 @@ class Trainer:
             logger.print("sample:\n" + result.sample)
         if self.moe_tracker is not None:
             logger.print(self.moe_tracker.finish(self.run_dir, write=self.parallel.is_main))
-        param_sumsq = parameter_sums_of_squares(self.model)  # collective: every rank
+        param_sumsq = (  # collective: every rank
+            parameter_sums_of_squares(self.model) if self.engine is None else self.engine.parameter_sums_of_squares()
+        )
         if not self.parallel.is_main:
             return
         final_loss = result.losses[-1] if result.losses else None
