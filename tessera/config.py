@@ -203,12 +203,12 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and the learning-rate schedule."""
+    """The optimizer (AdamW, or Muon with AdamW for the rest), its state precision, QK-clip, the schedule."""
 
-    name: Literal["adamw"] = "adamw"  # the optimizer (no decay on norms, biases, embeddings)
-    lr: float = 3e-4  # peak learning rate, reached after warmup_steps
+    name: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices, AdamW on embeddings/head/norms/biases
+    lr: float = 3e-4  # peak learning rate, reached after warmup_steps (with muon: the AdamW parameters')
     min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of lr
-    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    weight_decay: float = 0.1  # decoupled weight decay (Muon matrices too); none on norms, biases, embeddings
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW denominator epsilon
@@ -216,6 +216,14 @@ class OptimConfig:
     warmup_steps: int = 100  # linear warmup from 0 to lr
     decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    muon_lr: float = 0.0  # muon: peak learning rate of the Muon matrices; 0 = optim.lr (fits muon_scale=rms)
+    muon_momentum: float = 0.95  # muon: momentum of the Muon matrices
+    muon_nesterov: bool = True  # muon: Nesterov momentum
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per update
+    muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"  # muon: precision of the Newton-Schulz iteration
+    muon_scale: Literal["rms", "spectral"] = "rms"  # update x 0.2*sqrt(max(out,in)) (rms) or sqrt(max(1,out/in))
+    state_dtype: Literal["fp32", "bf16"] = "fp32"  # precision of the optimizer state (Adam moments, Muon momentum)
+    qk_clip_threshold: float = 0.0  # QK-clip: shrink q/k weights of heads whose max attention logit exceeds it; 0 off
 
 
 @dataclass
@@ -897,9 +905,11 @@ def validate(config: JobConfig) -> None:
     _validate_objective(config.model, config.train)
     _validate_train(config.train, config.model)
     _validate_optim(config.optim, config.train)
+    _validate_qk_clip(config.optim, config.model)
     check_layout(config)
     _validate_data(config.data)
     _validate_engine(config.parallel, config.train)
+    _validate_engine_optimizer(config.parallel, config.optim)
     _require(
         not (config.data.document_mask and "M" in config.model.layer_pattern),
         "data.document_mask cannot reset Mamba layers' state at document boundaries; set data.document_mask=false "
@@ -951,6 +961,34 @@ def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:
     _require(0.0 < o.decay_fraction <= 1.0, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
     _require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
     _require(o.eps > 0, f"optim.eps must be positive (AdamW divides by sqrt(v) + eps), got {o.eps}")
+    _require(o.muon_lr >= 0, f"optim.muon_lr must be >= 0 (0 = optim.lr), got {o.muon_lr}")
+    _require(0.0 <= o.muon_momentum < 1.0, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    _require(1 <= o.muon_ns_steps < 100, f"optim.muon_ns_steps must be in [1, 99], got {o.muon_ns_steps}")
+    _require(o.qk_clip_threshold >= 0, f"optim.qk_clip_threshold must be >= 0 (0 disables), got {o.qk_clip_threshold}")
+
+
+def _validate_qk_clip(o: OptimConfig, m: ModelConfig) -> None:
+    if o.qk_clip_threshold <= 0:
+        return
+    _require(
+        not m.attention.qk_norm,
+        "optim.qk_clip_threshold rescales q/k projections, which model.attention.qk_norm would undo; "
+        "set one of them off",
+    )
+    _require(not m.mla.kv_rank, "optim.qk_clip_threshold supports standard attention, not [model.mla]; set it to 0")
+    _require(
+        m.attention.kernel not in ("linear", "performer"),
+        f"optim.qk_clip_threshold needs softmax attention logits, not model.attention.kernel='{m.attention.kernel}'",
+    )
+
+
+def _validate_engine_optimizer(p: ParallelConfig, o: OptimConfig) -> None:
+    """DeepSpeed runs its own AdamW: tessera's Muon, bf16 state and QK-clip live in the torch engine."""
+    if p.engine != "deepspeed":
+        return
+    for key, used in {"name": o.name != "adamw", "state_dtype": o.state_dtype != "fp32"}.items():
+        _require(not used, f"optim.{key}={getattr(o, key)!r} needs parallel.engine='torch' (DeepSpeed runs its own AdamW)")
+    _require(o.qk_clip_threshold == 0, "optim.qk_clip_threshold needs parallel.engine='torch'; set it to 0 for DeepSpeed")
 
 
 def _validate_engine(p: ParallelConfig, t: TrainConfig) -> None:

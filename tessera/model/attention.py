@@ -237,6 +237,8 @@ class Attention(nn.Module):
         )
         # Set only while a tool inspects attention (eager kernel): called with each forward's weights.
         self.weights_observer: Callable[[torch.Tensor], None] | None = None
+        # Set only while QK-clip (tessera/train/qk_clip.py) watches the logits: called with q, k and the context.
+        self.qk_observer: Callable[[torch.Tensor, torch.Tensor, AttnContext], None] | None = None
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, heads * head_dim) -> (B, heads, T, head_dim); the head count follows the projection's
@@ -262,6 +264,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.cos is not None and not self.cross:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        if self.qk_observer is not None:
+            self.qk_observer(q, k, ctx)
         if cache is not None:
             k, v = cache.update(k, v, start)
         out = ctx.attend(self, q, k, v) if ctx.attend is not None else self.attend(q, k, v, ctx)

@@ -1,14 +1,22 @@
-"""AdamW with decay/no-decay parameter groups and warmup + decay learning-rate schedules."""
+"""The optimizer (AdamW, or Muon with AdamW for the rest) over decay/no-decay parameter groups, and
+warmup + decay learning-rate schedules."""
 
 from __future__ import annotations
 
 import math
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from tessera.config import OptimConfig
+from tessera.model.moe import Experts
+from tessera.train.checkpoint import CheckpointError
+from tessera.train.muon import MuonAdamW
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -23,14 +31,70 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The hidden matrices Muon updates: every nn.Linear weight but the output head's, and MoE expert stacks."""
+    head = getattr(model, "output", None)
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    found, seen = [], set()
+    for module in model.modules():
+        if module is head:
+            continue
+        if isinstance(module, nn.Linear):
+            params = [module.weight]
+        elif isinstance(module, Experts):
+            params = [p for p in module.parameters(recurse=False) if p.ndim == 3]
+        else:
+            continue
+        for p in params:
+            if p.requires_grad and id(p) not in seen and id(p) not in embeddings:
+                seen.add(id(p))
+                found.append(p)
+    return found
+
+
+def muon_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Muon's matrices in one group, then :func:`parameter_groups` of the rest (AdamW)."""
+    matrices = muon_parameters(model)
+    ids = {id(p) for p in matrices}
+    rest = parameter_groups(model, cfg.weight_decay)
+    for group in rest:
+        group["params"] = [p for p in group["params"] if id(p) not in ids]
+    muon = {"params": matrices, "muon": True, "lr": cfg.muon_lr or cfg.lr, "weight_decay": cfg.weight_decay}
+    return [muon, *rest]
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer named by ``optim.name`` over :func:`parameter_groups`."""
-    return torch.optim.AdamW(
-        parameter_groups(model, cfg.weight_decay),
+    """The optimizer named by ``optim.name``: torch's AdamW, or :class:`MuonAdamW` (Muon, or bf16 state)."""
+    if cfg.name == "adamw" and cfg.state_dtype == "fp32":
+        return torch.optim.AdamW(
+            parameter_groups(model, cfg.weight_decay),
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+        )
+    groups = muon_groups(model, cfg) if cfg.name == "muon" else parameter_groups(model, cfg.weight_decay)
+    return MuonAdamW(
+        groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.muon_ns_steps,
+        scale=cfg.muon_scale,
+        ns_dtype=DTYPES[cfg.muon_ns_dtype],
+        state_dtype=DTYPES[cfg.state_dtype],
     )
+
+
+def check_optimizer_unchanged(changes: dict[str, tuple[Any, Any]], path: Path) -> None:
+    """CheckpointError when ``optim.name`` changed since ``path`` was saved: its optimizer state would not fit."""
+    if "optim.name" in changes:
+        old, new = changes["optim.name"]
+        raise CheckpointError(
+            f"checkpoint '{path}' was trained with optim.name={old}, not {new}; its optimizer state holds {old}'s "
+            f"buffers: resume with optim.name={old} or start a new train.run_dir"
+        )
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -26,8 +26,9 @@ from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
 from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.mtp_loss import MTPLoss
-from tessera.train.optim import build_optimizer, build_scheduler, keep_config_hyperparameters
+from tessera.train.optim import build_optimizer, build_scheduler, check_optimizer_unchanged, keep_config_hyperparameters
 from tessera.train.preemption import PreemptionGuard
+from tessera.train.qk_clip import QKClip
 from tessera.train.save_schedule import SaveSchedule
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
@@ -118,6 +119,7 @@ class Trainer:
             self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
         else:
             self.model, self.optimizer, self.scheduler = self.engine.model, self.engine.optimizer, self.engine.scheduler
+        self.qk_clip = QKClip.attach(self.model, self.optimizer, config.optim.qk_clip_threshold)  # None when off
         fp16_scaler = self.dtype == torch.float16 and self.engine is None  # DeepSpeed scales fp16 losses itself
         self.scaler = build_grad_scaler(self.device, fp16_scaler, self.parallel.env.is_distributed)
         c = config.checkpoint
@@ -223,6 +225,7 @@ class Trainer:
         changes = config_changes(saved["config"], self.config)
         if not imported:
             check_resumable(changes, path)
+            check_optimizer_unchanged(changes, path)
         fresh_groups = [dict(group) for group in self.optimizer.param_groups]
         if self.engine is not None:
             meta = self.engine.load(path)
@@ -302,7 +305,8 @@ class Trainer:
         if self.pipeline is not None:
             moe_logs = self.pipeline.moe_logs()
         moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}  # all ranks' load; aux-free bias
-        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, **moe, **self._extra_metrics()}
+        qk = self.qk_clip.metrics() if self.qk_clip else {}  # max attention logit per layer
+        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, **moe, **qk, **self._extra_metrics()}
 
     def _micro_batch(self) -> MicroBatch:
         """The next micro-batch through the objective (on the host: no device syncs), then on the device."""
