@@ -373,7 +373,8 @@ def _add_data(sub: Subparsers) -> None:
     inspect.add_argument(
         "--tokenizer",
         default="",
-        help=".model, tokenizer.json or HF tokenizer directory to decode with (default: the one tessera prepare recorded)",
+        help=".model, tokenizer.json or HF tokenizer directory to decode with "
+        "(default: the one tessera prepare recorded)",
     )
     inspect.add_argument("--samples", type=int, default=3, help="decoded documents to show")
 
@@ -407,7 +408,8 @@ def _add_tokenizer(sub: Subparsers) -> None:
         "--kind",
         choices=("sentencepiece", "bpe"),
         default=None,
-        help="SentencePiece BPE (.model) or an HF byte-level BPE (tokenizer.json); default: the recipe's data.tokenizer",
+        help="SentencePiece BPE (.model) or an HF byte-level BPE (tokenizer.json); "
+        "default: the recipe's data.tokenizer",
     )
 
 

@@ -987,8 +987,12 @@ def _validate_engine_optimizer(p: ParallelConfig, o: OptimConfig) -> None:
     if p.engine != "deepspeed":
         return
     for key, used in {"name": o.name != "adamw", "state_dtype": o.state_dtype != "fp32"}.items():
-        _require(not used, f"optim.{key}={getattr(o, key)!r} needs parallel.engine='torch' (DeepSpeed runs its own AdamW)")
-    _require(o.qk_clip_threshold == 0, "optim.qk_clip_threshold needs parallel.engine='torch'; set it to 0 for DeepSpeed")
+        _require(
+            not used, f"optim.{key}={getattr(o, key)!r} needs parallel.engine='torch' (DeepSpeed runs its own AdamW)"
+        )
+    _require(
+        o.qk_clip_threshold == 0, "optim.qk_clip_threshold needs parallel.engine='torch'; set it to 0 for DeepSpeed"
+    )
 
 
 def _validate_engine(p: ParallelConfig, t: TrainConfig) -> None:

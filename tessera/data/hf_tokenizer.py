@@ -106,7 +106,8 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str], threads: int = 0) -> list[list[int]]:
-        """Token ids of many texts through the fast batch API (threads: the library's pool, see TOKENIZERS_PARALLELISM)."""
+        """Token ids of many texts through the fast batch API (threads: the library's pool, see
+        TOKENIZERS_PARALLELISM)."""
         return [e.ids for e in self.tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:

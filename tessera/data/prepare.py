@@ -61,7 +61,10 @@ class PrepareSummary:
 
     def line(self) -> str:
         """One-line human summary."""
-        return f"{self.documents:,} documents, {self.tokens:,} tokens ({self.dtype}) in {self.seconds:.1f}s = {self.tokens_per_s:,.0f} tokens/s -> {self.prefix}.bin/.idx"
+        return (
+            f"{self.documents:,} documents, {self.tokens:,} tokens ({self.dtype}) in {self.seconds:.1f}s = "
+            f"{self.tokens_per_s:,.0f} tokens/s -> {self.prefix}.bin/.idx"
+        )
 
 
 _WORKER: dict[str, Tokenizer] = {}
@@ -121,7 +124,9 @@ def _remove(*paths: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def write_indexed_dataset(texts: Iterable[str], tokenizer: Tokenizer, prefix: str | Path, num_proc: int = 1, progress: bool = False) -> PrepareSummary:
+def write_indexed_dataset(
+    texts: Iterable[str], tokenizer: Tokenizer, prefix: str | Path, num_proc: int = 1, progress: bool = False
+) -> PrepareSummary:
     """Tokenize ``texts`` (one document each) into ``prefix.bin``/``prefix.idx``; see the module doc."""
     import torch  # megatron's builder takes tensors
     from tqdm import tqdm
@@ -155,7 +160,13 @@ def write_indexed_dataset(texts: Iterable[str], tokenizer: Tokenizer, prefix: st
 
 
 def prepare_source(
-    source: str, prefix: str | Path, tokenizer: Tokenizer, text_field: str = "text", max_chars: int = 0, num_proc: int = 1, progress: bool = False
+    source: str,
+    prefix: str | Path,
+    tokenizer: Tokenizer,
+    text_field: str = "text",
+    max_chars: int = 0,
+    num_proc: int = 1,
+    progress: bool = False,
 ) -> PrepareSummary:
     """Stream the documents of ``source`` (see :mod:`tessera.data.sources`) into an indexed dataset."""
     texts = (doc.text for doc in iter_documents(source, max_chars, text_field))
@@ -215,7 +226,10 @@ def prepare_corpus(
     if tokenizer == "default":
         sample = list(iter_documents(source, tokenizer_chars, text_field))
         if not sample:
-            raise DataError(f"data source '{source}' has no non-empty text documents; point it at text or at rows with a '{text_field}' field")
+            raise DataError(
+                f"data source '{source}' has no non-empty text documents; "
+                f"point it at text or at rows with a '{text_field}' field"
+            )
         tok, _ = train_or_load_tokenizer("default", vocab_size, sample, corpus_hash(sample), tokenizer_chars, cache_dir)
     else:
         tok = Tokenizer(tokenizer)
@@ -223,7 +237,9 @@ def prepare_corpus(
     return prepare_source(source, prefix, tok, text_field, max_chars, num_proc, progress), tok
 
 
-def prepared_dataset(docs: list[Document], content_hash: str, tokenizer: Tokenizer, cache_dir: str | Path, num_proc: int = 1) -> Path:
+def prepared_dataset(
+    docs: list[Document], content_hash: str, tokenizer: Tokenizer, cache_dir: str | Path, num_proc: int = 1
+) -> Path:
     """The indexed dataset prefix for this corpus and tokenizer, written once and then reused."""
     key = hashlib.sha256((content_hash + tokenizer.fingerprint).encode()).hexdigest()[:16]
     prefix = Path(cache_dir) / "datasets" / key / "data"

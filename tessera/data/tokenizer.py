@@ -156,7 +156,8 @@ class Tokenizer:
         return ([] if self.bos_id is None else [self.bos_id]) + self.encode(text)
 
     def save(self, directory: str | Path) -> Path:
-        """Write this tokenizer's files into ``directory`` so ``Tokenizer(directory)`` (and HF, for HF kinds) reads it."""
+        """Write this tokenizer's files into ``directory`` so ``Tokenizer(directory)`` (and HF, for HF
+        kinds) reads it."""
         return self.backend.save(Path(directory))
 
     @property
