@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distexit import run_and_exit
 from torch.distributed.device_mesh import init_device_mesh
 
 from tessera.config import model_config
@@ -115,9 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Skip interpreter finalization: gloo worker threads still holding tensors can abort it with
-    # "terminate called without an active exception" after the checks above have passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)

@@ -13,11 +13,11 @@ one process and sums the losses (so capacity and aux losses see the same per-ran
 from __future__ import annotations
 
 import copy
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+from distexit import run_and_exit
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -120,9 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Skip interpreter finalization: gloo worker threads still holding tensors can abort it with
-    # "terminate called without an active exception" after the checks above have passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)

@@ -10,11 +10,10 @@ shards) and label smoothing, and a BERT-style encoder (tied head with a bias, ma
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import torch
 import torch.distributed as dist
+from distexit import run_and_exit
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -71,9 +70,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Skip interpreter finalization: gloo worker threads still holding tensors can abort it with
-    # "terminate called without an active exception" after the checks above have passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)

@@ -11,11 +11,11 @@ trained like tests/dist_variants.py does.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+from distexit import run_and_exit
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -83,9 +83,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Skip interpreter finalization: gloo worker threads still holding tensors can abort it with
-    # "terminate called without an active exception" after the checks above have passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)

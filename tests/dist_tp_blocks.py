@@ -8,12 +8,12 @@ gradient are compared after a forward and backward through the loss.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distexit import run_and_exit
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
@@ -97,9 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Skip interpreter finalization: gloo worker threads still holding tensors can abort it with
-    # "terminate called without an active exception" after the checks above have passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)

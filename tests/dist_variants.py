@@ -9,10 +9,10 @@ tests within the CI budget on two cores.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
+from distexit import run_and_exit
 
 from tessera.config import load_config
 from tessera.train.distributed import teardown_parallel
@@ -30,9 +30,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Skip interpreter finalization: gloo worker threads still holding tensors can abort it with
-    # "terminate called without an active exception" after the checks above have passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)

@@ -66,7 +66,27 @@ def _save_atomic(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-class BlendedSamples:
+class MixedSamples:
+    """Samples of several datasets: sample ``i`` is ``datasets[dataset_index[i]][sample_index[i]]``."""
+
+    datasets: list[PackedSplit]
+    dataset_index: np.ndarray
+    sample_index: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def source_of(self, i: int) -> int:
+        """Which component dataset sample ``i`` comes from."""
+        return int(self.dataset_index[i])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
+
+
+class BlendedSamples(MixedSamples):
     """Samples drawn from several datasets by weight; the interleaving is cached under ``cache``."""
 
     def __init__(self, datasets: Sequence[PackedSplit], weights: Sequence[float], size: int, cache: Path) -> None:
@@ -95,18 +115,6 @@ class BlendedSamples:
         cache.mkdir(parents=True, exist_ok=True)
         _save_atomic(sample_path, self.sample_index)
         _save_atomic(which_path, self.dataset_index)
-
-    def __len__(self) -> int:
-        return len(self.dataset_index)
-
-    def source_of(self, i: int) -> int:
-        """Which component dataset sample ``i`` comes from."""
-        return int(self.dataset_index[i])
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
 
 
 def _natural_samples(indexed, doc_range: tuple[int, int], seq_len: int) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.data.blend import SPLITS, Components, _save_atomic, blended_split, open_components
+from tessera.data.blend import SPLITS, Components, MixedSamples, _save_atomic, blended_split, open_components
 from tessera.data.dataset import PackedSplit
 from tessera.data.mixture import Phase, overall_weights, schedule_prefixes
 
@@ -53,7 +53,7 @@ def schedule_index(phases: list[Phase], samples_per_step: int, cache: Path) -> t
     return which, sample
 
 
-class ScheduledBlend:
+class ScheduledBlend(MixedSamples):
     """The training split of a blend schedule: stream position ``i`` is one sample (see the module doc)."""
 
     def __init__(self, parts: Components, phases: list[Phase], samples_per_step: int, cache: Path) -> None:
@@ -63,18 +63,6 @@ class ScheduledBlend:
         draws = np.bincount(self.dataset_index, minlength=len(self.prefixes))
         order = [parts.prefixes.index(p) for p in self.prefixes]
         self.datasets: list[PackedSplit] = [parts.split(d, 0, int(n) + 1) for d, n in zip(order, draws)]
-
-    def __len__(self) -> int:
-        return len(self.dataset_index)
-
-    def source_of(self, i: int) -> int:
-        """Which dataset (index into ``prefixes``) sample ``i`` comes from."""
-        return int(self.dataset_index[i])
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
 
     def realized_mix(self, phase: int) -> dict[str, float]:
         """Each dataset's share of the samples phase ``phase`` feeds (every rank's together)."""
