@@ -33,6 +33,6 @@ def test_train_writes_metrics_tensorboard_plot_checkpoint_and_sample(tmp_path, c
     gen = run_cli("generate", str(run), "--prompt", "def ", "--max-new-tokens", "10", "--greedy")
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert gen.stdout.startswith("def ")
-    assert "decoding cache: 512 bytes per token" in gen.stderr  # 2 layers x (K, V) x 2 kv heads x 16 x fp32
+    assert "decoding cache (auto): 512 bytes per token" in gen.stderr  # 2 layers x (K, V) x 2 kv heads x 16 x fp32
     again = run_cli("generate", str(run / "checkpoints" / "step_00000006"), "--prompt", "def ", "--max-new-tokens", "10", "--greedy")
     assert again.stdout == gen.stdout

@@ -29,10 +29,7 @@ def sentencepiece_codec(path: Path, arch: str) -> Codec:
         ids = tok.encode(text)
         return ids + [tok.eos_id] if arch == "encoder_decoder" else [tok.bos_id] + ids
 
-    def piece(i: int) -> str:
-        return tok.sp.id_to_piece(i) if 0 <= i < tok.vocab_size else f"<{i}>"
-
-    return Codec(encode, piece, tok.decode, tok.eos_id)
+    return Codec(encode, tok.piece, tok.decode, tok.eos_id)
 
 
 def hf_tokenizer_codec(path: Path) -> Codec:

@@ -101,6 +101,10 @@ class HFTokenizer:
         self.bos_id, self.eos_id, self.pad_id = ids["bos"], ids["eos"], ids["pad"]
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
 
+    def piece(self, token_id: int) -> str:
+        """The vocabulary entry of one id (for display)."""
+        return self.tok.id_to_token(token_id) or f"<{token_id}>"
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
         return self.tok.encode(text, add_special_tokens=False).ids

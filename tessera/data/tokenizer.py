@@ -77,6 +77,10 @@ class SentencePieceTokenizer:
         # Models trained elsewhere (Llama 2, T5) encode newlines themselves (byte fallback); only ours map them.
         self.newline = NEWLINE if self.sp.piece_to_id(NEWLINE) != self.sp.unk_id() else None
 
+    def piece(self, token_id: int) -> str:
+        """The vocabulary entry of one id (for display)."""
+        return self.sp.id_to_piece(token_id)
+
     def _in(self, text: str) -> str:
         return text.replace("\n", self.newline) if self.newline else text
 
@@ -150,6 +154,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; special tokens are dropped."""
         return self.backend.decode(ids)
+
+    def piece(self, token_id: int) -> str:
+        """The vocabulary entry of one id (for display; ``<id>`` outside the vocabulary)."""
+        return self.backend.piece(token_id) if 0 <= token_id < self.vocab_size else f"<{token_id}>"
 
     def prompt_ids(self, text: str) -> list[int]:
         """``text`` as a generation prompt: BOS (when the tokenizer has one) then its tokens."""
