@@ -482,18 +482,207 @@ def part5() -> None:
         )
 
 
+# Part 6: DeepSpeed ZeRO stages (tessera's engine) and FSDP2, model states per rank on 2 ranks.
+DS_LAYOUTS = [
+    ("ZeRO-1", ["parallel.zero_stage=1"], 1),
+    ("ZeRO-2", ["parallel.zero_stage=2"], 2),
+    ("ZeRO-3", ["parallel.zero_stage=3"], 3),
+    ("ZeRO-2 + CPU Adam offload", ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"], 2),
+    ("ZeRO-3 + CPU Adam offload", ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu"], 3),
+]
+DS_BUCKET = 2**16  # elements: DeepSpeed's 5e8 defaults would allocate ~2 GB of fp32 buckets for a 5M-parameter model
+DS_SMALL_BUCKETS = {
+    "reduce_bucket_size": DS_BUCKET,
+    "allgather_bucket_size": DS_BUCKET,
+    "stage3_prefetch_bucket_size": DS_BUCKET,
+    "stage3_max_live_parameters": DS_BUCKET,
+    "stage3_max_reuse_distance": DS_BUCKET,
+    "stage3_param_persistence_threshold": 0,  # else small weights stay whole on every rank
+    "overlap_comm": False,
+}
+DS_FP32 = ["train.dtype=fp32", "train.grad_accum=1"]  # DeepSpeed's bf16 would make the module itself bf16
+
+
+def _storages(tensors, seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not counted yet (views into one flat buffer count it once)."""
+    total = 0
+    for t in tensors:
+        if not torch.is_tensor(t) or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _walk(value, depth: int = 0):
+    """Every tensor inside ``value``'s lists, tuples, dicts and DeepSpeed bucket objects."""
+    if torch.is_tensor(value):
+        yield value
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _walk(item, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            yield from _walk(item, depth + 1)
+    elif depth < 4 and type(value).__module__.startswith("deepspeed.runtime.zero") and hasattr(value, "__dict__"):
+        for item in vars(value).values():
+            yield from _walk(item, depth + 1)
+
+
+def _ds_states(engine) -> dict:
+    """Bytes each rank holds in DeepSpeed's own structures, each storage counted once, first match wins."""
+    zero, module, seen = engine.optimizer, engine.module, set()
+    params = list(module.parameters())
+    record = {"params": _storages((getattr(p, "ds_tensor", p) for p in params), seen)}
+    inner_state = [v for s in zero.optimizer.state.values() for v in s.values()]
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+    record["optim"] = _storages([*inner_state, *flats], seen)
+    record["fp32_copy"] = sum(f.numel() * f.element_size() for f in flats)  # part of optim: DeepSpeed's master clone
+    other = {}
+    for name, value in vars(zero).items():
+        if name == "optimizer" or isinstance(value, torch.nn.Module):
+            continue
+        size = _storages(_walk(value), seen)
+        if size:
+            other[name.split("__")[-1]] = size
+    record["other"] = other
+    return record
+
+
+def _ds_grads(engine, seen: set[int]) -> dict:
+    """Gradient bytes after backward, before the step: module .grad plus ZeRO's partition buffers and buckets."""
+    zero = engine.optimizer
+    found = {"param.grad": _storages((p.grad for p in engine.module.parameters()), seen)}
+    for name, value in vars(zero).items():
+        if "grad" in name.lower() and name != "optimizer" and not isinstance(value, torch.nn.Module):
+            size = _storages(_walk(value), seen)
+            if size:
+                found[name.split("__")[-1]] = size
+    found.update({f"{k} (bucket)": v for k, v in _ds_buckets(zero, seen).items()})
+    return found
+
+
+def _ds_buckets(zero, seen: set[int]) -> dict:
+    buckets = {}
+    for name in ("ipg_buckets", "ipg_buffer", "temp_grad_buffer_for_cpu_offload"):
+        size = _storages(_walk(getattr(zero, name, None)), seen)
+        if size:
+            buckets[name] = size
+    return buckets
+
+
+def _ds_layout(overrides: list[str], env) -> dict:
+    """One ZeRO layout: build tessera's DeepSpeed engine, backward (count grads), step (count params and state)."""
+    from tessera.model import build_model, count_parameters
+    from tessera.parallel import ParallelDims
+    from tessera.train.distributed import ParallelContext
+    from tessera.train.engine import DeepSpeedEngine
+    from tessera.train.trainer import lm_loss
+
+    config = _config(overrides)
+    torch.manual_seed(0)
+    model = build_model(config.model)
+    P = count_parameters(model)
+    dims = ParallelDims.from_config(config.parallel, env.world_size)
+    engine = DeepSpeedEngine(config, model, ParallelContext(env, dims, torch.device("cpu")))
+    local = config.train.batch_size // env.world_size
+    tokens = torch.randint(0, config.model.vocab_size, (local, config.train.seq_len + 1))
+    engine.backward(lm_loss(engine.model(tokens[:, :-1]), tokens[:, 1:]))
+    seen: set[int] = {id(None)}
+    grads = _ds_grads(engine.model, seen)
+    engine.step()
+    record = _ds_states(engine.model)
+    record.update(grads=sum(grads.values()), grad_parts=grads, P=P)
+    engine.model.destroy()
+    return record
+
+
+def ds_worker(overrides: list[str]) -> None:
+    """Part 6, one rank: every ZeRO layout in turn in this world; rank 0 prints all ranks' records."""
+    import torch.distributed as dist
+
+    from tessera.parallel.env import init_distributed
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    env = init_distributed("cpu")
+    path = f"/tmp/tessera_memory_ds_{os.getppid()}.json"
+    if env.rank == 0:
+        with open(path, "w") as f:
+            json.dump({"zero_optimization": DS_SMALL_BUCKETS}, f)
+    dist.barrier()
+    out = {}
+    for name, extra, _ in DS_LAYOUTS:
+        record = _ds_layout([*overrides, "parallel.engine=deepspeed", f"parallel.deepspeed_config={path}", *extra], env)
+        records = [None] * env.world_size
+        dist.all_gather_object(records, record)
+        out[name] = records
+    if env.rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def _zero_formula(stage: int, p: int, n: int) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes per rank under ZeRO ``stage`` with fp32 weights, grads and AdamW moments."""
+    return (4 * p if stage < 3 else 4 * p // n, 4 * p if stage < 2 else 4 * p // n, 8 * p // n)
+
+
+def part6() -> None:
+    world = 2
+    overrides = [*SMALL, *DS_FP32, f"train.batch_size={4 * world}"]
+    print(
+        f"\nPart 6: DeepSpeed ZeRO-1/2/3 (+ CPU Adam offload) and FSDP2, model states per rank on {world} gloo ranks, "
+        "MiB (small model, fp32)"
+    )
+    print(f"DeepSpeed config set for a small model: {json.dumps(DS_SMALL_BUCKETS)}")
+    ds = _launch(world, "--ds-worker", *overrides)
+    fsdp = _launch(world, "--worker", "states", *overrides, f"parallel.dp_shard={world}")
+    rows = [(name, stage, ds[name]) for name, _, stage in DS_LAYOUTS] + [("FSDP2 (dp_shard=2)", 3, fsdp)]
+    print(
+        f"{'layout':<27}{'params':>8}{'grads':>8}{'optim':>8}{'total':>8}  {'formula p/g/o':<20}{'total':>8}{'ratio':>7}"
+    )
+    notes = []
+    for name, stage, records in rows:
+        r = max(records, key=lambda r: r["params"] + r["grads"] + r["optim"])
+        f = _zero_formula(stage, r["P"], world)
+        total, formula = r["params"] + r["grads"] + r["optim"], sum(f)
+        print(
+            f"{name:<27}{r['params'] / MIB:>8.2f}{r['grads'] / MIB:>8.2f}{r['optim'] / MIB:>8.2f}{total / MIB:>8.2f}  "
+            f"{'/'.join(f'{x / MIB:.2f}' for x in f):<20}{formula / MIB:>8.2f}{total / formula:>7.3f}"
+        )
+        if abs(total / formula - 1) > 0.05 or any(
+            abs(m / x - 1) > 0.05 for m, x in zip((r["params"], r["grads"], r["optim"]), f)
+        ):
+            notes.append(
+                f"  {name}: grads {r.get('grad_parts', {})}, fp32 master copy in optim "
+                f"{r.get('fp32_copy', 0) / MIB:.2f} MiB, other {r.get('other', {})}"
+            )
+    print(
+        f"P = {rows[0][2][0]['P']:,} parameters; formula: ZeRO-1 4P + 4P + 8P/N, ZeRO-2 4P + 4P/N + 8P/N, "
+        "ZeRO-3 and FSDP2 16P/N (fp32 weights, grads, AdamW moments)"
+    )
+    if notes:
+        print("Rows off their formula by over 5% (bytes by DeepSpeed attribute):")
+        print("\n".join(notes))
+
+
 def main() -> None:
     """Run the chosen parts and print their tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", choices=["states", "loss_params", "peak"])
     parser.add_argument("--tp-worker", action="store_true")
-    parser.add_argument("--parts", default="1,2,3,4,5", help="comma-separated parts to run")
+    parser.add_argument("--ds-worker", action="store_true")
+    parser.add_argument("--parts", default="1,2,3,4,5,6", help="comma-separated parts to run")
     args, overrides = parser.parse_known_args()
     if args.worker:
         return worker(args.worker, overrides)
     if args.tp_worker:
         return tp_worker()
-    parts = {"1": part1, "2": part2, "3": part3, "4": part4, "5": part5}
+    if args.ds_worker:
+        return ds_worker(overrides)
+    parts = {"1": part1, "2": part2, "3": part3, "4": part4, "5": part5, "6": part6}
     for part in args.parts.split(","):
         parts[part.strip()]()
 
