@@ -27,8 +27,27 @@ Part 4, ``--measure`` on larger configs: a 1B and Llama 3 8B on 8 and 64 fake ra
 Part 5, TP collectives: the collectives DTensor issues for one tensor-parallel block (tp=2),
 forward and backward, with and without sequence parallelism.
 
+Part 6, DeepSpeed next to FSDP2: model states per rank of the small decoder (fp32, so DeepSpeed's
+module stays fp32 as tessera's weights do) on 2 gloo ranks under tessera's DeepSpeed engine
+(``parallel.engine=deepspeed``) at ZeRO-1, ZeRO-2, ZeRO-3, ZeRO-2 and ZeRO-3 with the Adam step
+offloaded (``parallel.offload_optimizer=cpu``), and under FSDP2 (``parallel.dp_shard=2``, Part 1's
+worker), each beside the ZeRO formula for tessera's precision (fp32 weights 4P, grads 4P, AdamW 8P;
+ZeRO-1 4P + 4P + 8P/N, ZeRO-2 4P + 4P/N + 8P/N, ZeRO-3 and FSDP2 16P/N). MemTracker cannot see
+DeepSpeed's flat buffers, so the bytes are read from DeepSpeed's own structures, each storage
+counted once (a view into a flat buffer counts the whole buffer, once) in this order: after
+backward, before the step, gradients = the module parameters' ``.grad`` plus every tensor under a
+ZeRO-optimizer attribute whose name holds "grad" (``averaged_gradients``/``grads_in_partition``,
+``grad_partitions_flat_buffer``, offload gradient buffers) and the reduce buckets (``ipg_buckets``);
+after the step, parameters = the module parameters (their ``ds_tensor`` partitions under ZeRO-3),
+optimizer = the inner optimizer's state tensors plus the fp32 flat partitions it steps
+(``single_partition_of_fp32_groups`` / ``fp32_partitioned_groups_flat``), other = any further tensor
+the ZeRO optimizer holds. DeepSpeed's bucket and prefetch sizes (5e8 elements by default) and its
+ZeRO-3 persistence threshold would dominate a 5M-parameter model, so the generated config gets
+``DS_SMALL_BUCKETS`` (printed). Rows more than 5% off their formula list their buffers by attribute.
+
     python benchmarks/memory.py                # all parts (tens of minutes on 2 cores)
     python benchmarks/memory.py --parts 1,2,5  # a subset
+    python benchmarks/memory.py --parts 6      # DeepSpeed vs FSDP2 (about 30 s)
 """
 
 from __future__ import annotations
