@@ -641,6 +641,7 @@ def ds_worker(overrides: list[str]) -> None:
         dist.all_gather_object(records, record)
         out[name] = records
     if env.rank == 0:
+        os.remove(path)
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
 
