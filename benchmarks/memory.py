@@ -27,8 +27,27 @@ Part 4, ``--measure`` on larger configs: a 1B and Llama 3 8B on 8 and 64 fake ra
 Part 5, TP collectives: the collectives DTensor issues for one tensor-parallel block (tp=2),
 forward and backward, with and without sequence parallelism.
 
+Part 6, DeepSpeed next to FSDP2: model states per rank of the small decoder (fp32, so DeepSpeed's
+module stays fp32 as tessera's weights do) on 2 gloo ranks under tessera's DeepSpeed engine
+(``parallel.engine=deepspeed``) at ZeRO-1, ZeRO-2, ZeRO-3, ZeRO-2 and ZeRO-3 with the Adam step
+offloaded (``parallel.offload_optimizer=cpu``), and under FSDP2 (``parallel.dp_shard=2``, Part 1's
+worker), each beside the ZeRO formula for tessera's precision (fp32 weights 4P, grads 4P, AdamW 8P;
+ZeRO-1 4P + 4P + 8P/N, ZeRO-2 4P + 4P/N + 8P/N, ZeRO-3 and FSDP2 16P/N). MemTracker cannot see
+DeepSpeed's flat buffers, so the bytes are read from DeepSpeed's own structures, each storage
+counted once (a view into a flat buffer counts the whole buffer, once) in this order: after
+backward, before the step, gradients = the module parameters' ``.grad`` plus every tensor under a
+ZeRO-optimizer attribute whose name holds "grad" (``averaged_gradients``/``grads_in_partition``,
+``grad_partitions_flat_buffer``, offload gradient buffers) and the reduce buckets (``ipg_buckets``);
+after the step, parameters = the module parameters (their ``ds_tensor`` partitions under ZeRO-3),
+optimizer = the inner optimizer's state tensors plus the fp32 flat partitions it steps
+(``single_partition_of_fp32_groups`` / ``fp32_partitioned_groups_flat``), other = any further tensor
+the ZeRO optimizer holds. DeepSpeed's bucket and prefetch sizes (5e8 elements by default) and its
+ZeRO-3 persistence threshold would dominate a 5M-parameter model, so the generated config gets
+``DS_SMALL_BUCKETS`` (printed). Rows more than 5% off their formula list their buffers by attribute.
+
     python benchmarks/memory.py                # all parts (tens of minutes on 2 cores)
     python benchmarks/memory.py --parts 1,2,5  # a subset
+    python benchmarks/memory.py --parts 6      # DeepSpeed vs FSDP2 (about 30 s)
 """
 
 from __future__ import annotations
@@ -482,18 +501,225 @@ def part5() -> None:
         )
 
 
+# Part 6: DeepSpeed ZeRO stages (tessera's engine) and FSDP2, model states per rank on 2 ranks.
+DS_LAYOUTS = [
+    ("ZeRO-1", ["parallel.zero_stage=1"], 1),
+    ("ZeRO-2", ["parallel.zero_stage=2"], 2),
+    ("ZeRO-3", ["parallel.zero_stage=3"], 3),
+    ("ZeRO-2 + CPU Adam offload", ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"], 2),
+    ("ZeRO-3 + CPU Adam offload", ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu"], 3),
+]
+DS_BUCKET = 2**16  # elements: DeepSpeed's 5e8 defaults would allocate ~2 GB of fp32 buckets for a 5M-parameter model
+DS_SMALL_BUCKETS = {
+    "reduce_bucket_size": DS_BUCKET,
+    "allgather_bucket_size": DS_BUCKET,
+    "stage3_prefetch_bucket_size": DS_BUCKET,
+    "stage3_max_live_parameters": DS_BUCKET,
+    "stage3_max_reuse_distance": DS_BUCKET,
+    "stage3_param_persistence_threshold": 0,  # else small weights stay whole on every rank
+    "overlap_comm": False,
+}
+DS_FP32 = ["train.dtype=fp32", "train.grad_accum=1"]  # DeepSpeed's bf16 would make the module itself bf16
+
+
+def _storages(tensors, seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not counted yet (views into one flat buffer count it once)."""
+    total = 0
+    for t in tensors:
+        if not torch.is_tensor(t) or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _walk(value, depth: int = 0):
+    """Every tensor inside ``value``'s lists, tuples, dicts and DeepSpeed bucket objects."""
+    if torch.is_tensor(value):
+        yield value
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _walk(item, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            yield from _walk(item, depth + 1)
+    elif depth < 4 and type(value).__module__.startswith("deepspeed.runtime.zero") and hasattr(value, "__dict__"):
+        for item in vars(value).values():
+            yield from _walk(item, depth + 1)
+
+
+def _ds_states(engine, seen: set[int]) -> dict:
+    """Bytes each rank holds in DeepSpeed's own structures, each storage counted once (``seen``: counted already)."""
+    zero, module = engine.optimizer, engine.module
+    params = list(module.parameters())
+    record = {"params": _storages((getattr(p, "ds_tensor", p) for p in params), seen)}
+    inner_state = [v for s in zero.optimizer.state.values() for v in s.values()]
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+    record["optim"] = _storages([*inner_state, *flats], seen)
+    record["fp32_copy"] = sum(f.numel() * f.element_size() for f in flats)  # part of optim: DeepSpeed's master clone
+    other = {}
+    for name, value in vars(zero).items():
+        if name == "optimizer" or isinstance(value, torch.nn.Module):
+            continue
+        size = _storages(_walk(value), seen)
+        if size:
+            other[name.split("__")[-1]] = size
+    record["other"] = other
+    return record
+
+
+def _ds_grads(engine, seen: set[int]) -> dict:
+    """Gradient bytes after backward, before the step: module .grad plus ZeRO's partition buffers and buckets."""
+    zero = engine.optimizer
+    found = {"param.grad": _storages((p.grad for p in engine.module.parameters()), seen)}
+    for name, value in vars(zero).items():
+        if "grad" in name.lower() and name != "optimizer" and not isinstance(value, torch.nn.Module):
+            size = _storages(_walk(value), seen)
+            if size:
+                found[name.split("__")[-1]] = size
+    found.update({f"{k} (bucket)": v for k, v in _ds_buckets(zero, seen).items()})
+    return found
+
+
+def _ds_buckets(zero, seen: set[int]) -> dict:
+    buckets = {}
+    for name in ("ipg_buckets", "ipg_buffer", "temp_grad_buffer_for_cpu_offload"):
+        size = _storages(_walk(getattr(zero, name, None)), seen)
+        if size:
+            buckets[name] = size
+    return buckets
+
+
+def _ds_layout(overrides: list[str], env) -> dict:
+    """One ZeRO layout: build tessera's DeepSpeed engine, backward (count grads), step (count params and state)."""
+    from tessera.model import build_model, count_parameters
+    from tessera.parallel import ParallelDims
+    from tessera.train.distributed import ParallelContext
+    from tessera.train.engine import DeepSpeedEngine
+    from tessera.train.trainer import lm_loss
+
+    config = _config(overrides)
+    torch.manual_seed(0)
+    model = build_model(config.model)
+    P = count_parameters(model)
+    dims = ParallelDims.from_config(config.parallel, env.world_size)
+    engine = DeepSpeedEngine(config, model, ParallelContext(env, dims, torch.device("cpu")))
+    local = config.train.batch_size // env.world_size
+    tokens = torch.randint(0, config.model.vocab_size, (local, config.train.seq_len + 1))
+    engine.backward(lm_loss(engine.model(tokens[:, :-1]), tokens[:, 1:]))
+    seen: set[int] = {id(None)}
+    grads = _ds_grads(engine.model, seen)
+    averaged = list(_walk(getattr(engine.model.optimizer, "averaged_gradients", None)))
+    views = sum(t.numel() * t.element_size() for t in averaged)
+    engine.step()
+    record = _ds_states(engine.model, seen)
+    record.update(grads=sum(grads.values()), grad_parts=grads, grad_views=views, P=P)
+    engine.model.destroy()
+    return record
+
+
+def ds_worker(overrides: list[str]) -> None:
+    """Part 6, one rank: every ZeRO layout in turn in this world; rank 0 prints all ranks' records."""
+    import torch.distributed as dist
+
+    from tessera.parallel.env import init_distributed
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    env = init_distributed("cpu")
+    path = f"/tmp/tessera_memory_ds_{os.getppid()}.json"
+    if env.rank == 0:
+        with open(path, "w") as f:
+            json.dump({"zero_optimization": DS_SMALL_BUCKETS}, f)
+    dist.barrier()
+    out = {}
+    for name, extra, _ in DS_LAYOUTS:
+        record = _ds_layout([*overrides, "parallel.engine=deepspeed", f"parallel.deepspeed_config={path}", *extra], env)
+        records = [None] * env.world_size
+        dist.all_gather_object(records, record)
+        out[name] = records
+    if env.rank == 0:
+        os.remove(path)
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def _zero_formula(stage: int, p: int, n: int) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes per rank under ZeRO ``stage`` with fp32 weights, grads and AdamW moments."""
+    return (4 * p if stage < 3 else 4 * p // n, 4 * p if stage < 2 else 4 * p // n, 8 * p // n)
+
+
+def _off_formula(name: str, r: dict, formula: tuple[int, int, int]) -> str:
+    """Why a row misses its formula by over 5%: DeepSpeed's buffers by attribute (empty when it does not)."""
+    measured = (r["params"], r["grads"], r["optim"], r["params"] + r["grads"] + r["optim"] + _other(r))
+    if all(abs(m / f - 1) <= 0.05 for m, f in zip(measured, (*formula, sum(formula)))):
+        return ""
+    parts = [f"grads = {_mib(r['grad_parts'])}"]
+    if r["grad_views"]:
+        parts.append(f"the partition's own gradient views {r['grad_views'] / MIB:.2f}")
+    parts.append(f"optim includes DeepSpeed's fp32 master partition {r['fp32_copy'] / MIB:.2f}")
+    if _other(r):
+        parts.append(f"other = {_mib(r['other'])}")
+    return f"  {name}: " + "; ".join(parts)
+
+
+def _mib(parts: dict) -> str:
+    return ", ".join(f"{k} {v / MIB:.2f}" for k, v in parts.items() if v >= 1024) or "-"
+
+
+def _other(r: dict) -> int:
+    return sum(v for v in r.get("other", {}).values() if v >= 1024)
+
+
+def part6() -> None:
+    """DeepSpeed ZeRO-1/2/3 (+ CPU Adam offload) and FSDP2 on 2 ranks: params, grads, optimizer state vs ZeRO."""
+    world = 2
+    overrides = [*SMALL, *DS_FP32, f"train.batch_size={4 * world}"]
+    print(
+        f"\nPart 6: DeepSpeed ZeRO-1/2/3 (+ CPU Adam offload) and FSDP2, model states per rank on {world} gloo ranks, "
+        "MiB, measured (formula), the rank holding more (small model, fp32)"
+    )
+    print(f"DeepSpeed config set for a small model: {json.dumps(DS_SMALL_BUCKETS)}")
+    ds = _launch(world, "--ds-worker", *overrides)
+    fsdp = _launch(world, "--worker", "states", *overrides, f"parallel.dp_shard={world}")
+    rows = [(name, stage, ds[name]) for name, _, stage in DS_LAYOUTS] + [("FSDP2 (dp_shard=2)", 3, fsdp)]
+    print(f"{'layout':<27}{'params':>16}{'grads':>16}{'optim':>16}{'other':>7}{'total':>16}{'ratio':>7}")
+    notes = []
+    for name, stage, records in rows:
+        r = max(records, key=lambda r: r["params"] + r["grads"] + r["optim"] + _other(r))
+        f = _zero_formula(stage, r["P"], world)
+        cells = "".join(f"{m / MIB:>7.2f} ({x / MIB:>6.2f})" for m, x in zip((r["params"], r["grads"], r["optim"]), f))
+        total = r["params"] + r["grads"] + r["optim"] + _other(r)
+        print(
+            f"{name:<27}{cells}{_other(r) / MIB:>7.2f}{total / MIB:>7.2f} ({sum(f) / MIB:>6.2f}){total / sum(f):>7.3f}"
+        )
+        notes.append(_off_formula(name, r, f) if "grad_parts" in r else "")
+    print(
+        f"P = {rows[0][2][0]['P']:,} parameters, N = {world}; formula: ZeRO-1 4P + 4P + 8P/N, ZeRO-2 4P + 4P/N + "
+        "8P/N, ZeRO-3 and FSDP2 16P/N (fp32 weights, grads, AdamW moments); other: further DeepSpeed buffers"
+    )
+    if any(notes):
+        print("Rows off their formula by over 5% (MiB by DeepSpeed attribute):")
+        print("\n".join(n for n in notes if n))
+
+
 def main() -> None:
     """Run the chosen parts and print their tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", choices=["states", "loss_params", "peak"])
     parser.add_argument("--tp-worker", action="store_true")
-    parser.add_argument("--parts", default="1,2,3,4,5", help="comma-separated parts to run")
+    parser.add_argument("--ds-worker", action="store_true")
+    parser.add_argument("--parts", default="1,2,3,4,5,6", help="comma-separated parts to run")
     args, overrides = parser.parse_known_args()
     if args.worker:
         return worker(args.worker, overrides)
     if args.tp_worker:
         return tp_worker()
-    parts = {"1": part1, "2": part2, "3": part3, "4": part4, "5": part5}
+    if args.ds_worker:
+        return ds_worker(overrides)
+    parts = {"1": part1, "2": part2, "3": part3, "4": part4, "5": part5, "6": part6}
     for part in args.parts.split(","):
         parts[part.strip()]()
 
