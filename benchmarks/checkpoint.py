@@ -125,7 +125,10 @@ def worker(args: argparse.Namespace) -> None:
     if dist.is_initialized():  # the slowest rank is what the loop waits for
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, rows)
-        rows = [{k: max(o[i][k] for o in everyone) if k != "mode" else v for k, v in row.items()} for i, row in enumerate(rows)]  # fmt: skip
+        rows = [
+            {k: max(o[i][k] for o in everyone) if k != "mode" else v for k, v in row.items()}
+            for i, row in enumerate(rows)
+        ]
     if parallel.is_main:
         n_params = sum(p.numel() for p in model.parameters())  # FSDP: the local shard's count
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -157,7 +160,8 @@ def report(result: dict) -> list[str]:
         ),
         f"  sync  save (= stall)       {_summary(sync_stall)} s   {gb / statistics.median(sync_stall):.2f} GB/s",
         (
-            f"  async stall                {_summary(async_stall)} s   = {_summary([100 * x for x in ratio], '{:.1f}')}% "
+            f"  async stall                {_summary(async_stall)} s   = "
+            f"{_summary([100 * x for x in ratio], '{:.1f}')}% "
             "of the sync save (target <= 10%)"
         ),
         f"  async write (background)   {_summary([r['write'] for r in by['async']])} s",
