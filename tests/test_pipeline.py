@@ -26,6 +26,31 @@ def test_layer_counts_balance_or_follow_the_explicit_list():
     assert local_stage_ids(1, 2, 2) == [1, 3]
 
 
+def _assert_same_gradients(full: torch.nn.Module, forward_full, forward_stages) -> None:
+    """The same loss backpropagated through the full model and through its chained stages gives every
+    parameter the same gradient, and so the same grad norm (the stages share the full model's modules)."""
+
+    def grads(forward) -> dict[str, torch.Tensor]:
+        full.zero_grad(set_to_none=True)
+        forward().float().square().mean().backward()
+        return {n: p.grad.clone() for n, p in full.named_parameters() if p.grad is not None}
+
+    want, got = grads(forward_full), grads(forward_stages)
+    assert got.keys() == want.keys() and want
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-9, msg=name)
+    norm = lambda g: torch.linalg.vector_norm(torch.stack([x.norm() for x in g.values()])).item()  # noqa: E731
+    assert norm(got) == pytest.approx(norm(want), rel=1e-6)
+
+
+def _chain(stages, *inputs):
+    """The stages run one after another on ``inputs``."""
+    out = inputs
+    for stage in stages:
+        out = stage(*out) if isinstance(out, tuple) else stage(out)
+    return out
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -48,11 +73,10 @@ def test_stages_chain_to_the_full_model(overrides):
     local0, stages0, _ = split_model(full, cfg, local_stage_ids(0, 2, v))
     local1, stages1, _ = split_model(full, cfg, local_stage_ids(1, 2, v))
     order = sorted([*zip(local_stage_ids(0, 2, v), stages0), *zip(local_stage_ids(1, 2, v), stages1)], key=lambda s: s[0])
-    h = tokens
     with torch.no_grad():
-        for _, stage in order:
-            h = stage(h)
+        h = _chain([stage for _, stage in order], tokens)
     torch.testing.assert_close(h, want, rtol=0, atol=0)
+    _assert_same_gradients(full, lambda: full(tokens), lambda: _chain([stage for _, stage in order], tokens))
     names = set(local0.state_dict()) | set(local1.state_dict())
     assert names == set(full.state_dict())
     assert not set(local0.state_dict()) & set(local1.state_dict())
@@ -88,11 +112,11 @@ def test_encoder_decoder_stages_carry_decoder_ids_and_memory(overrides):
     last = stages[max(stages)]
     assert stages[0].decoder is None and stages[0].output is None and last.output is not None
     assert (last.encoder is not None) == ("3,5" in cfg.parallel.layers_per_stage)  # the mixed stage holds both
-    out = (enc, dec)
+    chained = [stages[s] for s in sorted(stages)]
     with torch.no_grad():
-        for s in sorted(stages):
-            out = stages[s](*out)
+        out = _chain(chained, enc, dec)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+    _assert_same_gradients(full, lambda: full(enc, dec), lambda: _chain(chained, enc, dec))
 
 
 @pytest.mark.parametrize(
