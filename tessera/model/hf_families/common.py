@@ -48,6 +48,12 @@ def copy(ours: str, theirs: str) -> Rule:
     return Rule((ours,), (theirs,))
 
 
+def ends_rules(cfg: ModelConfig, embed: str, final_norm: str) -> list[Rule]:
+    """A decoder's ends: the token embedding, the final norm and (unless tied) the ``lm_head``."""
+    rules = [copy("tok_embeddings.weight", embed), copy("norm.weight", final_norm)]
+    return rules if cfg.tie_embeddings else [*rules, copy("output.weight", "lm_head.weight")]
+
+
 def linear(ours: str, theirs: str, bias: bool) -> list[Rule]:
     """A linear layer's weight (and bias)."""
     rules = [copy(f"{ours}.weight", f"{theirs}.weight")]

@@ -14,6 +14,7 @@ from tessera.model.hf_families.common import (
     HFConversionError,
     Rule,
     copy,
+    ends_rules,
     fail,
     ffn_hidden,
     get,
@@ -191,9 +192,7 @@ def _mtp_rules(cfg: ModelConfig) -> list[Rule]:
 
 
 def _deepseek_rules(cfg: ModelConfig, family: str) -> list[Rule]:
-    rules = [copy("tok_embeddings.weight", "model.embed_tokens.weight"), copy("norm.weight", "model.norm.weight")]
-    if not cfg.tie_embeddings:
-        rules.append(copy("output.weight", "lm_head.weight"))
+    rules = ends_rules(cfg, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(cfg.n_layers):
         rules += _layer_rules(cfg, f"layers.{i}", f"model.layers.{i}", i)
     return rules + _mtp_rules(cfg)

@@ -11,6 +11,7 @@ from tessera.model.hf_families.common import (
     Family,
     Rule,
     copy,
+    ends_rules,
     fail,
     ffn_hidden,
     get,
@@ -104,9 +105,7 @@ def expert_rules(ours: str, theirs: str, n: int, names: tuple[str, str, str]) ->
 
 def llama_rules(cfg: ModelConfig, family: str) -> list[Rule]:
     """Weight names of Llama, Mistral, Qwen2 and Mixtral."""
-    rules = [copy("tok_embeddings.weight", "model.embed_tokens.weight"), copy("norm.weight", "model.norm.weight")]
-    if not cfg.tie_embeddings:
-        rules.append(copy("output.weight", "lm_head.weight"))
+    rules = ends_rules(cfg, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         rules += [

@@ -13,6 +13,7 @@ from tessera.model.hf_families.common import (
     Family,
     Rule,
     copy,
+    ends_rules,
     fail,
     ffn_hidden,
     get,
@@ -145,9 +146,7 @@ def mixer_rules(cfg: ModelConfig, ours: str, theirs: str) -> list[Rule]:
 
 
 def _mamba_rules(cfg: ModelConfig, family: str) -> list[Rule]:
-    rules = [copy("tok_embeddings.weight", "backbone.embeddings.weight"), copy("norm.weight", "backbone.norm_f.weight")]
-    if not cfg.tie_embeddings:
-        rules.append(copy("output.weight", "lm_head.weight"))
+    rules = ends_rules(cfg, "backbone.embeddings.weight", "backbone.norm_f.weight")
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}", f"backbone.layers.{i}"
         rules += [copy(f"{ours}.mamba_norm.weight", f"{theirs}.norm.weight")]
@@ -240,12 +239,7 @@ def _jamba_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _jamba_rules(cfg: ModelConfig, family: str) -> list[Rule]:
-    rules = [
-        copy("tok_embeddings.weight", "model.embed_tokens.weight"),
-        copy("norm.weight", "model.final_layernorm.weight"),
-    ]
-    if not cfg.tie_embeddings:
-        rules.append(copy("output.weight", "lm_head.weight"))
+    rules = ends_rules(cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         rules.append(copy(f"{ours}.ffn_norm.weight", f"{theirs}.pre_ff_layernorm.weight"))

@@ -11,6 +11,7 @@ from tessera.model.hf_families.common import (
     HFConversionError,
     Rule,
     copy,
+    ends_rules,
     fail,
     ffn_hidden,
     get,
@@ -147,9 +148,7 @@ def _olmoe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _moe_rules(cfg: ModelConfig, family: str) -> list[Rule]:
-    rules = [copy("tok_embeddings.weight", "model.embed_tokens.weight"), copy("norm.weight", "model.norm.weight")]
-    if not cfg.tie_embeddings:
-        rules.append(copy("output.weight", "lm_head.weight"))
+    rules = ends_rules(cfg, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         rules += [
