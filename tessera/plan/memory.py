@@ -308,7 +308,7 @@ def _head_loss_bytes(
 
     Plain loss: the (tokens x vocab) logits in compute dtype, plus at the loss their fp32 buffers. Fused
     loss (tessera/train/loss.py): the hidden-state gradient and the head's fp32 weight gradient it computes
-    in forward, and one chunk's working set -- its fp32 logits, their shifted copy and its exp (the loss), or its logits,
+    in forward, and one chunk's working set -- its fp32 logits and their exp (the loss), or its logits,
     their gradient in compute dtype and the chunk's (vocab x dim) weight-gradient product (the gradient).
     """
     if not share.head:
@@ -318,7 +318,7 @@ def _head_loss_bytes(
         logits = tokens * rows * c
         return logits / c * (c + LOGIT_FP32_BUFFERS[layout.tp > 1]), logits
     chunk, cast = min(setting.loss_chunk, tokens), (c if c != 4 else 0)
-    working = max(12.0 * chunk * rows, (4.0 + cast) * chunk * rows + (c + (4 if cast else 0)) * rows * shape.dim)
+    working = max(8.0 * chunk * rows, (4.0 + cast) * chunk * rows + (c + (4 if cast else 0)) * rows * shape.dim)
     return tokens * shape.dim * setting.prec.stream + 4.0 * rows * shape.dim + working, 0.0
 
 

@@ -101,7 +101,9 @@ def _chunk_loss(z: torch.Tensor, y: torch.Tensor, shard: _Shard, smoothing: floa
     local = y - shard.first
     hit = (local >= 0) & (local < z.shape[1])  # the target is one of this rank's rows (always on a whole head)
     target = local.clamp(0, z.shape[1] - 1)
-    sums = torch.stack([(z - top[:, None]).exp().sum(-1), z.gather(1, target[:, None]).squeeze(1) * hit])
+    shifted = (z - top[:, None]).exp_()  # in place: one chunk-sized buffer beside z, not two
+    sums = torch.stack([shifted.sum(-1), z.gather(1, target[:, None]).squeeze(1) * hit])
+    del shifted
     if smoothing:
         sums = torch.cat([sums, z.sum(-1)[None]])
     sums = shard.all_reduce(sums)
@@ -146,13 +148,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             z = (h @ w.t() if b is None else torch.addmm(b, h, w.t())).float()
             ce, lse, target, hit = _chunk_loss(z, labels[start : start + chunk], shard, smoothing)
             loss += (wt * ce).sum()
-            if not needs_grad:
-                continue
-            g = _logits_grad_(z, lse, target, hit, wt, smoothing, shard.vocab).to(dtype)
-            grad_h[start : start + chunk] = g @ w
-            grad_w += (g.t() @ h).float()
-            if grad_b is not None:
-                grad_b += g.float().sum(0)
+            if needs_grad:
+                g = _logits_grad_(z, lse, target, hit, wt, smoothing, shard.vocab).to(dtype)
+                grad_h[start : start + chunk] = g @ w
+                grad_w += (g.t() @ h).float()
+                if grad_b is not None:
+                    grad_b += g.float().sum(0)
+                del g
+            del z  # before the next chunk's logits exist: one chunk's buffers at a time, not two
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return loss
