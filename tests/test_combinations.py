@@ -101,7 +101,7 @@ PIPELINE_AND_DDP = {
     ),
     "pp2_fsdp2_documents": (
         ["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"],
-        ["data.document_mask=true", "data.mask_eod_loss=true"],
+        ["data.document_mask=true", "data.mask_eod_loss=true", "train.label_smoothing=0.1"],
     ),
     # Parameters used by stages on several pp ranks: gradients summed over those ranks, counted once.
     "pp2_fsdp2_tied": (
