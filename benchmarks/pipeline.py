@@ -11,7 +11,7 @@ runs one of two kinds of stages:
   and core count do not dominate): forward F, input-gradient B and weight-gradient W of ``cost``
   each, split evenly over a rank's virtual stages. Busy time is the time asleep.
 - ``real``: tessera's own pipeline (``tessera.parallel.pipeline.build_pipeline``, the split,
-  stage hooks, loss and schedule ``tessera train`` uses with ``parallel.pp``) of a Llama-shaped
+  stage hooks, fused head + loss on the last stage and schedule ``tessera train`` uses with ``parallel.pp``) of a Llama-shaped
   decoder of ``--layers`` blocks at each width of ``--dims``, one process per rank, one thread
   each. Busy time is the time inside the stages' forward, backward and weight-backward actions
   (model compute and the loss); sends, receives and the schedule's own bookkeeping count as idle.
@@ -174,13 +174,16 @@ def _measure_real(rank: int, dims, schedule: str, m: int, dim: int, layers: int,
     from tessera.model import build_model
     from tessera.parallel import parallelize
     from tessera.parallel.pipeline import build_pipeline
-    from tessera.train.loss import lm_loss
+    from tessera.train.loss import FusedHeadLoss, lm_loss
 
     p = dims.pp
     cfg = _real_config(p, schedule, m, dim, layers)
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    pipe = build_pipeline(model, dims, cfg, torch.device("cpu"), lm_loss, lambda s: parallelize(s, dims, cfg))
+    chunk = cfg.train.loss_chunk_tokens  # the last stage fuses the head into the loss, as the trainer does
+    head_loss = lambda labels, mask, smoothing, twice: FusedHeadLoss(labels, mask, smoothing, chunk, twice)
+    stage = lambda s: parallelize(s, dims, cfg)
+    pipe = build_pipeline(model, dims, cfg, torch.device("cpu"), lm_loss, stage, head_loss)
     stages = pipe.schedule._stages if schedule in MULTI_STAGE else [pipe.schedule._stage]
     for stage in stages:
         for name in _ACTIONS:

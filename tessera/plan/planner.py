@@ -57,12 +57,15 @@ def estimate(config: JobConfig, shape: ModelShape, layout: Layout, gpu: GPU, eng
 
 def job_setting(config: JobConfig, layout: Layout, device: str = "cuda") -> Setting:
     """What besides ``layout`` decides its memory, as ``config`` sets it: precisions, the loss (the fused head
-    and loss in chunks of ``train.loss_chunk_tokens``, where the trainer fuses it: the torch engine, no
-    pipeline, no distillation) and the optimizer's state (``optim.name``, ``optim.state_dtype``)."""
+    and loss in chunks of ``train.loss_chunk_tokens`` where the trainer fuses it: the torch engine, no
+    distillation, not an encoder-decoder's pipeline stages) and the optimizer's state (``optim.name``,
+    ``optim.state_dtype``)."""
     from tessera.train.loss import chunk_tokens
 
     train, optim = config.train, config.optim
-    fused = train.fused_loss and layout.pp == 1 and config.parallel.engine == "torch" and not train.distill_from
+    staged_encoder_decoder = layout.pp > 1 and config.model.arch == "encoder_decoder"
+    fused = train.fused_loss and config.parallel.engine == "torch" and not train.distill_from
+    fused = fused and not staged_encoder_decoder
     return Setting(
         tessera_precision(train.dtype, layout.fsdp),
         train.seq_len,
