@@ -256,7 +256,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for p in args.pp:
         queue = ctx.Queue()
-        mp.spawn(_worker, args=(p, _free_port(), args, queue), nprocs=p)
+        try:
+            mp.spawn(_worker, args=(p, _free_port(), args, queue), nprocs=p)
+        except mp.ProcessExitedException as exc:  # a rank can abort at exit after its work: keep what was measured
+            print(f"(p={p}: {exc})")
         while not queue.empty():
             cost, schedule, m, idle, busy = queue.get()
             theory = theoretical_bubble(schedule, p, m, _virtual(schedule))
