@@ -97,13 +97,13 @@ class ParallelContext:
 
     def parallelize(self, model: nn.Module, config: JobConfig) -> nn.Module:
         """Apply the configured layout (see :func:`tessera.parallel.parallelize`)."""
-        return parallelize(model, self.dims, config)
+        return parallelize(model, self.dims, config, self.device.type)
 
     def pipeline(self, model: nn.Module, config: JobConfig, loss_fn: LossFn) -> Pipeline:
         """Split ``model`` into this rank's pipeline stages, each parallelized like a whole model."""
-        return build_pipeline(
-            model, self.dims, config, self.device, loss_fn, lambda stage: parallelize(stage, self.dims, config)
-        )
+        device_type = self.device.type
+        stage_layout = lambda stage: parallelize(stage, self.dims, config, device_type)
+        return build_pipeline(model, self.dims, config, self.device, loss_fn, stage_layout)
 
     @property
     def pp_mesh(self):
