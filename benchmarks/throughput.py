@@ -16,7 +16,8 @@ The contenders train the same Llama shape (random init, AdamW, gradient clipping
   step of each is printed too, and for ``trainer-compiled`` the steps after which compiling pays.
 
 Rounds interleave the contenders (each times ``--steps`` steps per round, after a warm-up) so
-machine noise hits all alike. Printed per contender: median tokens/s over rounds and the spread
+machine noise hits all alike (``--clock cpu`` times process CPU time instead of wall time, for a
+machine shared with other work). Printed per contender: median tokens/s over rounds and the spread
 (min..max); then ratios of medians. Threads are stated (``--threads``, default 1).
 
     python benchmarks/throughput.py                      # dim 256, 4 layers, seq 256, batch 4, vocab 32k
@@ -223,13 +224,19 @@ CONTENDERS = {
 DEFAULT_CONTENDERS = "trainer,bare,hf,hf-trainer"
 
 
-def _time(step: Step, n: int) -> float:
-    start = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _time(step: Step, n: int, clock: str = "wall") -> float:
+    """Seconds of ``n`` steps on ``clock``: wall, or this process's CPU time (all its threads), which a
+    machine shared with other work disturbs far less."""
+    now = CLOCKS[clock]
+    start = now()
     for _ in range(n):
         step()
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return now() - start
 
 
 def measure(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, float]]:
@@ -239,14 +246,14 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str,
     with tempfile.TemporaryDirectory() as tmp:
         steps = {name: CONTENDERS[name](args, Path(tmp) / name) for name in names}
         torch.set_num_threads(args.threads)  # after the builders: the Trainer applies train.threads itself
-        first = {name: _time(steps[name], 1) for name in names}
+        first = {name: _time(steps[name], 1, args.clock) for name in names}
         for name in names:  # warm up the rest
             _time(steps[name], args.warmup)
         rates: dict[str, list[float]] = {name: [] for name in names}
         tokens = args.steps * args.batch * args.seq
         for _ in range(args.rounds):
             for name in names:
-                rates[name].append(tokens / _time(steps[name], args.steps))
+                rates[name].append(tokens / _time(steps[name], args.steps, args.clock))
     return rates, first
 
 
@@ -275,13 +282,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--contenders", default=DEFAULT_CONTENDERS, help=f"any of {','.join(CONTENDERS)}")
     p.add_argument("--alt", nargs="*", default=[], help="config overrides of the trainer-alt contender")
+    p.add_argument("--clock", choices=list(CLOCKS), default="wall", help="cpu: process CPU time (a busy machine)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="print MFU against this peak (H200 bf16: 989)")
     args = p.parse_args()
     print(
         f"threads={args.threads} torch={torch.__version__} {args.device} dtype={args.dtype} dim={args.dim} "
-        f"layers={args.layers} "
-        f"heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} seq={args.seq} batch={args.batch} "
-        f"rounds={args.rounds}x{args.steps} steps fused_loss={args.fused} adamw={args.adamw} compile={args.compile}"
+        f"layers={args.layers} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} seq={args.seq} "
+        f"batch={args.batch} rounds={args.rounds}x{args.steps} steps clock={args.clock} fused_loss={args.fused} "
+        f"adamw={args.adamw} compile={args.compile}"
         + (f" trainer-alt: {' '.join(args.alt)}" if "trainer-alt" in args.contenders else "")
     )
     rates, first = measure(args)
