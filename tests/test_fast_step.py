@@ -168,3 +168,14 @@ def test_compile_auto_is_on_cuda_only_and_true_false_still_load(tiny_config, tmp
     recipe = tmp_path / "old.toml"
     recipe.write_text("[parallel]\ncompile = true\n")  # recipes written before "auto" existed
     assert load_config(recipe, []).parallel.compile is True
+
+
+def test_the_inductor_cache_moves_out_of_the_temp_directory_unless_the_user_chose_one(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from tessera.parallel.activation import use_inductor_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing torch._dynamo sets
+    assert use_inductor_cache(tmp_path / "inductor") == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_inductor_cache(tmp_path / "inductor") == str(tmp_path / "mine")

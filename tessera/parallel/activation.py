@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
@@ -64,10 +65,12 @@ def compile_enabled(p: Any, device_type: str) -> bool:
 
 def use_inductor_cache(directory: Path | None = None) -> str:
     """Point TorchInductor's cache (compiled kernels, FX and AOT-autograd graphs) at ``directory``, default
-    ~/.cache/tessera/inductor, unless $TORCHINDUCTOR_CACHE_DIR chose one; torch's default lives in the
-    temp directory, which reboots and cleaners empty. A restart then compiles from the cache."""
-    default = directory or Path.home() / ".cache" / "tessera" / "inductor"
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default))
+    ~/.cache/tessera/inductor, unless $TORCHINDUCTOR_CACHE_DIR chose another place than torch's default, which
+    lives in the temp directory that reboots and cleaners empty. A restart then compiles from the cache."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # importing torch._dynamo already set it to the default
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory or Path.home() / ".cache" / "tessera" / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def apply_compile(stacks: list[nn.ModuleDict]) -> None:
