@@ -969,9 +969,9 @@ def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:
     _require(1 <= o.muon_ns_steps < 100, f"optim.muon_ns_steps must be in [1, 99], got {o.muon_ns_steps}")
     _require(o.qk_clip_threshold >= 0, f"optim.qk_clip_threshold must be >= 0 (0 disables), got {o.qk_clip_threshold}")
     _require(
-        o.implementation == "auto" or (o.name == "adamw" and o.state_dtype == "fp32"),
-        f"optim.implementation={o.implementation!r} picks torch.optim.AdamW's kernel, but optim.name={o.name!r} "
-        f"with state_dtype={o.state_dtype!r} runs tessera's MuonAdamW; set optim.implementation='auto'",
+        o.implementation == "auto" or o.state_dtype == "fp32",
+        f"optim.implementation={o.implementation!r} picks torch's AdamW kernel, which keeps fp32 moments; "
+        "optim.state_dtype='bf16' runs tessera's own update: set optim.implementation='auto'",
     )
 
 

@@ -67,11 +67,13 @@ def test_scheduler_drives_the_optimizer_lr():
     assert seen == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
 
 
-def _adamw_runs(implementation: str, scaler: bool) -> list[torch.Tensor]:
-    """Five AdamW steps of a tiny decoder with ``optim.implementation`` (one with an overflowed gradient)."""
+def _adamw_runs(implementation: str, scaler: bool, name: str = "adamw") -> list[torch.Tensor]:
+    """Five steps of a tiny decoder with ``optim.implementation`` (one with an overflowed gradient)."""
     torch.manual_seed(0)
     model = build_model(model_config(vocab_size=300, dim=32, n_layers=2, n_heads=2, tie_embeddings=False))
-    opt = build_optimizer(model, OptimConfig(lr=1e-2, implementation=implementation))
+    # Newton-Schulz in fp32: in bf16 it would amplify the kernels' last-bit differences past 1e-6
+    cfg = OptimConfig(name=name, lr=1e-2, implementation=implementation, muon_ns_dtype="fp32")
+    opt = build_optimizer(model, cfg)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=scaler)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 300, (2, 17), generator=gen)
@@ -87,11 +89,12 @@ def _adamw_runs(implementation: str, scaler: bool) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("scaler", [False, True])
-def test_fused_and_foreach_adamw_match_the_for_loop(scaler):
-    want = _adamw_runs("for-loop", scaler)
+@pytest.mark.parametrize(("scaler", "name"), [(False, "adamw"), (True, "adamw"), (False, "muon")])
+def test_fused_and_foreach_adamw_match_the_for_loop(scaler, name):
+    """torch.optim.AdamW's kernels, and Muon's AdamW part (embeddings, head, norms) through them vs tessera's loop."""
+    want = _adamw_runs("for-loop", scaler, name)
     for implementation in ("fused", "foreach", "auto"):
-        got = _adamw_runs(implementation, scaler)
+        got = _adamw_runs(implementation, scaler, name)
         for a, b in zip(got, want):
             assert (a - b).abs().max().item() <= 1e-6, f"{implementation}: params differ from the for-loop"
 
@@ -100,9 +103,12 @@ def test_auto_picks_the_fused_kernel_on_cpu_and_a_bad_choice_is_one_clear_error(
     model = build_model(model_config(vocab_size=300, dim=32, n_layers=1, n_heads=2))
     assert build_optimizer(model, OptimConfig()).defaults["fused"] is True
     assert build_optimizer(model, OptimConfig(implementation="foreach")).defaults["foreach"] is True
+    muon = build_optimizer(model, OptimConfig(name="muon"))
+    assert muon.adamw_kernel == {"fused": True}  # auto: Muon's AdamW part takes the fused kernel too
+    assert build_optimizer(model, OptimConfig(name="muon", implementation="for-loop")).adamw_kernel is None
     with pytest.raises(ConfigError, match="optim.implementation='fused' needs floating-point parameters"):
-        build_optimizer(model.to(torch.float64).to("meta"), OptimConfig(implementation="fused"))
-    with pytest.raises(ConfigError, match="set optim.implementation='auto'"):
-        tiny_config("optim.name=muon", "optim.implementation=fused")
+        build_optimizer(model.to("meta"), OptimConfig(implementation="fused"))
+    with pytest.raises(ConfigError, match="optim.state_dtype='bf16' runs tessera's own update"):
+        tiny_config("optim.state_dtype=bf16", "optim.implementation=fused")
     with pytest.raises(ConfigError, match="optim.implementation='foreach' needs parallel.engine='torch'"):
         tiny_config("parallel.engine=deepspeed", "optim.implementation=foreach")

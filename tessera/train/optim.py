@@ -101,6 +101,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         scale=cfg.muon_scale,
         ns_dtype=DTYPES[cfg.muon_ns_dtype],
         state_dtype=DTYPES[cfg.state_dtype],
+        adamw_kernel=adamw_kernel([p for g in groups for p in g["params"]], cfg.implementation),
     )
 
 
