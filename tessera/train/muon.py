@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.optim.adam import adam  # torch's functional AdamW (decoupled_weight_decay=True)
 from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam  # torch's functional AdamW (decoupled_weight_decay=True)
 
 from tessera.parallel.muon import orthogonalize
 
