@@ -64,14 +64,23 @@ def muon_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [muon, *rest]
 
 
-def adamw_kernel(params: list[torch.Tensor], implementation: str) -> dict[str, bool]:
+def adamw_kernel(params: list[torch.Tensor], implementation: str, fused_ok: bool = True) -> dict[str, bool]:
     """torch.optim.AdamW's ``fused``/``foreach`` keywords for ``optim.implementation``.
 
     "auto" is the fused kernel (one kernel per device and dtype, no full-size temporaries) where
-    torch has it for every parameter's device and dtype (CPU, CUDA, ...), else torch's default.
+    torch has it for every parameter's device and dtype (CPU, CUDA, ...), else torch's default, as
+    it is when the caller says ``fused_ok=False``: under DeepSpeed (its optimizer wrapper steps it),
+    and with fp16 on several processes, where torch's fused step takes the grad scaler's found-inf
+    flag, which ShardedGradScaler makes of shape (1,) where the kernel needs ().
     """
     devices = set(_get_fused_kernels_supported_devices())  # torch's own list (no public spelling)
     fusable = all(p.device.type in devices and torch.is_floating_point(p) for p in params)
+    if not fused_ok and implementation == "fused":
+        raise ConfigError(
+            "optim.implementation='fused' cannot take the fp16 grad scaler of several processes (torch's "
+            "ShardedGradScaler); use optim.implementation='auto' or 'foreach', or train.dtype='bf16'"
+        )
+    fusable = fusable and fused_ok
     if implementation == "auto":
         return {"fused": True} if fusable else {}
     if implementation == "fused" and not fusable:
@@ -83,11 +92,12 @@ def adamw_kernel(params: list[torch.Tensor], implementation: str) -> dict[str, b
     return {"fused": True} if implementation == "fused" else {"foreach": implementation == "foreach"}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer named by ``optim.name``: torch's AdamW, or :class:`MuonAdamW` (Muon, or bf16 state)."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, fused_ok: bool = True) -> torch.optim.Optimizer:
+    """The optimizer named by ``optim.name``: torch's AdamW, or :class:`MuonAdamW` (Muon, or bf16 state).
+    ``fused_ok=False``: "auto" keeps torch's default AdamW kernel (see :func:`adamw_kernel`)."""
     if cfg.name == "adamw" and cfg.state_dtype == "fp32":
         groups = parameter_groups(model, cfg.weight_decay)
-        kernel = adamw_kernel([p for g in groups for p in g["params"]], cfg.implementation)
+        kernel = adamw_kernel([p for g in groups for p in g["params"]], cfg.implementation, fused_ok)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
     groups = muon_groups(model, cfg) if cfg.name == "muon" else parameter_groups(model, cfg.weight_decay)
     return MuonAdamW(
