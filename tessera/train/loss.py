@@ -152,13 +152,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             z = (h @ w.t() if b is None else torch.addmm(b, h, w.t())).float()
             ce, total, target, hit = _chunk_loss_(z, labels[start : start + chunk], shard, smoothing)
             loss += (wt * ce).sum()
-            if not needs_grad:
-                continue
-            g = _logits_grad_(z, total, target, hit, wt, smoothing, shard.vocab).to(dtype)
-            grad_h[start : start + chunk] = g @ w
-            grad_w += (g.t() @ h).float()
-            if grad_b is not None:
-                grad_b += g.float().sum(0)
+            if needs_grad:
+                g = _logits_grad_(z, total, target, hit, wt, smoothing, shard.vocab).to(dtype)
+                grad_h[start : start + chunk] = g @ w
+                grad_w += (g.t() @ h).float()
+                if grad_b is not None:
+                    grad_b += g.float().sum(0)
+                del g
+            del z  # before the next chunk's logits exist: one chunk's buffers at a time, not two
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return loss
