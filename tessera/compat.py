@@ -64,9 +64,10 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     "linear attention kernels (linear, performer)": {
         "cp": "the kernel's prefix sums over keys are not split across ranks; use sdpa, eager or a sparse kernel",
     },
-    "mixture of experts": {
-        "cp": "the router's load-balancing and z losses would see one rank's slice of each sequence, not the batch's "
-        "tokens",
+    "mixture of experts": {},
+    "MoE capacity limit (token dropping)": {
+        "cp": "which tokens an expert drops depends on their order across the ranks' slices; use "
+        "model.moe.capacity_factor=0 (dropless)",
     },
     "QK-norm over all heads": {
         "tp": "the norm spans every head's channels, which tensor parallelism splits over ranks",
@@ -166,6 +167,8 @@ def job_features(config: Any) -> set[str]:
         features.add("linear attention kernels (linear, performer)")
     if m.moe.experts > 1:
         features.add("mixture of experts")
+        if m.moe.capacity_factor > 0:
+            features.add("MoE capacity limit (token dropping)")
     if m.attention.qk_norm and m.attention.qk_norm_scope == "all":
         features.add("QK-norm over all heads")
     if "M" in m.layer_pattern:

@@ -21,8 +21,10 @@ module fills in:
 
 The loss of a rank is the sum over its tokens divided by the global token count of the batch, times
 ``cp`` because FSDP averages gradients over the ``dp_shard x cp`` mesh (a local mean would weight
-ranks with fewer unmasked tokens wrongly). torch's experimental ``context_parallel`` has no CPU
-implementation (no CPU SDPA backend has a sharding rule; FlexAttention has no CPU backward), hence
+ranks with fewer unmasked tokens wrongly). MoE layers likewise: the load-balancing loss uses the
+expert counts of the whole sequences (summed over the cp ranks, detached) with the local router
+scores, so the mean over the cp ranks of each rank's loss is the loss of the whole sequences.
+torch's experimental ``context_parallel`` has no CPU implementation (no CPU SDPA backend has a sharding rule; FlexAttention has no CPU backward), hence
 this hand-written version.
 """
 
@@ -39,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.model.attention import Attention, AttnContext
 from tessera.model.masks import MaskSpec, allowed
+from tessera.model.moe import MoE, TokenGroup
 from tessera.model.transformer import Stack
 
 METHODS = ("allgather", "ring")
@@ -117,11 +120,25 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, method: str = "allgather") -> None:
-    """Make every stack of ``model`` attend as a slice of a sequence split over ``cp_mesh``."""
+    """Make every stack of ``model`` attend as a slice of a sequence split over ``cp_mesh``, and every MoE
+    layer balance its experts over the whole sequences (expert counts summed over the cp ranks)."""
     split = ContextParallel(cp_mesh, method)
+    tokens = cp_token_group(cp_mesh)
     for module in model.modules():
         if isinstance(module, Stack):
             module.sequence_split = split
+        if isinstance(module, MoE):
+            module.token_group = tokens
+
+
+def cp_token_group(cp_mesh: DeviceMesh) -> TokenGroup:
+    """The MoE :class:`TokenGroup` of a cp mesh: its ranks' tokens make up every sequence."""
+    group = cp_mesh.get_group()
+
+    def sum_over_cp(t: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(t.detach(), "sum", group))
+
+    return TokenGroup(cp_mesh.size(), sum_over_cp)
 
 
 # ----------------------------------------------------------------------------------------------
