@@ -24,8 +24,8 @@ The loss of a rank is the sum over its tokens divided by the global token count 
 ranks with fewer unmasked tokens wrongly). MoE layers likewise: the load-balancing loss uses the
 expert counts of the whole sequences (summed over the cp ranks, detached) with the local router
 scores, so the mean over the cp ranks of each rank's loss is the loss of the whole sequences.
-torch's experimental ``context_parallel`` has no CPU implementation (no CPU SDPA backend has a sharding rule; FlexAttention has no CPU backward), hence
-this hand-written version.
+torch's experimental ``context_parallel`` has no CPU implementation (no CPU SDPA backend has a
+sharding rule; FlexAttention has no CPU backward), hence this hand-written version.
 """
 
 from __future__ import annotations
