@@ -97,7 +97,6 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 
 # Pairs of layouts that do not combine, with the reason.
 UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
-    frozenset({"cp", "ep"}): "expert parallelism over context-parallel ranks is not validated yet",
     **{
         frozenset({"deepspeed", layout}): f"the DeepSpeed engine is data parallel only; set parallel.{key}=1 "
         "or parallel.engine='torch'"

@@ -10,6 +10,12 @@ cp = 2 x dp_shard = 2, cp = 2 x tp = 2 (with and without SP) and pp = 2 x cp = 2
 methods, some with activation checkpointing, match the single-process run in loss, grad norm and
 validation loss within 1e-5 relative; with document masks and EOD loss masks too (the pipeline
 carries them from stage to stage). A checkpoint saved at cp = 2 resumes at cp = 1.
+
+MoE (top-2 with aux + z losses; DeepSeek routing: sigmoid, per-sequence aux, aux-free bias) under
+cp = 2 with both methods, cp = 2 x dp_shard = 2, x tp = 2 + SP and x pp = 2, and expert parallelism
+over the cp ranks (cp = 2 x ep = 2, cp = 2 x dp_shard = 2 x ep = 2 and 4) match one process in the
+same way, plus the logged aux/z losses and expert loads; a cp = 2 x ep = 2 checkpoint resumes at cp = 1.
+At the layer level, a rank balancing its experts by its own counts only is far off.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ DEEPSEEK = [
     "model.moe.shared_experts=1",
 ]
 # Data parallelism averages each rank's mean token loss and MoE losses (as gradient accumulation averages
-# micro-batches): its reference accumulates two micro-batches of the per-rank size.
+# micro-batches): its reference accumulates two micro-batches of the per-rank size. A pipeline's MoE losses
+# are likewise per micro-batch.
 DP2 = ["train.batch_size=4", "train.grad_accum=2", "train.eval_batches=4"]
 REFERENCES = {
     "plain": [],
@@ -56,11 +63,13 @@ REFERENCES = {
     "docs_dp2": [*DOCS, *DP2],
     "moe": MOE,
     "moe_docs": [*MOE, *DOCS],
+    "moe_dp2": [*MOE, *DP2],
     "moe_docs_dp2": [*MOE, *DOCS, *DP2],
     "deepseek": DEEPSEEK,
 }
 
 CP2 = ["parallel.cp=2", "parallel.dp_shard=1"]
+SAVE_AT_3 = ["checkpoint.enabled=true", "checkpoint.every=3"]
 CP2_FSDP2 = ["parallel.cp=2", "parallel.dp_shard=2"]
 # name -> (overrides, reference)
 WORLDS = {
@@ -68,10 +77,11 @@ WORLDS = {
         "cp2": (CP2, "plain"),
         "cp2_ring_ac": ([*CP2, *RING, "parallel.activation_checkpoint=full"], "plain"),
         "cp2_docs": ([*CP2, *DOCS], "docs"),
-        "cp2_ring_docs": ([*CP2, *RING, *DOCS, "checkpoint.enabled=true", "checkpoint.every=3"], "docs"),
+        "cp2_ring_docs": ([*CP2, *RING, *DOCS, *SAVE_AT_3], "docs"),
         "cp2_moe": ([*CP2, *MOE], "moe"),
         "cp2_ring_moe_docs": ([*CP2, *RING, *MOE, *DOCS], "moe_docs"),
         "cp2_deepseek_ac": ([*CP2, *DEEPSEEK, "parallel.activation_checkpoint=full"], "deepseek"),
+        "cp2_ep2_ring_moe_docs": ([*CP2, "parallel.ep=2", *RING, *MOE, *DOCS, *SAVE_AT_3], "moe_docs"),
     },
     4: {
         "cp4_docs_ac": (["parallel.cp=4", "parallel.dp_shard=1", *DOCS, "parallel.activation_checkpoint=op"], "docs"),
@@ -83,6 +93,11 @@ WORLDS = {
         "pp2_cp2": ([*CP2, "parallel.pp=2"], "plain"),
         "pp2_cp2_ring_docs": ([*CP2, "parallel.pp=2", *RING, *DOCS], "docs"),
         "cp2_fsdp2_moe_docs": ([*CP2_FSDP2, *MOE, *DOCS], "moe_docs_dp2"),
+        "cp2_fsdp2_ep2_moe_docs": ([*CP2_FSDP2, "parallel.ep=2", *MOE, *DOCS], "moe_docs_dp2"),
+        "cp2_fsdp2_ep4_ring_moe_docs": ([*CP2_FSDP2, "parallel.ep=4", *RING, *MOE, *DOCS], "moe_docs_dp2"),
+        "cp2_tp2_sp_moe": ([*CP2, "parallel.tp=2", *MOE], "moe"),
+        # MoE losses are per pipeline micro-batch (pp=2: 2 of 4 sequences), as per data-parallel rank
+        "pp2_cp2_moe": ([*CP2, "parallel.pp=2", *MOE], "moe_dp2"),
     },
 }
 
@@ -169,10 +184,12 @@ def test_training_matches_single_process(world, base_recipe, references, tmp_pat
         assert_losses_close(_val_losses(tmp_path / name), _val_losses(references(reference)), what="validation loss")
         if "moe" in reference or "deepseek" in reference:  # logged router metrics are the whole batch's
             _assert_moe_metrics_match(tmp_path / name, references(reference))
-    if world == 2:  # a checkpoint of step 3 at cp=2 continues at cp=1 on the reference curve
-        resume = [*DOCS, "train.resume=" + str(tmp_path / "cp2_ring_docs" / "checkpoints" / "step_00000003")]
-        run = train(load_config(base_recipe, [*resume, f"train.run_dir={tmp_path}/resumed"])).run_dir
-        assert assert_runs_match(run, references("docs"), after=3) == STEPS - 3
+    if world == 2:  # checkpoints of step 3 at cp=2 (and cp=2 x ep=2) continue at cp=1 on the reference curve
+        for name, reference in (("cp2_ring_docs", "docs"), ("cp2_ep2_ring_moe_docs", "moe_docs")):
+            step3 = tmp_path / name / "checkpoints" / "step_00000003"
+            overrides = [*REFERENCES[reference], f"train.resume={step3}", f"train.run_dir={tmp_path}/{name}_resumed"]
+            run = train(load_config(base_recipe, overrides)).run_dir
+            assert assert_runs_match(run, references(reference), after=3) == STEPS - 3
 
 
 def _assert_moe_metrics_match(run_dir, reference_dir) -> None:
