@@ -26,12 +26,10 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "torch.compile": {
         "deepspeed": "compile is not validated with the DeepSpeed engine yet; set parallel.compile=false",
-        "cp": "compile is not validated with context parallelism yet",
     },
     "bf16": {},
     "fp16": {
         "ep": "fp16 with expert parallelism is not validated yet; use bf16",
-        "cp": "fp16 with context parallelism is not validated yet; use bf16",
         "deepspeed": "fp16 with the DeepSpeed engine is not validated yet (its CPU accelerator refuses fp16); use bf16",
     },
     "cpu offload (CUDA)": {

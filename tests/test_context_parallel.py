@@ -30,7 +30,7 @@ from tessera.config import ConfigError, load_config
 from tessera.parallel.context import zigzag_index
 from tessera.train.trainer import train
 
-from conftest import assert_losses_close, assert_runs_match, torchrun, write_tiny_recipe
+from conftest import assert_losses_close, assert_runs_match, step_records, torchrun, write_tiny_recipe
 
 STEPS = 5
 BASE = [
@@ -66,7 +66,10 @@ REFERENCES = {
     "moe_dp2": [*MOE, *DP2],
     "moe_docs_dp2": [*MOE, *DOCS, *DP2],
     "deepseek": DEEPSEEK,
+    "docs_fp16": [*DOCS, "train.dtype=fp16"],
 }
+# fp16 runs match the single-process fp16 run as FSDP in fp16 does (tests/test_precision.py): loss, grad norm.
+FP16_TOLERANCE = (2e-5, 1e-3)
 
 CP2 = ["parallel.cp=2", "parallel.dp_shard=1"]
 SAVE_AT_3 = ["checkpoint.enabled=true", "checkpoint.every=3"]
@@ -81,6 +84,8 @@ WORLDS = {
         "cp2_moe": ([*CP2, *MOE], "moe"),
         "cp2_ring_moe_docs": ([*CP2, *RING, *MOE, *DOCS], "moe_docs"),
         "cp2_deepseek_ac": ([*CP2, *DEEPSEEK, "parallel.activation_checkpoint=full"], "deepseek"),
+        "cp2_fp16_docs": ([*CP2, *DOCS, "train.dtype=fp16"], "docs_fp16"),
+        "cp2_compile_docs": ([*CP2, *DOCS, "parallel.compile=true"], "docs"),
         "cp2_ep2_ring_moe_docs": ([*CP2, "parallel.ep=2", *RING, *MOE, *DOCS, *SAVE_AT_3], "moe_docs"),
     },
     4: {
@@ -180,6 +185,11 @@ def test_training_matches_single_process(world, base_recipe, references, tmp_pat
     variants = {name: overrides for name, (overrides, _) in WORLDS[world].items()}
     torchrun(world, "tests/dist_variants.py", str(base_recipe), str(tmp_path), json.dumps(variants))
     for name, (_, reference) in WORLDS[world].items():
+        if reference.endswith("fp16"):
+            _assert_fp16_close(tmp_path / name, references(reference))
+            fp32 = [r["grad_norm"] for r in step_records(references(reference.removesuffix("_fp16")))]
+            assert [r["grad_norm"] for r in step_records(tmp_path / name)] != fp32  # autocast was in effect
+            continue
         assert assert_runs_match(tmp_path / name, references(reference)) == STEPS  # losses, grad norms, parameters
         assert_losses_close(_val_losses(tmp_path / name), _val_losses(references(reference)), what="validation loss")
         if "moe" in reference or "deepseek" in reference:  # logged router metrics are the whole batch's
@@ -190,6 +200,14 @@ def test_training_matches_single_process(world, base_recipe, references, tmp_pat
             overrides = [*REFERENCES[reference], f"train.resume={step3}", f"train.run_dir={tmp_path}/{name}_resumed"]
             run = train(load_config(base_recipe, overrides)).run_dir
             assert assert_runs_match(run, references(reference), after=3) == STEPS - 3
+
+
+def _assert_fp16_close(run_dir, reference_dir) -> None:
+    """Loss and grad norm per step within :data:`FP16_TOLERANCE` (the same steps skipped on overflow)."""
+    got, want = step_records(run_dir), step_records(reference_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for key, rtol in zip(("loss", "grad_norm"), FP16_TOLERANCE):
+        assert_losses_close([r[key] for r in got], [r[key] for r in want], rtol, what=key)
 
 
 def _assert_moe_metrics_match(run_dir, reference_dir) -> None:
