@@ -44,20 +44,14 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "deepspeed": "the DeepSpeed engine partitions a built model; set parallel.meta_init=false",
     },
     "tied embeddings": {},
-    "encoder (masked LM)": {
-        "cp": "context parallelism is validated end to end for decoders only",
-    },
+    "encoder (masked LM)": {},
     "encoder-decoder": {
         "cp": "context parallelism is validated end to end for decoders; an encoder-decoder's cross-attention memory "
         "is not split",
     },
     "absolute positions (learned, sinusoidal)": {},
-    "T5 relative-position bias": {
-        "cp": "the bias is built over one rank's positions, not the split sequence; use rope or learned positions",
-    },
-    "ALiBi": {
-        "cp": "the bias is built over one rank's positions, not the split sequence; use rope or learned positions",
-    },
+    "T5 relative-position bias": {},
+    "ALiBi": {},
     "sparse attention kernels (longformer, bigbird)": {},
     "linear attention kernels (linear, performer)": {
         "cp": "the kernel's prefix sums over keys are not split across ranks; use sdpa, eager or a sparse kernel",

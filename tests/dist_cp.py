@@ -66,6 +66,10 @@ def run_case(mesh, method: str, documents: bool, model_kw: dict, bug: str = "") 
     apply_context_parallel(cp, mesh, method)
     if bug == "local_positions":
         cp.sequence_split.positions = lambda length, device: torch.arange(length, device=device)[None]
+    if bug == "local_bias_keys":  # the score bias over this rank's keys only
+        cp.sequence_split.key_positions = lambda length, device: cp.sequence_split.positions(length, device).repeat(
+            1, mesh.size()
+        )
     (x,), kw, y, m = shard_batch((inputs,), kwargs, labels, loss_mask, mesh)
     if bug == "local_expert_counts":
         for module in cp.modules():
@@ -113,6 +117,16 @@ def main() -> None:
     cases["cp2_ring_window_and_global_layers"] = run_case(
         mesh, "ring", True, {"layer_pattern": "AG", "attention": {"sliding_window": 5}}
     )
+    alibi, t5 = (
+        {"position": {"kind": "alibi"}},
+        {"position": {"kind": "t5_bias", "rel_buckets": 8, "rel_max_distance": 16}},
+    )
+    cases["cp2_allgather_alibi_docs"] = run_case(mesh, "allgather", True, alibi)
+    cases["cp4_allgather_alibi_eager_window"] = run_case(
+        meshes["cp4"], "allgather", False, {**alibi, "attention": {"kernel": "eager", "sliding_window": 5}}
+    )
+    cases["cp4_allgather_t5_docs"] = run_case(meshes["cp4"], "allgather", True, t5)
+    cases["cp2_allgather_t5_encoder"] = run_case(mesh, "allgather", False, {**t5, "arch": "encoder"})
     cases["cp2_allgather_learned_positions"] = run_case(mesh, "allgather", False, {"position": {"kind": "learned"}})
     moe = {"moe": {"experts": 4, "top_k": 2, "aux_loss_coef": 0.1, "z_loss_coef": 0.01}}
     deepseek = {
@@ -131,6 +145,7 @@ def main() -> None:
     cases["cp2_allgather_moe_deepseek_docs"] = run_case(mesh, "allgather", True, deepseek)
     cases["bug_local_expert_counts"] = run_case(mesh, "allgather", False, moe, bug="local_expert_counts")
     cases["bug_local_positions"] = run_case(mesh, "ring", False, {}, bug="local_positions")
+    cases["bug_local_bias_keys"] = run_case(mesh, "allgather", False, alibi, bug="local_bias_keys")
     cases["bug_local_mean"] = run_case(mesh, "allgather", True, {}, bug="local_mean")
     if dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -15,7 +15,10 @@ MoE (top-2 with aux + z losses; DeepSeek routing: sigmoid, per-sequence aux, aux
 cp = 2 with both methods, cp = 2 x dp_shard = 2, x tp = 2 + SP and x pp = 2, and expert parallelism
 over the cp ranks (cp = 2 x ep = 2, cp = 2 x dp_shard = 2 x ep = 2 and 4) match one process in the
 same way, plus the logged aux/z losses and expert loads; a cp = 2 x ep = 2 checkpoint resumes at cp = 1.
-At the layer level, a rank balancing its experts by its own counts only is far off.
+At the layer level, a rank balancing its experts by its own counts only is far off. Also at cp = 2:
+fp16 (against one fp16 process, FSDP's fp16 tolerances), torch.compile, ALiBi (all-gather method,
+document masks) and a masked-LM encoder with T5's relative bias; at the layer level a score bias
+over the local keys only is far off.
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ DEEPSEEK = [
     "model.moe.bias_update_rate=0.01",
     "model.moe.shared_experts=1",
 ]
+# A masked-LM encoder (bidirectional) with T5's relative-position bias.
+T5_ENCODER = [
+    "model.arch=encoder",
+    "model.objective=masked_lm",
+    "model.vocab_size=520",
+    "model.sentinel_tokens=8",
+    "model.position.kind=t5_bias",
+]
 # Data parallelism averages each rank's mean token loss and MoE losses (as gradient accumulation averages
 # micro-batches): its reference accumulates two micro-batches of the per-rank size. A pipeline's MoE losses
 # are likewise per micro-batch.
@@ -67,6 +78,8 @@ REFERENCES = {
     "moe_docs_dp2": [*MOE, *DOCS, *DP2],
     "deepseek": DEEPSEEK,
     "docs_fp16": [*DOCS, "train.dtype=fp16"],
+    "alibi_docs": [*DOCS, "model.position.kind=alibi"],
+    "t5_encoder": T5_ENCODER,
 }
 # fp16 runs match the single-process fp16 run as FSDP in fp16 does (tests/test_precision.py): loss, grad norm.
 FP16_TOLERANCE = (2e-5, 1e-3)
@@ -86,6 +99,8 @@ WORLDS = {
         "cp2_deepseek_ac": ([*CP2, *DEEPSEEK, "parallel.activation_checkpoint=full"], "deepseek"),
         "cp2_fp16_docs": ([*CP2, *DOCS, "train.dtype=fp16"], "docs_fp16"),
         "cp2_compile_docs": ([*CP2, *DOCS, "parallel.compile=true"], "docs"),
+        "cp2_alibi_docs": ([*CP2, *REFERENCES["alibi_docs"]], "alibi_docs"),
+        "cp2_t5_encoder": ([*CP2, *T5_ENCODER], "t5_encoder"),
         "cp2_ep2_ring_moe_docs": ([*CP2, "parallel.ep=2", *RING, *MOE, *DOCS, *SAVE_AT_3], "moe_docs"),
     },
     4: {
@@ -157,7 +172,7 @@ def test_zigzag_split_balances_causal_work_and_covers_the_sequence():
         (["parallel.cp=2", "parallel.cp_method=ring", "model.attention.dropout=0.1"], "without dropout"),
         (["parallel.cp=2", "parallel.tp=4", "model.n_kv_heads=4", "train.seq_len=36"], "tp=4 x parallel.cp=2"),
         (["parallel.cp=2", "model.attention.kernel=linear"], "linear attention kernels"),
-        (["parallel.cp=2", "model.position.kind=alibi"], "ALiBi with cp"),
+        (["parallel.cp=2", "parallel.cp_method=ring", "model.position.kind=alibi"], "adds no score bias"),
         (["parallel.cp=2", "model.moe.experts=4", "model.moe.capacity_factor=1.25"], "token dropping\\) with cp"),
         (["parallel.cp=2", "parallel.cp_method=zigzag"], "parallel.cp_method"),
     ],
@@ -177,6 +192,7 @@ def test_layer_level_parity_and_negative_controls(tmp_path):
     assert max(bugs["bug_local_positions"].values()) > 1e-2  # RoPE must use global positions
     assert max(bugs["bug_local_mean"].values()) > 1e-2  # the loss must be normalized by the global token count
     assert max(bugs["bug_local_expert_counts"].values()) > 1e-2  # MoE balancing must count every rank's tokens
+    assert max(bugs["bug_local_bias_keys"].values()) > 1e-2  # ALiBi/T5 bias over the gathered keys' positions
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ sharding rule; FlexAttention has no CPU backward), hence this hand-written versi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +49,7 @@ METHODS = ("allgather", "ring")
 # Scores a ring step materializes at once (queries are processed in chunks below this many elements).
 _RING_CHUNK_ELEMENTS = 1 << 20
 
-AttendFn = Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttendFn = Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor, AttnContext], torch.Tensor]
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -79,6 +80,13 @@ class ContextParallel:
         """(1, length) global positions of this rank's tokens."""
         return self.index(length, device)[None]
 
+    def key_positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """(1, length * cp) global positions of the all-gathered keys, in rank order (all-gather only: the
+        ring never holds them at once)."""
+        if self.method == "ring":
+            raise ValueError("parallel.cp_method='ring' takes no score bias (ALiBi, T5); use allgather")
+        return torch.cat([zigzag_index(length * self.size, self.size, r, device) for r in range(self.size)])[None]
+
     def attention(
         self, spec: MaskSpec, length: int, document_ids: torch.Tensor | None, device: torch.device
     ) -> AttendFn:
@@ -93,15 +101,18 @@ class ContextParallel:
                 mask = allowed(spec, q_idx[rows, None], kv_idx[src][None, :], *docs)
                 return mask.view(-1, 1, *mask.shape[-2:])
 
-            return lambda attn, q, k, v: RingAttention.apply(q, k, v, step_mask, attn.scale, self.group)
+            return lambda attn, q, k, v, _: RingAttention.apply(q, k, v, step_mask, attn.scale, self.group)
         keys = torch.cat(kv_idx)
         docs = () if document_ids is None else (document_ids[:, :, None], torch.cat(kv_doc, 1)[:, None, :])
         mask = allowed(spec, q_idx[:, None], keys[None, :], *docs).view(-1, 1, length, keys.numel())
-        if spec.kernel != "eager":  # sdpa would turn a bool mask into a float copy per layer: share one
-            mask = torch.full(mask.shape, float("-inf"), device=device).masked_fill_(mask, 0.0)
-        ctx = AttnContext(mask=mask)
+        # sdpa would turn a bool mask into a float copy per layer: share one (a score bias needs the bool one)
+        additive = mask
+        if spec.kernel != "eager":
+            additive = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+        plain, biased = AttnContext(mask=additive), AttnContext(mask=mask)
 
-        def attend(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttnContext):
+            ctx = plain if layer.bias is None else dataclasses.replace(biased, bias=layer.bias)
             return attn.attend(q, gather_sequence(k, self.group), gather_sequence(v, self.group), ctx)
 
         return attend
