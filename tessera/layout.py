@@ -146,6 +146,11 @@ def _check_context_parallel(config: JobConfig) -> None:
         f"parallel.cp_method='ring' computes attention without dropout, but model.attention.dropout="
         f"{m.attention.dropout}; set it to 0 or use parallel.cp_method=allgather",
     )
+    _require(
+        p.cp_method != "ring" or m.position.kind not in ("alibi", "t5_bias"),
+        f"parallel.cp_method='ring' adds no score bias, but model.position.kind='{m.position.kind}'; use "
+        "parallel.cp_method=allgather (the bias spans the gathered keys) or rope/learned positions",
+    )
 
 
 def _check_layer_heads(m: ModelConfig, tp: int) -> None:

@@ -101,7 +101,7 @@ PIPELINE_AND_DDP = {
     ),
     "pp2_fsdp2_documents": (
         ["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"],
-        ["data.document_mask=true", "data.mask_eod_loss=true"],
+        ["data.document_mask=true", "data.mask_eod_loss=true", "train.label_smoothing=0.1"],
     ),
     # Parameters used by stages on several pp ranks: gradients summed over those ranks, counted once.
     "pp2_fsdp2_tied": (
@@ -140,8 +140,8 @@ def test_pipeline_and_data_parallel_cells(tmp_path, cache_dir):
 T5_RECIPE = "configs/tiny/t5.toml"  # 2 encoder + 2 decoder blocks, tied embeddings, T5 relative bias
 T5_STEPS = [*BASE, "train.seq_len=32", "model.max_seq_len=64", "optim.warmup_steps=2", "train.sample_tokens=0"]
 T5_PP2 = ["parallel.pp=2", "parallel.dp_shard=1", "parallel.microbatches=2"]
-# world size -> name -> (layout, feature overrides shared with its one-process reference). Data parallelism
-# is left out: span corruption draws its noise from the local batch, so a dp split changes the masks.
+# world size -> name -> (layout, feature overrides shared with its one-process reference). Span corruption
+# draws each sequence's noise from that sequence alone, so a data-parallel split keeps the masks.
 T5_PIPELINES = {
     2: {
         "pp2": (T5_PP2, []),  # encoder | decoder: the memory crosses one stage boundary
@@ -152,6 +152,7 @@ T5_PIPELINES = {
         "pp4": (["parallel.pp=4", "parallel.dp_shard=1", "parallel.microbatches=4"], []),
         # The tied embedding's vocab shards: its gradient on the encoder's stage comes back replicated.
         "pp2_tp2": ([*T5_PP2[:2], "parallel.tp=2", "parallel.microbatches=2"], []),
+        "pp2_fsdp2": (["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"], []),
     },
 }
 

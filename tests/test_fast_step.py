@@ -67,6 +67,22 @@ def test_fused_head_loss_equals_lm_loss_on_full_logits():
             _assert_close(g, w, f"{where} grad of {name}")
 
 
+def test_fused_head_loss_backward_can_run_twice_for_a_split_backward():
+    """The zero-bubble pipeline schedules take the input gradients in one backward pass and the weight
+    gradients in a second one through the same graph: with ``backward_twice`` both equal one pass's."""
+    hidden, weight, bias, labels, mask = _case(True, True, False, torch.Generator().manual_seed(1))
+    want = torch.autograd.grad(lm_loss(F.linear(hidden, weight, bias), labels, 0.1, mask) * 2.0, [hidden, weight, bias])
+    loss = linear_cross_entropy(hidden, weight, bias, labels, mask, 0.1, 3, backward_twice=True) * 2.0
+    (grad_hidden,) = torch.autograd.grad(loss, [hidden], retain_graph=True)
+    grad_weight, grad_bias = torch.autograd.grad(loss, [weight, bias])
+    for name, got, ref in zip(("hidden", "weight", "bias"), (grad_hidden, grad_weight, grad_bias), want):
+        _assert_close(got, ref, f"second pass: grad of {name}")
+    once = linear_cross_entropy(hidden, weight, bias, labels, mask, 0.1, 3) * 2.0
+    torch.autograd.grad(once, [hidden], retain_graph=True)
+    with pytest.raises(TypeError):  # without it the first pass frees the stored gradients
+        torch.autograd.grad(once, [weight])
+
+
 def test_fused_head_loss_under_bf16_autocast_keeps_the_head_in_bf16_and_the_softmax_in_fp32():
     gen = torch.Generator().manual_seed(1)
     hidden, weight, _, labels, _ = _case(False, False, False, gen)

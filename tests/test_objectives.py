@@ -28,7 +28,8 @@ def test_causal_lm_shifts():
 
 def test_masked_lm_80_10_10():
     tokens = torch.randint(0, 500, (64, 256), generator=torch.Generator().manual_seed(0))
-    inputs, labels = masked_lm(tokens, mask_id=511, n_real=500, prob=0.15, generator=torch.Generator().manual_seed(1))
+    generators = [torch.Generator().manual_seed(i) for i in range(64)]
+    inputs, labels = masked_lm(tokens, mask_id=511, n_real=500, prob=0.15, generators=generators)
     chosen = labels != IGNORE
     assert chosen.float().mean().item() == pytest.approx(0.15, abs=0.01)
     assert torch.equal(labels[chosen], tokens[chosen])
@@ -43,7 +44,8 @@ def test_masked_lm_80_10_10():
 
 def test_span_corruption_round_trips():
     tokens = torch.randint(0, 400, (4, 65), generator=torch.Generator().manual_seed(0))
-    enc, dec, labels = span_corruption(tokens, vocab_size=520, density=0.15, mean_span=3.0, generator=torch.Generator().manual_seed(1))
+    generators = [torch.Generator().manual_seed(i) for i in range(4)]
+    enc, dec, labels = span_corruption(tokens, vocab_size=520, density=0.15, mean_span=3.0, generators=generators)
     spans = span_count(65, 0.15, 3.0)
     noise = round(65 * 0.15)
     assert enc.shape == (4, 65 - noise + spans) and labels.shape == (4, noise + spans)
@@ -76,3 +78,18 @@ def test_objective_collator_is_deterministic_and_follows_arch():
     clm = Objective(model_config(), seed=3)
     (inputs,), _, labels, _ = clm(_Batch(tokens))
     assert torch.equal(labels, tokens[:, 1:])
+
+
+@pytest.mark.parametrize("arch", ["encoder", "encoder_decoder"])
+def test_masks_are_drawn_per_sequence_so_a_data_parallel_split_changes_nothing(arch):
+    """Each rank of a data-parallel job collates its rows of the global batch: the masks must be those
+    the whole batch gets on one process (the condition for BERT / T5 parity across dp sizes)."""
+    tokens = torch.randint(0, 500, (4, 33), generator=torch.Generator().manual_seed(0))
+    objective = Objective(model_config(arch=arch, vocab_size=520, sentinel_tokens=8), seed=3)
+    whole = objective(_Batch(tokens))
+    halves = [objective(_Batch(part)) for part in tokens.chunk(2)]
+    for i, arg in enumerate(whole[0]):
+        assert torch.equal(arg, torch.cat([h[0][i] for h in halves]))
+    assert torch.equal(whole[2], torch.cat([h[2] for h in halves]))
+    other = Objective(model_config(arch=arch, vocab_size=520, sentinel_tokens=8), seed=4)
+    assert not torch.equal(other(_Batch(tokens))[2], whole[2])  # the seed still matters

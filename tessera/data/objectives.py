@@ -3,8 +3,9 @@
 Each turns a (B, seq_len + 1) window batch into model arguments and labels (-100 = no loss).
 Masked LM and span corruption need ids outside the tokenizer's vocabulary: they use the
 ``model.sentinel_tokens`` ids reserved at the top of ``model.vocab_size`` ([MASK] is the top id;
-T5 sentinel k is ``vocab_size - 1 - k``). Their randomness is a pure function of the seed and
-the batch's tokens, so a resumed run and every evaluation see the same masks.
+T5 sentinel k is ``vocab_size - 1 - k``). Their randomness is drawn per sequence, from the seed
+and that sequence's tokens only, so a resumed run and every evaluation see the same masks, and a
+batch split over data-parallel ranks is masked exactly as it is on one process.
 """
 
 from __future__ import annotations
@@ -31,15 +32,21 @@ def causal_lm(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def masked_lm(
-    tokens: torch.Tensor, mask_id: int, n_real: int, prob: float, generator: torch.Generator
+    tokens: torch.Tensor, mask_id: int, n_real: int, prob: float, generators: list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BERT masking: ``prob`` of positions get a label; of those 80% become [MASK], 10% a random
-    real token (id < ``n_real``), 10% stay. Returns (inputs, labels)."""
-    shape = tokens.shape
-    chosen = torch.rand(shape, generator=generator) < prob
-    action = torch.rand(shape, generator=generator)
-    random_tokens = torch.randint(0, n_real, shape, generator=generator)
-    chosen, action, random_tokens = chosen.to(tokens.device), action.to(tokens.device), random_tokens.to(tokens.device)
+    real token (id < ``n_real``), 10% stay; row ``i`` draws from ``generators[i]``. Returns (inputs, labels)."""
+    length = tokens.shape[1]
+    draws = [
+        (
+            torch.rand(length, generator=g),
+            torch.rand(length, generator=g),
+            torch.randint(0, n_real, (length,), generator=g),
+        )
+        for g in generators
+    ]
+    chosen, action, random_tokens = (torch.stack(parts).to(tokens.device) for parts in zip(*draws))
+    chosen = chosen < prob
     inputs = torch.where(chosen & (action < 0.8), torch.full_like(tokens, mask_id), tokens)
     inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), random_tokens, inputs)
     labels = torch.where(chosen, tokens, torch.full_like(tokens, IGNORE))
@@ -58,17 +65,18 @@ def span_corruption(
     vocab_size: int,
     density: float,
     mean_span: float,
-    generator: torch.Generator,
+    generators: list[torch.Generator],
     start_id: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """T5 span corruption of each row of ``tokens`` (B, L): noise spans are cut out of the encoder
-    input, each replaced by one sentinel; the target lists every sentinel followed by its span.
-    Returns (encoder inputs, decoder inputs = target shifted right after ``start_id``, labels)."""
+    input, each replaced by one sentinel; the target lists every sentinel followed by its span; row
+    ``i`` draws from ``generators[i]``. Returns (encoder inputs, decoder inputs = target shifted right
+    after ``start_id``, labels)."""
     length = tokens.shape[1]
     n_noise = min(max(round(length * density), 1), length - 1)
     n_spans = span_count(length, density, mean_span)
     enc, tgt = [], []
-    for row in tokens.tolist():
+    for row, generator in zip(tokens.tolist(), generators):
         noise, keep = _segments(n_noise, n_spans, generator), _segments(length - n_noise, n_spans, generator)
         src, target, pos = [], [], 0
         for k, (kept, noisy) in enumerate(zip(keep, noise)):
@@ -84,10 +92,14 @@ def span_corruption(
     return enc_t, dec, labels
 
 
-def _batch_seed(seed: int, tokens: torch.Tensor) -> int:
-    """A seed that depends only on ``seed`` and the batch's tokens."""
-    weights = torch.arange(1, tokens.shape[1] + 1, device=tokens.device)
-    return (seed * 1_000_003 + int((tokens[:, :64] * weights[:64]).sum()) * 7919 + int(tokens.sum())) % (2**63 - 1)
+def row_generators(seed: int, tokens: torch.Tensor) -> list[torch.Generator]:
+    """One generator per row of ``tokens`` (B, L), seeded by ``seed`` and that row's tokens only."""
+    weights = torch.arange(1, min(64, tokens.shape[1]) + 1, device=tokens.device)
+    firsts = (tokens[:, :64] * weights).sum(1).tolist()
+    sums = tokens.sum(1).tolist()
+    return [
+        torch.Generator().manual_seed((seed * 1_000_003 + a * 7919 + b) % (2**63 - 1)) for a, b in zip(firsts, sums)
+    ]
 
 
 class Objective:
@@ -104,7 +116,7 @@ class Objective:
         if self.name == "causal_lm":
             inputs, labels = causal_lm(tokens)
             return (inputs,), batch.model_kwargs(), labels, batch.loss_mask
-        gen = torch.Generator().manual_seed(_batch_seed(self.seed, tokens))
+        gen = row_generators(self.seed, tokens)
         if self.name == "masked_lm":
             inputs, labels = masked_lm(
                 tokens[:, :-1], cfg.vocab_size - 1, cfg.vocab_size - cfg.sentinel_tokens, cfg.mask_prob, gen

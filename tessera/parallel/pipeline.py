@@ -50,6 +50,7 @@ from tessera.layout import (
 )
 from tessera.model import MoELog, build_model, moe_loss
 from tessera.model.mtp import MTPLog, mtp_losses, mtp_token_counts
+from tessera.model.transformer import OutputFn
 from tessera.parallel.shared import (
     SharedParameter,
     find_shared,
@@ -65,11 +66,17 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "interleaved_zb": ScheduleInterleavedZeroBubble,
 }
+SPLIT_BACKWARD_SCHEDULES = frozenset({"interleaved_zb"})  # input and weight gradients in separate passes
 
 # (logits, labels, label_smoothing, loss_mask) -> mean loss over the masked positions
 LossFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], torch.Tensor]
+# (labels, loss_mask, label_smoothing, backward_twice) -> the model's ``output_fn``: the head fused into
+# the same mean loss; ``backward_twice``: the schedule splits backward into input and weight passes
+HeadLoss = Callable[[torch.Tensor, "torch.Tensor | None", float, bool], OutputFn]
 
 _DOCUMENT_KEYS = ("positions", "document_ids")  # what a document mask needs on every stage
+_TARGETS = "targets"  # the first stage's keyword for the fused loss's (B, T, 2) labels and loss mask
+_IGNORE = -100  # a label that gets no loss (F.cross_entropy's ignore index)
 _FIRST_STAGE_PARTS = ("tok_embeddings", "type_embeddings", "pos_embeddings", "embed_norm", "embed_dropout")
 _LAST_STAGE_PARTS = ("norm", "head", "output", "mtp")
 
@@ -110,6 +117,11 @@ class StageHooks:
     (its gradient flows back the same way to the embedding), and the last stage hands it to the
     model in an :class:`~tessera.model.mtp.MTPLog` and returns the MTP logits after its own when
     ``mtp_active`` (training) for the loss function.
+
+    The fused head and loss (``head_loss``): the first stage takes the micro-batch's targets (labels
+    and loss mask, one integer tensor) from its keyword arguments, every stage sends them on after
+    the document metadata, and the last stage hands the model ``head_loss(...)`` as its
+    ``output_fn``, so it returns the micro-batch's mean loss instead of its logits.
     """
 
     first: bool
@@ -127,6 +139,12 @@ class StageHooks:
     mtp_active: bool = True  # the last stage runs them (training), else returns the main logits only
     _embedded: torch.Tensor | None = None  # the micro-batch's embedded tokens, on their way to the last stage
     _mtp_log: MTPLog | None = None
+    head_loss: HeadLoss | None = None  # the fused head and loss on the last stage (not for an encoder-decoder)
+    vocab: int = 0  # the labels' bound, to keep shape inference's uninitialized targets valid
+    label_smoothing: float = 0.0  # this run's (0 in evaluation), for ``head_loss``
+    masked: bool = False  # this run's targets carry a loss mask
+    split_backward: bool = False  # the schedule runs backward in two passes (input, then weight gradients)
+    _targets: tuple[torch.Tensor, ...] = ()  # the micro-batch's (targets,) on their way to the last stage
 
     def install(self, stage: nn.Module) -> None:
         """Register the hooks on ``stage`` (after it is parallelized)."""
@@ -143,12 +161,18 @@ class StageHooks:
             self._log = MoELog()
             return tuple(self._received(a) for a in args) if not self.first else args, {**kwargs, "moe_log": self._log}
         x = args[0]
+        targets = kwargs.get(_TARGETS)  # multi-stage schedules may hand every stage the first one's kwargs
+        kwargs = {k: v for k, v in kwargs.items() if k != _TARGETS}
         if self.first:
             extras = tuple(kwargs[k] for k in _DOCUMENT_KEYS if kwargs.get(k) is not None)
+            if self.head_loss is not None:
+                self._targets = (targets,)
         else:
             extras = args[1:]
             if self.mtp:
                 extras, self._embedded = extras[:-1], extras[-1]
+            if self.head_loss is not None:
+                extras, self._targets = extras[:-1], (_valid_targets(extras[-1], self.vocab),)
             if extras:  # torch's shape inference runs a stage on uninitialized buffers: keep positions valid
                 extras = (extras[0].clamp(0, self.max_len - 1), *extras[1:])
             kwargs = {**kwargs, **dict(zip(_DOCUMENT_KEYS, extras))}
@@ -158,6 +182,11 @@ class StageHooks:
         if self.mtp and self.last and self.mtp_active:
             self._mtp_log = MTPLog(embeddings=self._embedded)
             kwargs = {**kwargs, "mtp": self._mtp_log}
+        if self.last and self.head_loss is not None:
+            targets = self._targets[0]
+            mask = targets[..., 1].bool() if self.masked else None
+            output_fn = self.head_loss(targets[..., 0], mask, self.label_smoothing, self.split_backward)
+            kwargs = {**kwargs, "output_fn": output_fn}
         return (x,), {**kwargs, "moe_log": self._log}
 
     def _received(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,9 +204,12 @@ class StageHooks:
             out = out.to_local()
         out = self._with_aux(out)
         if self.last:
+            self._targets = ()
+            if self.head_loss is not None:  # the loss, as a 1-vector: the schedule concatenates outputs
+                out = out.reshape(1)
             return self._with_mtp_logits(out)
-        passed = self._extras + ((self._embedded.view_as(self._embedded),) if self.mtp else ())
-        self._embedded = None
+        passed = self._extras + self._targets + ((self._embedded.view_as(self._embedded),) if self.mtp else ())
+        self._embedded, self._targets = None, ()
         return (out, *passed) if passed else out
 
     def _with_aux(self, out: torch.Tensor) -> torch.Tensor:
@@ -194,6 +226,14 @@ class StageHooks:
         """The last stage's logits, followed by each MTP depth's when they ran."""
         log, self._mtp_log, self._embedded = self._mtp_log, None, None
         return (out, *log.logits) if log is not None and log.logits else out
+
+
+def _valid_targets(targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``targets`` (labels, loss mask) unchanged where valid; torch's shape inference sends a stage
+    uninitialized buffers, whose labels must still index the vocabulary."""
+    labels, mask = targets[..., 0], targets[..., 1]
+    labels = torch.where(labels < 0, _IGNORE, labels.clamp(max=vocab - 1))
+    return torch.stack([labels, mask.clamp(0, 1)], dim=-1)
 
 
 def stage_model(
@@ -318,6 +358,7 @@ class Pipeline:
         pp_mesh: DeviceMesh,
         device: torch.device,
         loss_fn: LossFn,
+        fused: bool = False,
     ) -> None:
         p = config.parallel
         stage_ids = [s for s, _, _ in stages]
@@ -331,6 +372,7 @@ class Pipeline:
         self.has_first = 0 in stage_ids
         self.has_last = n_stages - 1 in stage_ids
         self._loss_fn = loss_fn
+        self.fused = fused  # the last stage returns each micro-batch's mean loss (the head fused into it)
         self._targets = _Targets(False, 1.0, 0.0)
         self.label_smoothing = config.train.label_smoothing
         self.mtp_depth, self.mtp_weight = config.model.mtp_depth, config.train.mtp_loss_weight
@@ -344,10 +386,11 @@ class Pipeline:
 
     def _loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         labels, mask = (target[..., 0], target[..., 1].bool()) if self._targets.masked else (target, None)
-        logits, ahead = (output[0], list(output[1:])) if isinstance(output, tuple) else (output, [])
+        main, ahead = (output[0], list(output[1:])) if isinstance(output, tuple) else (output, [])
         count = labels.numel() if mask is None else mask.sum().double()  # a tensor: no host sync
         scale = count / self._targets.denominator * self._targets.token_scale
-        loss = self._loss_fn(logits, labels, self._targets.label_smoothing, mask) * scale
+        loss = main.sum() if self.fused else self._loss_fn(main, labels, self._targets.label_smoothing, mask)
+        loss = loss * scale
         if ahead:  # weighted like the main loss: each micro-batch's share of the local batch's depth-k mean
             losses = mtp_losses(ahead, labels, mask, self._loss_fn, self._targets.label_smoothing)
             counts = mtp_token_counts(labels, mask, len(ahead))
@@ -383,10 +426,14 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         for hooks in self.hooks:
             hooks.aux_losses, hooks.logs, hooks.mtp_active = [], [], train
+            hooks.label_smoothing, hooks.masked = smoothing, loss_mask is not None
         inputs = args if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         if self.has_first:  # split into micro-batches by the schedule, like the inputs
             kwargs.update(model_kwargs or {})
+            if self.fused:  # the last stage's loss needs them: they travel with the activations
+                mask = torch.ones_like(labels) if loss_mask is None else loss_mask.to(labels.dtype)
+                kwargs[_TARGETS] = torch.stack([labels, mask], dim=-1)
         if train:  # the micro-batches' outputs are not kept: each one's logits die with its backward
             self.schedule.step(*inputs, return_outputs=False, **kwargs)
         else:
@@ -464,10 +511,13 @@ def build_pipeline(
     device: torch.device,
     loss_fn: LossFn,
     parallelize_stage: Callable[[nn.Module], nn.Module],
+    head_loss: HeadLoss | None = None,
 ) -> Pipeline:
     """Split ``model`` for this rank's pp stages, parallelize each stage, and build the schedule.
 
-    ``parallelize_stage`` applies TP/SP -> AC -> compile -> FSDP to one stage model.
+    ``parallelize_stage`` applies TP/SP -> AC -> compile -> FSDP to one stage model. With
+    ``head_loss`` the last stage fuses the head into the loss (a decoder or an encoder; an
+    encoder-decoder's stages carry their own tensors and keep ``loss_fn`` on its logits).
     """
     p = config.parallel
     pp_mesh = dims.submesh("pp")
@@ -486,10 +536,14 @@ def build_pipeline(
         hooks.mtp = bool(config.model.mtp_depth)
         if config.model.arch == "encoder_decoder":
             hooks.vocab_size = config.model.vocab_size
+        else:
+            hooks.head_loss, hooks.vocab = head_loss, config.model.vocab_size
+            hooks.split_backward = p.pp_schedule in SPLIT_BACKWARD_SCHEDULES
         hooks.install(stage)
         stages.append((stage_id, stage, hooks))
     tie_local_uses(shared, local)
     make_groups(shared, dims.mesh, pp_mesh.get_group())
-    pipeline = Pipeline(local, stages, n_stages, config, pp_mesh, device, loss_fn)
+    fused = head_loss is not None and config.model.arch != "encoder_decoder"
+    pipeline = Pipeline(local, stages, n_stages, config, pp_mesh, device, loss_fn, fused)
     pipeline.shared = shared
     return pipeline

@@ -17,7 +17,7 @@ from tessera.layout import check_layout
 from tessera.parallel import ParallelDims, parallelize, uses_fsdp
 from tessera.parallel.context import loss_scale, shard_batch
 from tessera.parallel.env import DistEnv, device_for, init_distributed
-from tessera.parallel.pipeline import LossFn, Pipeline, build_pipeline
+from tessera.parallel.pipeline import HeadLoss, LossFn, Pipeline, build_pipeline
 
 
 @dataclass
@@ -99,11 +99,14 @@ class ParallelContext:
         """Apply the configured layout (see :func:`tessera.parallel.parallelize`)."""
         return parallelize(model, self.dims, config, self.device.type)
 
-    def pipeline(self, model: nn.Module, config: JobConfig, loss_fn: LossFn) -> Pipeline:
-        """Split ``model`` into this rank's pipeline stages, each parallelized like a whole model."""
+    def pipeline(
+        self, model: nn.Module, config: JobConfig, loss_fn: LossFn, head_loss: HeadLoss | None = None
+    ) -> Pipeline:
+        """Split ``model`` into this rank's pipeline stages, each parallelized like a whole model
+        (``head_loss``: the last stage fuses the head into the loss, see :func:`build_pipeline`)."""
         device_type = self.device.type
-        stage_layout = lambda stage: parallelize(stage, self.dims, config, device_type)
-        return build_pipeline(model, self.dims, config, self.device, loss_fn, stage_layout)
+        stage_layout = lambda stage: parallelize(stage, self.dims, config, device_type)  # noqa: E731
+        return build_pipeline(model, self.dims, config, self.device, loss_fn, stage_layout, head_loss)
 
     @property
     def pp_mesh(self):

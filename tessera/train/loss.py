@@ -1,6 +1,6 @@
 """Training losses: next-token cross-entropy, and the output head fused with it in chunks.
 
-:func:`lm_loss` is the plain loss on materialized logits (pipeline stages use it).
+:func:`lm_loss` is the plain loss on materialized logits.
 
 :class:`FusedHeadLoss` is what the trainer hands the model as ``output_fn``: instead of
 ``output(h)`` (logits of shape tokens x vocab, then an fp32 copy of them for the loss, then fp32
@@ -136,8 +136,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W.T + b, y_i) over a whole or vocab-sharded head, chunk by chunk (see the module doc)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, weights, smoothing: float, chunk: int, dtype, shard: _Shard):
+    def forward(
+        ctx, hidden, weight, bias, labels, weights, smoothing: float, chunk: int, dtype, shard: _Shard, twice: bool
+    ):
         needs_grad = any(ctx.needs_input_grad[:3])
+        ctx.twice, ctx.results = twice, None
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if needs_grad else None
@@ -149,25 +152,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
             z = (h @ w.t() if b is None else torch.addmm(b, h, w.t())).float()
             ce, total, target, hit = _chunk_loss_(z, labels[start : start + chunk], shard, smoothing)
             loss += (wt * ce).sum()
-            if not needs_grad:
-                continue
-            g = _logits_grad_(z, total, target, hit, wt, smoothing, shard.vocab).to(dtype)
-            grad_h[start : start + chunk] = g @ w
-            grad_w += (g.t() @ h).float()
-            if grad_b is not None:
-                grad_b += g.float().sum(0)
+            if needs_grad:
+                g = _logits_grad_(z, total, target, hit, wt, smoothing, shard.vocab).to(dtype)
+                grad_h[start : start + chunk] = g @ w
+                grad_w += (g.t() @ h).float()
+                if grad_b is not None:
+                    grad_b += g.float().sum(0)
+                del g
+            del z  # before the next chunk's logits exist: one chunk's buffers at a time, not two
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.results is not None:  # the second pass of a split backward: the same gradient of the loss
+            return ctx.results
         (grad_h, grad_w, grad_b), (w_dtype, b_dtype) = ctx.grads, ctx.dtypes
         ctx.grads = None
         grad_h = grad_h.mul_(grad_loss)
         grad_w = grad_w.mul_(grad_loss).to(w_dtype)
         grad_b = None if grad_b is None else grad_b.mul_(grad_loss).to(b_dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        results = (grad_h, grad_w, grad_b, None, None, None, None, None, None, None)
+        if ctx.twice:
+            ctx.results = results
+        return results
 
 
 def _vocab_shard(weight: DTensor) -> tuple[DeviceMesh, int]:
@@ -204,12 +213,16 @@ def linear_cross_entropy(
     loss_mask: torch.Tensor | None = None,
     label_smoothing: float = 0.0,
     chunk: int = 0,
+    backward_twice: bool = False,
 ) -> torch.Tensor:
     """:func:`lm_loss` of ``hidden @ weight.T + bias`` without materializing the logits (a plain scalar tensor).
 
     ``hidden`` (B, T, D); ``weight`` (V, D) and ``bias`` (V), plain or vocab-sharded DTensors (then
     ``hidden`` is a DTensor or a tensor replicated over the tp ranks); ``labels`` and ``loss_mask``
     (B, T), whole on every rank; ``chunk`` tokens per chunk (0: :func:`chunk_tokens`'s default).
+    ``backward_twice``: the gradients are kept for a second backward pass through the loss (the
+    zero-bubble pipeline schedules run one for the input gradients, then one for the weights'),
+    otherwise freed by the first.
     """
     dtype = _compute_dtype(weight)
     flat, w, b, shard = _local_operands(hidden, weight, bias)
@@ -219,7 +232,7 @@ def linear_cross_entropy(
     weights = token_weights(labels, loss_mask)
     with _no_autocast(flat.device):
         return _LinearCrossEntropy.apply(
-            flat, w, b, labels.flatten(), weights, float(label_smoothing), size, dtype, shard
+            flat, w, b, labels.flatten(), weights, float(label_smoothing), size, dtype, shard, backward_twice
         )
 
 
@@ -231,13 +244,19 @@ class FusedHeadLoss:
     """
 
     def __init__(
-        self, labels: torch.Tensor, loss_mask: torch.Tensor | None, label_smoothing: float = 0.0, chunk: int = 0
+        self,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        label_smoothing: float = 0.0,
+        chunk: int = 0,
+        backward_twice: bool = False,
     ) -> None:
         self.labels, self.loss_mask = labels, loss_mask
-        self.label_smoothing, self.chunk = label_smoothing, chunk
+        self.label_smoothing, self.chunk, self.backward_twice = label_smoothing, chunk, backward_twice
 
     def __call__(self, hidden: torch.Tensor, output: nn.Linear) -> torch.Tensor:
         """The mean loss of ``output(hidden)`` against the labels."""
+        smoothing, chunk, twice = self.label_smoothing, self.chunk, self.backward_twice
         return linear_cross_entropy(
-            hidden, output.weight, output.bias, self.labels, self.loss_mask, self.label_smoothing, self.chunk
+            hidden, output.weight, output.bias, self.labels, self.loss_mask, smoothing, chunk, twice
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,7 +193,7 @@ class Trainer:
             self.inductor_cache = use_inductor_cache()
         self.pipeline = None
         if cfg.parallel.pp > 1:  # this rank's stages; self.model holds their modules under full-model names
-            self.pipeline = self.parallel.pipeline(model, cfg, lm_loss)
+            self.pipeline = self.parallel.pipeline(model, cfg, lm_loss, self._pipeline_head_loss())
             model, roots = self.pipeline.model, self.pipeline.stage_models
         else:
             model = self.parallel.parallelize(model, cfg)
@@ -323,6 +324,13 @@ class Trainer:
         """``loss_parallel`` for the unfused loss on vocab-sharded logits (the fused loss needs none)."""
         fused_only = self._fused_loss and self.mtp_loss is None  # MTP's own heads make logits (training)
         return contextlib.nullcontext() if fused_only else self.parallel.loss_context()
+
+    def _pipeline_head_loss(self) -> Callable[..., FusedHeadLoss] | None:
+        """The pipeline's last stage fuses the head into the loss too (``train.fused_loss``)."""
+        chunk = self.config.train.loss_chunk_tokens
+        if not self.config.train.fused_loss:
+            return None
+        return lambda labels, mask, smoothing, twice: FusedHeadLoss(labels, mask, smoothing, chunk, twice)
 
     @property
     def _fused_loss(self) -> bool:
