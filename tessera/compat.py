@@ -132,7 +132,7 @@ def job_features(config: Any) -> set[str]:
         features.add("activation checkpointing")
     if p.activation_checkpoint == "op":
         features.add("op-level selective checkpointing")
-    if p.compile:
+    if p.compile is True:  # "auto" compiles only where it is supported
         features.add("torch.compile")
     if config.train.dtype in ("bf16", "fp16"):
         features.add(config.train.dtype)

@@ -235,7 +235,7 @@ def _check_pipeline_plan(config: JobConfig) -> None:
         f"parallel.pp_schedule='{schedule}' needs parallel.microbatches to be a multiple of pp={p.pp}, got {mb}",
     )
     _require(
-        not (schedule == "interleaved_zb" and p.compile),
+        not (schedule == "interleaved_zb" and p.compile is True),
         f"parallel.pp_schedule='{schedule}' splits the backward into input and weight parts, which "
         "torch.compile does not support; use 1f1b or interleaved_1f1b",
     )

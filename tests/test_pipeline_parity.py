@@ -23,7 +23,15 @@ from tessera.train.trainer import train
 from conftest import assert_losses_close, assert_runs_match, run_cli, torchrun, write_tiny_recipe
 
 STEPS = 6
-BASE = [f"train.steps={STEPS}", "train.batch_size=8", "model.n_layers=4", "log.every=1", "optim.schedule=constant", "train.eval_every=0", "checkpoint.every=3"]
+BASE = [
+    f"train.steps={STEPS}",
+    "train.batch_size=8",
+    "model.n_layers=4",
+    "log.every=1",
+    "optim.schedule=constant",
+    "train.eval_every=0",
+    "checkpoint.every=3",
+]
 MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001"]
 PP2 = ["parallel.pp=2", "parallel.dp_shard=1"]
 
@@ -98,7 +106,13 @@ def test_schedules_moe_and_checkpoints_across_layouts(recipe, references, tmp_pa
 def test_pp2_with_tp2_sp_and_with_fsdp2(recipe, references, tmp_path):
     variants = {
         "pp2_tp2_sp_ac": [*PP2, "parallel.tp=2", "parallel.microbatches=2", "parallel.activation_checkpoint=full"],
-        "pp2_fsdp2_ac": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.microbatches=2", "parallel.activation_checkpoint=selective"],
+        "pp2_fsdp2_ac": [
+            "parallel.pp=2",
+            "parallel.dp_shard=2",
+            "parallel.pp_schedule=interleaved_1f1b",
+            "parallel.microbatches=2",
+            "parallel.activation_checkpoint=selective",
+        ],
     }
     torchrun(4, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
     for name in variants:
@@ -107,6 +121,33 @@ def test_pp2_with_tp2_sp_and_with_fsdp2(recipe, references, tmp_path):
 
 @pytest.mark.slow
 def test_pp2_tp2_fsdp2_on_eight_processes(recipe, references, tmp_path):
-    variants = {"pp2_tp2_fsdp2": ["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2", "parallel.microbatches=2", "parallel.activation_checkpoint=op"]}
+    variants = {
+        "pp2_tp2_fsdp2": [
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.dp_shard=2",
+            "parallel.microbatches=2",
+            "parallel.activation_checkpoint=op",
+        ]
+    }
     torchrun(8, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
     _assert_run_matches(tmp_path / "pp2_tp2_fsdp2", references / "dense")
+
+
+@pytest.mark.slow
+def test_pipeline_benchmark_runs_both_modes():
+    """benchmarks/pipeline.py stays runnable (one tiny step per mode; timings are never asserted)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    common = ["--steps", "1", "--pp", "2", "--microbatches", "2"]
+    for mode in (["--mode", "sleep", "--cost-ms", "1"], ["--mode", "real", "--dims", "32", "--layers", "4"]):
+        cmd = [sys.executable, str(REPO / "benchmarks" / "pipeline.py"), *mode, *common]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+        assert out.returncode == 0, out.stderr[-2000:]
+        rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+        assert sorted(row.split(" | ")[1] for row in rows) == ["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb"]

@@ -238,3 +238,27 @@ def test_traced_mixers_equal_what_autograd_saves(mode, model):
     tokens = 2 * cfg.mamba.chunk if cfg.layer_pattern else cfg.max_seq_len
     predicted = tessera_block(shape, shape.blocks[0], PRECISIONS[mode]).full.bytes(1, tokens)
     assert predicted == pytest.approx(_saved_bytes(cfg, mode, (1, tokens)), rel=0.02)
+
+
+def test_optimizer_state_is_adamw_moments_or_muon_momentum_in_the_state_dtype():
+    """AdamW: 2 moments per parameter; Muon: 1 momentum per hidden-matrix parameter (the built optimizer's
+    choice of matrices), AdamW's 2 for the rest; 4 bytes each in fp32 state, 2 in bf16."""
+    from tessera.plan.memory import OptimizerState, Setting, optimizer_state_bytes, rank_share
+    from tessera.train.optim import muon_parameters
+
+    cfg = load_config(None, ["model.vocab_size=512", "model.dim=64", "model.n_layers=3", "model.n_heads=4"])
+    model = build_model(cfg.model)
+    total = sum(p.numel() for p in model.parameters())
+    matrices = sum(p.numel() for p in muon_parameters(model))
+    shape, layout = model_shape(cfg.model), Layout()
+    share = rank_share(shape, layout, 0)
+    prec = tessera_precision("fp32", False)
+    expected = {
+        ("adamw", 4): 8 * total,
+        ("adamw", 2): 4 * total,
+        ("muon", 4): 4 * matrices + 8 * (total - matrices),
+        ("muon", 2): 2 * matrices + 4 * (total - matrices),
+    }
+    for (name, size), want in expected.items():
+        setting = Setting(prec, 64, optimizer=OptimizerState(name, size))
+        assert optimizer_state_bytes(shape, share, layout, setting) == want

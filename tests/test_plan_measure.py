@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from tessera.config import load_config
-from tessera.plan.activations import tessera_precision
 from tessera.plan.layouts import layout_of
-from tessera.plan.measure import measure_layout
-from tessera.plan.memory import Setting, estimate_memory
+from tessera.plan.measure import StepSpec, measure_layout, training_memory
+from tessera.plan.memory import estimate_memory
+from tessera.plan.planner import job_setting
 from tessera.plan.shapes import model_shape
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,6 +32,8 @@ MODEL = [
     "model.max_seq_len=128",
     "train.seq_len=128",
 ]
+
+CHUNKS = ["model.vocab_size=8192", "train.loss_chunk_tokens=128"]  # 4 chunks of the 512 tokens per rank
 
 # Each layout family once (bf16 unless named): data parallel (FSDP, ZeRO-2-style, HSDP, DDP), TP with and without
 # SP, every activation-checkpointing mode, accumulation, and a vocabulary small enough that backward is the peak.
@@ -58,13 +60,19 @@ LAYOUTS = {
         "train.grad_accum=2",
         "model.vocab_size=512",
     ],
+    # The loss: the layouts above fuse the head into the loss in one chunk (train.fused_loss, the default);
+    # these run the plain loss on whole logits, or the fused one in several chunks of a larger vocabulary.
+    "fsdp4-plain-loss": ["parallel.dp_shard=4", "train.fused_loss=false"],
+    "tp4-plain-loss": ["parallel.dp_shard=1", "parallel.tp=4", "train.batch_size=4", "train.fused_loss=false"],
+    "fsdp4-fused-chunks-fp32": [*CHUNKS, "parallel.dp_shard=4", "train.dtype=fp32"],
+    "fsdp2-tp2-sp-fused-chunks": [*CHUNKS, "parallel.dp_shard=2", "parallel.tp=2"],
+    "ddp4-fused-chunks": [*CHUNKS, "parallel.dp_replicate=4", "parallel.dp_shard=1"],
 }
 
 
 def _planned(config, world: int) -> float:
     layout = layout_of(config, world)
-    setting = Setting(tessera_precision(config.train.dtype, layout.fsdp), config.train.seq_len, "cpu")
-    return estimate_memory(model_shape(config.model), layout, setting).total
+    return estimate_memory(model_shape(config.model), layout, job_setting(config, layout, "cpu")).total
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -74,6 +82,34 @@ def test_plan_within_10_percent_of_fake_rank_measurement(name):
     planned = _planned(config, 4)
     assert planned == pytest.approx(measured.peak, rel=0.10), (
         f"{name}: plan {planned / 2**20:.1f} MiB, measured {measured.peak / 2**20:.1f}"
+    )
+
+
+# The optimizer's state and step (MuonAdamW reads its step counter on the host, so it cannot run on fake
+# tensors): one process, real tensors, a model whose optimizer step is the peak (few tokens, wide blocks).
+OPTIMIZERS = {
+    "adamw": [],
+    "adamw-bf16-state": ["optim.state_dtype=bf16"],
+    "muon": ["optim.name=muon"],
+    "muon-bf16-state": ["optim.name=muon", "optim.state_dtype=bf16"],
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_plan_follows_the_optimizer_state_and_step(name):
+    import torch
+
+    from tessera.model import build_model
+
+    overrides = [*MODEL, "model.dim=256", "train.seq_len=8", "train.batch_size=1", "parallel.dp_shard=1"]
+    config = load_config(None, [*overrides, "train.dtype=bf16", *OPTIMIZERS[name]])
+    torch.manual_seed(0)
+    measured, _ = training_memory(build_model(config.model), config, StepSpec(1, False, False), steps=1)
+    layout = layout_of(config, 1)
+    planned = estimate_memory(model_shape(config.model), layout, job_setting(config, layout, "cpu"))
+    assert planned.moment == "optimizer step"
+    assert planned.total == pytest.approx(measured, rel=0.03), (
+        f"{name}: plan {planned.total / 2**20:.1f} MiB, measured {measured / 2**20:.1f}"
     )
 
 

@@ -64,13 +64,14 @@ def _step(
     spec: StepSpec,
     after_micro=lambda: None,
 ) -> None:
-    """One optimizer step as the trainer takes it, on ``tokens`` (grad_accum, B, T + 1)."""
+    """One optimizer step as the trainer takes it, on ``tokens`` (grad_accum, B, T + 1): the head fused into
+    the loss with ``train.fused_loss`` (outside a pipeline), else the plain loss on whole logits."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     from tessera.model.moe import MoELog, moe_loss
     from tessera.parallel import clip_grad_norm
     from tessera.train.distributed import add_replicated
-    from tessera.train.trainer import lm_loss
+    from tessera.train.loss import FusedHeadLoss, lm_loss
 
     dtype = DTYPES[config.train.dtype]
     autocast = (
@@ -78,10 +79,11 @@ def _step(
         if dtype != torch.float32 and not spec.fsdp
         else contextlib.nullcontext()
     )
-    accum = config.train.grad_accum
+    accum, train = config.train.grad_accum, config.train
+    fused = train.fused_loss and spec.pipeline is None  # as the trainer: pipeline stages keep the plain loss
     for micro in tokens:
         inputs, labels = micro[:, :-1], micro[:, 1:]
-        with loss_parallel() if spec.tp else contextlib.nullcontext():
+        with loss_parallel() if spec.tp and not fused else contextlib.nullcontext():
             if spec.pipeline is not None:
                 with autocast:
                     spec.pipeline.step((inputs,), labels, None, accum)
@@ -89,8 +91,13 @@ def _step(
                 continue
             log = MoELog()
             with autocast:
-                logits = model(inputs, moe_log=log)
-            loss = lm_loss(logits, labels, config.train.label_smoothing)
+                if fused:
+                    head = FusedHeadLoss(labels, None, train.label_smoothing, train.loss_chunk_tokens)
+                    loss = model(inputs, moe_log=log, output_fn=head)
+                else:
+                    logits = model(inputs, moe_log=log)
+            if not fused:
+                loss = lm_loss(logits, labels, train.label_smoothing)
             aux = moe_loss(log)
             loss = (loss if aux is None else add_replicated(loss, aux)) / accum
             loss.backward()

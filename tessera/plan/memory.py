@@ -25,6 +25,7 @@ layout gathers or casts on top.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -43,6 +44,10 @@ LOGIT_FP32_BUFFERS = (4 + 8, 4 + 12)
 # While a block runs backward, the gradients of its activations (mostly of the FFN hidden) add about
 # this fraction of the block's saved activations (measured with torch's MemTracker on tiny decoders).
 BACKWARD_GRADIENTS = 0.35
+
+# Muon's Newton-Schulz iteration on its largest matrix holds about this many copies of it (the iterate, the
+# normalized input, the product terms), in the Newton-Schulz dtype.
+NS_WORKING_COPIES = 4
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,11 @@ class RankShare:
     def local(self, shape: ModelShape, layout: Layout) -> float:
         """Parameter count on one (tp, ep) rank of this pp rank."""
         return sum(_block_local(b, layout) for s in self.stages for b in s) + self.root(shape, layout)
+
+    def matrices(self, layout: Layout) -> float:
+        """Parameters of the hidden matrices Muon updates on one (tp, ep) rank of this pp rank."""
+        blocks = [b for s in self.stages for b in s]
+        return sum(b.matrices[0] / layout.tp + b.matrices[1] + b.matrices[2] / layout.ep for b in blocks)
 
     def root(self, shape: ModelShape, layout: Layout) -> float:
         """Embedding and head parameters this rank holds (FSDP's root module)."""
@@ -188,13 +198,29 @@ def stage_activations(
 
 
 @dataclass(frozen=True)
+class OptimizerState:
+    """What the optimizer keeps and allocates: ``optim.name`` and the bytes per stored value (``optim.state_dtype``)."""
+
+    name: str = "adamw"  # "adamw", or "muon" (Muon's momentum on hidden matrices, AdamW's moments on the rest)
+    state_bytes: int = 4  # fp32 4, bf16 2
+    ns_bytes: int = 2  # Muon's Newton-Schulz dtype (optim.muon_ns_dtype)
+
+    @property
+    def torch_adamw(self) -> bool:
+        """torch.optim.AdamW (fp32 state) rather than tessera's MuonAdamW (Muon, or bf16 state)."""
+        return self.name == "adamw" and self.state_bytes == 4
+
+
+@dataclass(frozen=True)
 class Setting:
-    """What besides the layout decides memory: precisions, sequence length, where it runs."""
+    """What besides the layout decides memory: precisions, sequence length, where it runs, the loss, the optimizer."""
 
     prec: Precision
     seq_len: int
     device: str = "cuda"  # "cuda": AdamW's foreach temporaries, runtime overhead; "cpu": per-tensor AdamW
     layers_per_stage: str = ""
+    loss_chunk: int = 0  # tokens per chunk of the fused head + loss (train.fused_loss); 0: the plain loss's logits
+    optimizer: OptimizerState = OptimizerState()
 
 
 @dataclass(frozen=True)
@@ -239,19 +265,25 @@ def rank_memory(shape: ModelShape, layout: Layout, setting: Setting, pp_rank: in
     prec, share = setting.prec, rank_share(shape, layout, pp_rank, setting.layers_per_stage)
     local = share.local(shape, layout)
     n = layout.shard if layout.fsdp else 1
-    states = {"params": prec.param * local / n, "optim": prec.optim * local / n, "pp_rank": pp_rank}
+    states = {"params": prec.param * local / n, "optim": optimizer_state_bytes(shape, share, layout, setting) / n}
+    states["pp_rank"] = pp_rank
     grads = prec.grad * local / n
     acts = stage_activations(shape, share, layout, prec, setting.seq_len)
     tokens = layout.micro_batch * setting.seq_len // layout.cp
-    logits = (tokens * shape.vocab / layout.tp if share.head else 0.0) * prec.compute
+    loss_logits, logits = _head_loss_bytes(shape, share, layout, setting, tokens)
     # tessera runs torch's schedules with return_outputs=False: a micro-batch's logits die with its backward
     outputs = 0.0
-    inflight = acts.kept * (inflight_stages(layout, pp_rank) - 1) + max(0.0, outputs - logits)
+    inflight = acts.kept * (inflight_stages(layout, pp_rank) - 1)
     # Earlier micro-batches' sharded gradients; under a pipeline FSDP reduces only after the last micro-batch
     # (until then it accumulates unsharded gradients, counted in the buffers).
     earlier = grads if layout.microbatches > 1 and not (layout.pp > 1 and layout.fsdp) else 0.0
     buf = _buffers(shape, share, layout, prec)
-    loss_logits = logits / prec.compute * (prec.compute + LOGIT_FP32_BUFFERS[layout.tp > 1])
+    if setting.loss_chunk and layout.fsdp and layout.reshard and layout.pp == 1:
+        # the fused loss runs inside the root module's forward: the embedding and head are still gathered,
+        # and so is the block FSDP prefetches for backward
+        root = share.root(shape, layout)
+        largest = max((_block_local(b, layout) for s in share.stages for b in s), default=0.0)
+        buf = dataclasses.replace(buf, loss=buf.loss + prec.compute * (root + largest))
     during = (
         ("loss", acts.kept, loss_logits, buf.loss),
         ("block backward", acts.last_backward, logits, buf.block_backward),
@@ -264,23 +296,68 @@ def rank_memory(shape: ModelShape, layout: Layout, setting: Setting, pp_rank: in
     moments.append(
         MemoryBreakdown(grads=grads, inflight=outputs, buffers=buf.backward_end, moment="backward end", **states)
     )
-    temp = _optimizer_temp(shape, layout, setting, local / n) + (0.0 if layout.fsdp else buf.backward_end)
+    temp = _optimizer_temp(shape, share, layout, setting) + (0.0 if layout.fsdp else buf.backward_end)
     moments.append(MemoryBreakdown(grads=grads, inflight=outputs, buffers=temp, moment="optimizer step", **states))
     return max(moments, key=lambda m: m.total)
 
 
-def _optimizer_temp(shape: ModelShape, layout: Layout, setting: Setting, params: float) -> float:
-    """AdamW's temporaries: one fp32 list of every parameter (foreach, CUDA), else per tensor (CPU)."""
-    return (
-        4.0 * params
-        if setting.device == "cuda"
-        else 8.0 * _largest_tensor(shape, layout) / (layout.shard if layout.fsdp else 1)
-    )
+def _head_loss_bytes(
+    shape: ModelShape, share: RankShare, layout: Layout, setting: Setting, tokens: int
+) -> tuple[float, float]:
+    """(bytes of the head's loss at the loss moment, bytes of it kept during the blocks' backward) on this rank.
+
+    Plain loss: the (tokens x vocab) logits in compute dtype, plus at the loss their fp32 buffers. Fused
+    loss (tessera/train/loss.py): the hidden-state gradient and the head's fp32 weight gradient it computes
+    in forward, and one chunk's working set -- its fp32 logits and their exp (the loss), or its logits,
+    their gradient in compute dtype and the chunk's (vocab x dim) weight-gradient product (the gradient).
+    """
+    if not share.head:
+        return 0.0, 0.0
+    c, rows = setting.prec.compute, shape.vocab / layout.tp
+    if not setting.loss_chunk:
+        logits = tokens * rows * c
+        return logits / c * (c + LOGIT_FP32_BUFFERS[layout.tp > 1]), logits
+    chunk, cast = min(setting.loss_chunk, tokens), (c if c != 4 else 0)
+    working = max(8.0 * chunk * rows, (4.0 + cast) * chunk * rows + (c + (4 if cast else 0)) * rows * shape.dim)
+    return tokens * shape.dim * setting.prec.stream + 4.0 * rows * shape.dim + working, 0.0
 
 
-def _largest_tensor(shape: ModelShape, layout: Layout) -> float:
-    hidden = max(shape.ffn_hidden, shape.expert_hidden * (shape.experts // layout.ep if shape.experts else 0))
-    return max(shape.vocab * shape.dim / layout.tp, shape.dim * hidden / layout.tp)
+def optimizer_state_bytes(shape: ModelShape, share: RankShare, layout: Layout, setting: Setting) -> float:
+    """Optimizer state of this pp rank's (tp, ep) share before FSDP sharding: AdamW's two moments per
+    parameter; under Muon one momentum per hidden-matrix parameter; each in ``optim.state_dtype``."""
+    opt = setting.optimizer
+    muon = share.matrices(layout) if opt.name == "muon" else 0.0
+    return opt.state_bytes * (2.0 * (share.local(shape, layout) - muon) + muon)
+
+
+def _optimizer_temp(shape: ModelShape, share: RankShare, layout: Layout, setting: Setting) -> float:
+    """The optimizer step's temporaries on this rank (after FSDP sharding)."""
+    opt, n = setting.optimizer, (layout.shard if layout.fsdp else 1)
+    if opt.torch_adamw:  # torch.optim.AdamW: one fp32 list of every parameter (foreach, CUDA), else per tensor
+        return (
+            4.0 * share.local(shape, layout) / n
+            if setting.device == "cuda"
+            else 8.0 * _largest_tensor(shape, layout) / n
+        )
+    # MuonAdamW's AdamW, per tensor: sqrt and its quotient; with bf16 state also fp32 copies of both moments
+    largest = _largest_tensor(shape, layout, matrices=opt.name != "muon")
+    adamw = (8.0 if opt.state_bytes == 4 else 16.0) * largest / n
+    if opt.name != "muon":
+        return adamw
+    # Muon: every matrix's update (fp32) is held until one orthogonalization of all of them returns each
+    # result (Newton-Schulz dtype); the largest whole matrix's iteration adds its working copies.
+    muon = share.matrices(layout) / n
+    return max(adamw, (4.0 + opt.ns_bytes) * muon + NS_WORKING_COPIES * opt.ns_bytes * _largest_matrix(shape, layout))
+
+
+def _largest_matrix(shape: ModelShape, layout: Layout) -> float:
+    """The largest hidden matrix (or expert stack) of one ep rank, whole (before TP)."""
+    return shape.dim * max(shape.ffn_hidden, shape.expert_hidden * (shape.experts // layout.ep if shape.experts else 0))
+
+
+def _largest_tensor(shape: ModelShape, layout: Layout, matrices: bool = True) -> float:
+    """The largest parameter tensor on one tp rank (of those AdamW updates: without Muon's ``matrices``)."""
+    return max(shape.vocab * shape.dim, _largest_matrix(shape, layout) if matrices else 0.0) / layout.tp
 
 
 def estimate_memory(

@@ -8,7 +8,7 @@ from tessera.config import ConfigError, JobConfig
 from tessera.plan.activations import tessera_precision
 from tessera.plan.gpus import ALLOCATOR_SLACK, GPU, RUNTIME_OVERHEAD
 from tessera.plan.layouts import Layout, candidate_layouts, global_batch, layout_of, layout_problem
-from tessera.plan.memory import MemoryBreakdown, Setting, estimate_memory
+from tessera.plan.memory import MemoryBreakdown, OptimizerState, Setting, estimate_memory
 from tessera.plan.shapes import ModelShape, model_shape
 from tessera.plan.speed import TESSERA, Engine, Speed, estimate_speed
 
@@ -47,17 +47,33 @@ class Plan:
 
 def estimate(config: JobConfig, shape: ModelShape, layout: Layout, gpu: GPU, engine: Engine = TESSERA) -> Estimate:
     """Memory (with the GPU runtime's overhead) and speed of ``layout`` for this job."""
-    setting = Setting(
-        tessera_precision(config.train.dtype, layout.fsdp),
-        config.train.seq_len,
-        "cuda",
-        config.parallel.layers_per_stage if layout.pp == config.parallel.pp else "",
-    )
+    setting = job_setting(config, layout)
     memory = estimate_memory(shape, layout, setting, RUNTIME_OVERHEAD, ALLOCATOR_SLACK)
     speed = estimate_speed(
         shape, layout, config.train.seq_len, global_batch(config), gpu, engine, setting.layers_per_stage, setting.prec
     )
     return Estimate(layout, memory, speed, gpu.memory)
+
+
+def job_setting(config: JobConfig, layout: Layout, device: str = "cuda") -> Setting:
+    """What besides ``layout`` decides its memory, as ``config`` sets it: precisions, the loss (the fused head
+    and loss in chunks of ``train.loss_chunk_tokens`` where the trainer fuses it: the torch engine, no
+    distillation, not an encoder-decoder's pipeline stages) and the optimizer's state (``optim.name``,
+    ``optim.state_dtype``)."""
+    from tessera.train.loss import chunk_tokens
+
+    train, optim = config.train, config.optim
+    staged_encoder_decoder = layout.pp > 1 and config.model.arch == "encoder_decoder"
+    fused = train.fused_loss and config.parallel.engine == "torch" and not train.distill_from
+    fused = fused and not staged_encoder_decoder
+    return Setting(
+        tessera_precision(train.dtype, layout.fsdp),
+        train.seq_len,
+        device,
+        config.parallel.layers_per_stage if layout.pp == config.parallel.pp else "",
+        chunk_tokens(config.model.vocab_size, 1 << 62, train.loss_chunk_tokens) if fused else 0,
+        OptimizerState(optim.name, 2 if optim.state_dtype == "bf16" else 4, 2 if optim.muon_ns_dtype == "bf16" else 4),
+    )
 
 
 # Among layouts about this close in speed, the one leaving more memory free ranks first.

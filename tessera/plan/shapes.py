@@ -35,6 +35,7 @@ class BlockParams:
     mixer: str = "attention"  # "attention", "latent" (MLA) or "mamba"
     ffn: bool = True  # a dense FFN or MoE sublayer follows the mixer
     layer: int = 0  # its index in one period of the model's block kinds
+    matrices: tuple[int, int, int] = (0, 0, 0)  # of tp, replicated, experts: the matrices Muon updates (optim.name)
 
     @property
     def total(self) -> int:
@@ -93,24 +94,28 @@ class ModelShape:
 
 def _classify(block: nn.Module, layer: int) -> BlockParams:
     from tessera.model.mla import LatentAttention
+    from tessera.train.optim import muon_parameters
 
-    tp = replicated = experts = 0
+    muon = {id(p) for p in muon_parameters(block)}
+    counts = [0, 0, 0]  # tp, replicated, experts
+    matrices = [0, 0, 0]
     for name, p in block.named_parameters():
         if ".experts." in f".{name}":
-            experts += p.numel()
+            kind = 2
         elif name.startswith("moe."):
-            replicated += p.numel()
-        elif name.startswith(_TP_SHARDED):
-            tp += p.numel()
+            kind = 1
         else:
-            replicated += p.numel()
+            kind = 0 if name.startswith(_TP_SHARDED) else 1
+        counts[kind] += p.numel()
+        matrices[kind] += p.numel() if id(p) in muon else 0
+    tp, replicated, experts = counts
     moe = getattr(block, "moe", None) is not None
     ffn = moe or getattr(block, "feed_forward", None) is not None
     if getattr(block, "mamba", None) is not None:
         mixer = "mamba"
     else:
         mixer = "latent" if isinstance(getattr(block, "attention", None), LatentAttention) else "attention"
-    return BlockParams(tp, replicated, experts, moe, mixer, ffn, layer)
+    return BlockParams(tp, replicated, experts, moe, mixer, ffn, layer, (matrices[0], matrices[1], matrices[2]))
 
 
 def one_period(cfg: ModelConfig) -> ModelConfig:

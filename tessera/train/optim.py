@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from tessera.config import OptimConfig
+from tessera.config import ConfigError, OptimConfig
 from tessera.model.moe import Experts
 from tessera.train.checkpoint import CheckpointError
 from tessera.train.muon import MuonAdamW
@@ -63,15 +64,31 @@ def muon_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [muon, *rest]
 
 
+def adamw_kernel(params: list[torch.Tensor], implementation: str) -> dict[str, bool]:
+    """torch.optim.AdamW's ``fused``/``foreach`` keywords for ``optim.implementation``.
+
+    "auto" is the fused kernel (one kernel per device and dtype, no full-size temporaries) where
+    torch has it for every parameter's device and dtype (CPU, CUDA, ...), else torch's default.
+    """
+    devices = set(_get_fused_kernels_supported_devices())  # torch's own list (no public spelling)
+    fusable = all(p.device.type in devices and torch.is_floating_point(p) for p in params)
+    if implementation == "auto":
+        return {"fused": True} if fusable else {}
+    if implementation == "fused" and not fusable:
+        found = sorted({f"{p.device.type}/{p.dtype}" for p in params})
+        raise ConfigError(
+            f"optim.implementation='fused' needs floating-point parameters on {sorted(devices)}, found {found}; "
+            "use optim.implementation='auto' or 'foreach'"
+        )
+    return {"fused": True} if implementation == "fused" else {"foreach": implementation == "foreach"}
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """The optimizer named by ``optim.name``: torch's AdamW, or :class:`MuonAdamW` (Muon, or bf16 state)."""
     if cfg.name == "adamw" and cfg.state_dtype == "fp32":
-        return torch.optim.AdamW(
-            parameter_groups(model, cfg.weight_decay),
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-        )
+        groups = parameter_groups(model, cfg.weight_decay)
+        kernel = adamw_kernel([p for g in groups for p in g["params"]], cfg.implementation)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
     groups = muon_groups(model, cfg) if cfg.name == "muon" else parameter_groups(model, cfg.weight_decay)
     return MuonAdamW(
         groups,
