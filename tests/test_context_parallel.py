@@ -13,10 +13,11 @@ carries them from stage to stage). A checkpoint saved at cp = 2 resumes at cp = 
 
 MoE (top-2 with aux + z losses; DeepSeek routing: sigmoid, per-sequence aux, aux-free bias) under
 cp = 2 with both methods, cp = 2 x dp_shard = 2, x tp = 2 + SP and x pp = 2, and expert parallelism
-over the cp ranks (cp = 2 x ep = 2, cp = 2 x dp_shard = 2 x ep = 2 and 4) match one process in the
-same way, plus the logged aux/z losses and expert loads; a cp = 2 x ep = 2 checkpoint resumes at cp = 1.
+over the cp ranks (cp = 2 x ep = 2, cp = 2 x dp_shard = 2 x ep = 2 and 4, cp = 2 x tp = 2 x ep = 4)
+match one process in the same way, plus the logged aux/z losses and expert loads; a cp = 2 x ep = 2
+checkpoint resumes at cp = 1.
 At the layer level, a rank balancing its experts by its own counts only is far off. Also at cp = 2:
-fp16 (against one fp16 process, FSDP's fp16 tolerances), torch.compile, ALiBi (all-gather method,
+fp16 (against one fp16 process, FSDP's fp16 tolerances), torch.compile (with MoE), ALiBi (all-gather method,
 document masks) and a masked-LM encoder with T5's relative bias; at the layer level a score bias
 over the local keys only is far off.
 """
@@ -98,7 +99,7 @@ WORLDS = {
         "cp2_ring_moe_docs": ([*CP2, *RING, *MOE, *DOCS], "moe_docs"),
         "cp2_deepseek_ac": ([*CP2, *DEEPSEEK, "parallel.activation_checkpoint=full"], "deepseek"),
         "cp2_fp16_docs": ([*CP2, *DOCS, "train.dtype=fp16"], "docs_fp16"),
-        "cp2_compile_docs": ([*CP2, *DOCS, "parallel.compile=true"], "docs"),
+        "cp2_moe_docs_compile": ([*CP2, *MOE, *DOCS, "parallel.compile=true"], "moe_docs"),
         "cp2_alibi_docs": ([*CP2, *REFERENCES["alibi_docs"]], "alibi_docs"),
         "cp2_t5_encoder": ([*CP2, *T5_ENCODER], "t5_encoder"),
         "cp2_ep2_ring_moe_docs": ([*CP2, "parallel.ep=2", *RING, *MOE, *DOCS, *SAVE_AT_3], "moe_docs"),
@@ -116,6 +117,7 @@ WORLDS = {
         "cp2_fsdp2_ep2_moe_docs": ([*CP2_FSDP2, "parallel.ep=2", *MOE, *DOCS], "moe_docs_dp2"),
         "cp2_fsdp2_ep4_ring_moe_docs": ([*CP2_FSDP2, "parallel.ep=4", *RING, *MOE, *DOCS], "moe_docs_dp2"),
         "cp2_tp2_sp_moe": ([*CP2, "parallel.tp=2", *MOE], "moe"),
+        "cp2_tp2_ep4_moe": ([*CP2, "parallel.tp=2", "parallel.ep=4", *MOE], "moe"),
         # MoE losses are per pipeline micro-batch (pp=2: 2 of 4 sequences), as per data-parallel rank
         "pp2_cp2_moe": ([*CP2, "parallel.pp=2", *MOE], "moe_dp2"),
     },
