@@ -69,16 +69,14 @@ def adamw_kernel(params: list[torch.Tensor], implementation: str, fused_ok: bool
 
     "auto" is the fused kernel (one kernel per device and dtype, no full-size temporaries) where
     torch has it for every parameter's device and dtype (CPU, CUDA, ...), else torch's default, as
-    it is when the caller says ``fused_ok=False``: under DeepSpeed (its optimizer wrapper steps it),
-    and with fp16 on several processes, where torch's fused step takes the grad scaler's found-inf
-    flag, which ShardedGradScaler makes of shape (1,) where the kernel needs ().
+    it is when the caller says ``fused_ok=False`` (DeepSpeed: its optimizer wrapper steps it).
     """
     devices = set(_get_fused_kernels_supported_devices())  # torch's own list (no public spelling)
     fusable = all(p.device.type in devices and torch.is_floating_point(p) for p in params)
     if not fused_ok and implementation == "fused":
         raise ConfigError(
-            "optim.implementation='fused' cannot take the fp16 grad scaler of several processes (torch's "
-            "ShardedGradScaler); use optim.implementation='auto' or 'foreach', or train.dtype='bf16'"
+            "optim.implementation='fused' is not for this optimizer's caller (DeepSpeed steps torch's default "
+            "AdamW kernel); use optim.implementation='auto'"
         )
     fusable = fusable and fused_ok
     if implementation == "auto":

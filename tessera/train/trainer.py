@@ -117,8 +117,7 @@ class Trainer:
         self.mtp_loss, self.distill = self._build_extra_losses()  # train.mtp_loss_weight, train.distill_from
         self.engine = build_engine(config, self.model, self.parallel)  # DeepSpeed (train/engine.py), or None: torch
         if self.engine is None:
-            sharded_scaler = self.dtype == torch.float16 and self.parallel.env.is_distributed  # see build_grad_scaler
-            self.optimizer = build_optimizer(self.model, config.optim, fused_ok=not sharded_scaler)
+            self.optimizer = build_optimizer(self.model, config.optim)
             self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
         else:
             self.model, self.optimizer, self.scheduler = self.engine.model, self.engine.optimizer, self.engine.scheduler
