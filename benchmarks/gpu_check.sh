@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks only a CUDA machine can settle, in one script (under 8 minutes on one H100/H200).
+# The checks only a CUDA machine can settle, in one script (under 8 minutes on one H100/H200; never run yet).
 # Run from the repository root with tessera installed:  bash benchmarks/gpu_check.sh
 # Each check prints one summary line "CHECK <name>: ok|FAIL|skip <detail>"; full logs go to
 # $OUT (default /tmp/tessera-gpu-check). The exit code is the number of failed checks.
@@ -31,8 +31,16 @@ if [ "$GPUS" = "0" ]; then
 fi
 echo "tessera GPU check: $GPUS GPU(s), $(python -c 'import torch; print(torch.cuda.get_device_name(0), "torch", torch.__version__)')"
 
-# 1. Throughput against HF LlamaForCausalLM, bf16 and fp32 (benchmarks/throughput.py prints the ratios).
-run_check throughput 240 python benchmarks/throughput.py --dtypes bf16,fp32 --steps 5 --rounds 3
+# 1. Throughput of the Trainer step against a bare loop, HF LlamaForCausalLM and HF Trainer, bf16 (ratios printed).
+run_check throughput 180 python benchmarks/throughput.py --device cuda --dtype bf16 --threads 4 --steps 5 --rounds 3
+
+# 1b. Issue 18: a 1B-parameter Llama (Llama-3.2-1B shape, untied head: 1.24B in matmuls), seq 4096, bf16, one GPU:
+#     tokens/s and MFU of the Trainer step eager vs compiled (parallel.compile), compile time and break-even.
+#     --peak-tflops 989: H100/H200 SXM dense bf16. The last line is the compiled run's MFU.
+run_check llama1b_mfu 300 python benchmarks/throughput.py --device cuda --dtype bf16 --threads 4 \
+    --dim 2048 --layers 16 --heads 32 --kv-heads 8 --ffn 8192 --vocab 128256 --seq 4096 --batch 4 \
+    --contenders trainer,trainer-compiled --compile false --warmup 2 --steps 5 --rounds 3 --peak-tflops 989
+grep -E "tok/s|MFU|compile:" "$OUT/llama1b_mfu.log"
 
 # 2. The smoke recipe on cuda, end to end (tokenizer, data, train, checkpoint, sample).
 run_check smoke_cuda 240 python -m tessera train configs/smoke.toml train.device=cuda \

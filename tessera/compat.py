@@ -26,12 +26,10 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "torch.compile": {
         "deepspeed": "compile is not validated with the DeepSpeed engine yet; set parallel.compile=false",
-        "cp": "compile is not validated with context parallelism yet",
     },
     "bf16": {},
     "fp16": {
         "ep": "fp16 with expert parallelism is not validated yet; use bf16",
-        "cp": "fp16 with context parallelism is not validated yet; use bf16",
         "deepspeed": "fp16 with the DeepSpeed engine is not validated yet (its CPU accelerator refuses fp16); use bf16",
     },
     "cpu offload (CUDA)": {
@@ -46,27 +44,22 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "deepspeed": "the DeepSpeed engine partitions a built model; set parallel.meta_init=false",
     },
     "tied embeddings": {},
-    "encoder (masked LM)": {
-        "cp": "context parallelism is validated end to end for decoders only",
-    },
+    "encoder (masked LM)": {},
     "encoder-decoder": {
         "cp": "context parallelism is validated end to end for decoders; an encoder-decoder's cross-attention memory "
         "is not split",
     },
     "absolute positions (learned, sinusoidal)": {},
-    "T5 relative-position bias": {
-        "cp": "the bias is built over one rank's positions, not the split sequence; use rope or learned positions",
-    },
-    "ALiBi": {
-        "cp": "the bias is built over one rank's positions, not the split sequence; use rope or learned positions",
-    },
+    "T5 relative-position bias": {},
+    "ALiBi": {},
     "sparse attention kernels (longformer, bigbird)": {},
     "linear attention kernels (linear, performer)": {
         "cp": "the kernel's prefix sums over keys are not split across ranks; use sdpa, eager or a sparse kernel",
     },
-    "mixture of experts": {
-        "cp": "the router's load-balancing and z losses would see one rank's slice of each sequence, not the batch's "
-        "tokens",
+    "mixture of experts": {},
+    "MoE capacity limit (token dropping)": {
+        "cp": "which tokens an expert drops depends on their order across the ranks' slices; use "
+        "model.moe.capacity_factor=0 (dropless)",
     },
     "QK-norm over all heads": {
         "tp": "the norm spans every head's channels, which tensor parallelism splits over ranks",
@@ -96,7 +89,6 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 
 # Pairs of layouts that do not combine, with the reason.
 UNSUPPORTED_PAIRS: dict[frozenset[str], str] = {
-    frozenset({"cp", "ep"}): "expert parallelism over context-parallel ranks is not validated yet",
     **{
         frozenset({"deepspeed", layout}): f"the DeepSpeed engine is data parallel only; set parallel.{key}=1 "
         "or parallel.engine='torch'"
@@ -140,7 +132,7 @@ def job_features(config: Any) -> set[str]:
         features.add("activation checkpointing")
     if p.activation_checkpoint == "op":
         features.add("op-level selective checkpointing")
-    if p.compile:
+    if p.compile is True:  # "auto" compiles only where it is supported
         features.add("torch.compile")
     if config.train.dtype in ("bf16", "fp16"):
         features.add(config.train.dtype)
@@ -166,6 +158,8 @@ def job_features(config: Any) -> set[str]:
         features.add("linear attention kernels (linear, performer)")
     if m.moe.experts > 1:
         features.add("mixture of experts")
+        if m.moe.capacity_factor > 0:
+            features.add("MoE capacity limit (token dropping)")
     if m.attention.qk_norm and m.attention.qk_norm_scope == "all":
         features.add("QK-norm over all heads")
     if "M" in m.layer_pattern:

@@ -191,7 +191,7 @@ class ParallelConfig:
     cpu_offload: bool = False  # FSDP: parameters, gradients and optimizer step on the CPU
     activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"  # selective = every ac_every-th block
     ac_every: int = 2  # selective: checkpoint every n-th block
-    compile: bool = False  # torch.compile each transformer block
+    compile: Literal["auto", True, False] = "auto"  # torch.compile each block; auto: on CUDA (see README Performance)
     meta_init: bool = False  # build on the meta device, shard, then initialize (for models too big for one host)
     engine: Literal["torch", "deepspeed"] = "torch"  # torch: FSDP2/DDP/TP/PP/CP/EP; deepspeed: ZeRO data parallelism
     zero_stage: int = 2  # deepspeed: ZeRO 1 shards optimizer state, 2 also gradients, 3 also parameters
@@ -223,6 +223,7 @@ class OptimConfig:
     muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"  # muon: precision of the Newton-Schulz iteration
     muon_scale: Literal["rms", "spectral"] = "rms"  # update x 0.2*sqrt(max(out,in)) (rms) or sqrt(max(1,out/in))
     state_dtype: Literal["fp32", "bf16"] = "fp32"  # precision of the optimizer state (Adam moments, Muon momentum)
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"  # AdamW kernel; auto: fused (CPU, CUDA)
     qk_clip_threshold: float = 0.0  # QK-clip: shrink q/k weights of heads whose max attention logit exceeds it; 0 off
 
 
@@ -428,6 +429,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin is Literal:
         choices = typing.get_args(hint)
+        if True in choices and isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"  # a switch with an "auto" setting: true/false from the CLI
         if value not in choices:
             opts = ", ".join(repr(c) for c in choices)
             raise ConfigError(
@@ -965,6 +968,11 @@ def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:
     _require(0.0 <= o.muon_momentum < 1.0, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
     _require(1 <= o.muon_ns_steps < 100, f"optim.muon_ns_steps must be in [1, 99], got {o.muon_ns_steps}")
     _require(o.qk_clip_threshold >= 0, f"optim.qk_clip_threshold must be >= 0 (0 disables), got {o.qk_clip_threshold}")
+    _require(
+        o.implementation == "auto" or o.state_dtype == "fp32",
+        f"optim.implementation={o.implementation!r} picks torch's AdamW kernel, which keeps fp32 moments; "
+        "optim.state_dtype='bf16' runs tessera's own update: set optim.implementation='auto'",
+    )
 
 
 def _validate_qk_clip(o: OptimConfig, m: ModelConfig) -> None:
@@ -986,7 +994,9 @@ def _validate_engine_optimizer(p: ParallelConfig, o: OptimConfig) -> None:
     """DeepSpeed runs its own AdamW: tessera's Muon, bf16 state and QK-clip live in the torch engine."""
     if p.engine != "deepspeed":
         return
-    for key, used in {"name": o.name != "adamw", "state_dtype": o.state_dtype != "fp32"}.items():
+    used_keys = {"name": o.name != "adamw", "state_dtype": o.state_dtype != "fp32"}
+    used_keys["implementation"] = o.implementation != "auto"
+    for key, used in used_keys.items():
         _require(
             not used, f"optim.{key}={getattr(o, key)!r} needs parallel.engine='torch' (DeepSpeed runs its own AdamW)"
         )

@@ -146,6 +146,11 @@ def _check_context_parallel(config: JobConfig) -> None:
         f"parallel.cp_method='ring' computes attention without dropout, but model.attention.dropout="
         f"{m.attention.dropout}; set it to 0 or use parallel.cp_method=allgather",
     )
+    _require(
+        p.cp_method != "ring" or m.position.kind not in ("alibi", "t5_bias"),
+        f"parallel.cp_method='ring' adds no score bias, but model.position.kind='{m.position.kind}'; use "
+        "parallel.cp_method=allgather (the bias spans the gathered keys) or rope/learned positions",
+    )
 
 
 def _check_layer_heads(m: ModelConfig, tp: int) -> None:
@@ -230,7 +235,7 @@ def _check_pipeline_plan(config: JobConfig) -> None:
         f"parallel.pp_schedule='{schedule}' needs parallel.microbatches to be a multiple of pp={p.pp}, got {mb}",
     )
     _require(
-        not (schedule == "interleaved_zb" and p.compile),
+        not (schedule == "interleaved_zb" and p.compile is True),
         f"parallel.pp_schedule='{schedule}' splits the backward into input and weight parts, which "
         "torch.compile does not support; use 1f1b or interleaved_1f1b",
     )

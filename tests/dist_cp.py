@@ -23,7 +23,7 @@ from distexit import run_and_exit
 from torch.distributed.device_mesh import init_device_mesh
 
 from tessera.config import model_config
-from tessera.model import build_model
+from tessera.model import MoELog, build_model, moe_loss
 from tessera.parallel.context import apply_context_parallel, loss_scale, shard_batch
 
 T, B, V = 32, 2, 64
@@ -42,10 +42,13 @@ def _batch(seed: int, documents: bool) -> tuple[torch.Tensor, torch.Tensor, torc
     return tokens[:, :-1], tokens[:, 1:], loss_mask, kwargs
 
 
-def _loss_sum(model, inputs, labels, loss_mask, kwargs) -> torch.Tensor:
-    logits = model(inputs, **kwargs)
+def _loss_sum(model, inputs, labels, loss_mask, kwargs) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """The summed masked token loss and the MoE layers' losses (0 without MoE)."""
+    log = MoELog()
+    logits = model(inputs, **kwargs, moe_log=log)
     losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
-    return (losses * loss_mask.flatten()).sum()
+    aux = moe_loss(log)
+    return (losses * loss_mask.flatten()).sum(), 0.0 if aux is None else aux
 
 
 def run_case(mesh, method: str, documents: bool, model_kw: dict, bug: str = "") -> dict[str, float]:
@@ -55,19 +58,29 @@ def run_case(mesh, method: str, documents: bool, model_kw: dict, bug: str = "") 
     cfg = model_config(**{**base, **model_kw})
     ref = build_model(cfg)
     inputs, labels, loss_mask, kwargs = _batch(1, documents)
-    ref_loss = _loss_sum(ref, inputs, labels, loss_mask, kwargs) / loss_mask.sum()
+    ref_sum, ref_aux = _loss_sum(ref, inputs, labels, loss_mask, kwargs)
+    ref_loss = ref_sum / loss_mask.sum() + ref_aux
     ref_loss.backward()
     cp = copy.deepcopy(ref)
     cp.zero_grad()
     apply_context_parallel(cp, mesh, method)
     if bug == "local_positions":
         cp.sequence_split.positions = lambda length, device: torch.arange(length, device=device)[None]
+    if bug == "local_bias_keys":  # the score bias over this rank's keys only
+        cp.sequence_split.key_positions = lambda length, device: cp.sequence_split.positions(length, device).repeat(
+            1, mesh.size()
+        )
     (x,), kw, y, m = shard_batch((inputs,), kwargs, labels, loss_mask, mesh)
-    local_mean = _loss_sum(cp, x, y, m, kw) / m.sum()
+    if bug == "local_expert_counts":
+        for module in cp.modules():
+            if hasattr(module, "token_group"):
+                module.token_group = type(module.token_group)(mesh.size(), lambda t: t * mesh.size())
+    local_sum, aux = _loss_sum(cp, x, y, m, kw)
     scale = 1.0 if bug == "local_mean" else loss_scale(y, m, mesh)  # cp * local / global tokens
-    (local_mean * scale).backward()
+    loss = local_sum / m.sum() * scale + aux  # MoE losses: already cp x this rank's share
+    loss.backward()
     group = mesh.get_group()
-    total = (local_mean * scale).detach() / mesh.size()  # FSDP averages over cp: the loss likewise
+    total = loss.detach() / mesh.size()  # FSDP averages over cp: the loss likewise
     dist.all_reduce(total, group=group)
     errors = {"loss": ((total - ref_loss.detach()).abs() / ref_loss.abs()).item()}
     ref_grads = dict(ref.named_parameters())
@@ -104,8 +117,35 @@ def main() -> None:
     cases["cp2_ring_window_and_global_layers"] = run_case(
         mesh, "ring", True, {"layer_pattern": "AG", "attention": {"sliding_window": 5}}
     )
+    alibi, t5 = (
+        {"position": {"kind": "alibi"}},
+        {"position": {"kind": "t5_bias", "rel_buckets": 8, "rel_max_distance": 16}},
+    )
+    cases["cp2_allgather_alibi_docs"] = run_case(mesh, "allgather", True, alibi)
+    cases["cp4_allgather_alibi_eager_window"] = run_case(
+        meshes["cp4"], "allgather", False, {**alibi, "attention": {"kernel": "eager", "sliding_window": 5}}
+    )
+    cases["cp4_allgather_t5_docs"] = run_case(meshes["cp4"], "allgather", True, t5)
+    cases["cp2_allgather_t5_encoder"] = run_case(mesh, "allgather", False, {**t5, "arch": "encoder"})
     cases["cp2_allgather_learned_positions"] = run_case(mesh, "allgather", False, {"position": {"kind": "learned"}})
+    moe = {"moe": {"experts": 4, "top_k": 2, "aux_loss_coef": 0.1, "z_loss_coef": 0.01}}
+    deepseek = {
+        "moe": {
+            "experts": 4,
+            "top_k": 2,
+            "router": "sigmoid",
+            "aux_loss_scope": "sequence",
+            "aux_loss_coef": 0.1,
+            "expert_bias": True,
+            "shared_experts": 1,
+        }
+    }
+    cases["cp2_allgather_moe"] = run_case(mesh, "allgather", False, moe)
+    cases["cp4_ring_moe_docs"] = run_case(meshes["cp4"], "ring", True, moe)
+    cases["cp2_allgather_moe_deepseek_docs"] = run_case(mesh, "allgather", True, deepseek)
+    cases["bug_local_expert_counts"] = run_case(mesh, "allgather", False, moe, bug="local_expert_counts")
     cases["bug_local_positions"] = run_case(mesh, "ring", False, {}, bug="local_positions")
+    cases["bug_local_bias_keys"] = run_case(mesh, "allgather", False, alibi, bug="local_bias_keys")
     cases["bug_local_mean"] = run_case(mesh, "allgather", True, {}, bug="local_mean")
     if dist.get_rank() == 0:
         with open(out, "w") as f:

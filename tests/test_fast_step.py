@@ -1,11 +1,12 @@
-"""The fast training step: the fused chunked head + loss equals the plain loss, and a step reads the
-device once.
+"""The fast training step: the fused chunked head + loss equals the plain loss, a step reads the
+device once, and parallel.compile="auto" compiles on CUDA only (bools still load).
 
 Speed itself is measured in benchmarks/ (throughput.py, memory_head.py), never asserted here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import traceback
 from typing import ClassVar
@@ -14,8 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_runs_match, torchrun
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tessera.config import load_config
+from tessera.parallel.activation import compile_enabled
 from tessera.train.loss import IGNORE_INDEX, linear_cross_entropy, lm_loss
 from tessera.train.trainer import Trainer, train
 
@@ -139,6 +143,9 @@ class _HostReads(TorchDispatchMode):
 def test_a_training_step_reads_the_device_once(tiny_config, monkeypatch):
     trainer = Trainer(tiny_config("train.grad_accum=3", "data.document_mask=true", "train.label_smoothing=0.1"))
     try:
+        # parallel.compile="auto" does not compile on CPU; the optimizer is torch's fused AdamW (optim.implementation)
+        assert not trainer.compiled and not any(isinstance(m, OptimizedModule) for m in trainer.model.modules())
+        assert trainer.optimizer.defaults["fused"] is True
         trainer.train_step()  # warm-up (lazy state)
         main, real_tolist = threading.current_thread(), torch.Tensor.tolist
         counter = _HostReads()
@@ -164,3 +171,27 @@ def test_a_negative_loss_chunk_is_refused(tiny_config, value):
 
     with pytest.raises(ConfigError, match="train.loss_chunk_tokens must be >= 0"):
         tiny_config(f"train.loss_chunk_tokens={value}")
+
+
+def test_compile_auto_is_on_cuda_only_and_true_false_still_load(tiny_config, tmp_path):
+    p = tiny_config().parallel
+    assert p.compile == "auto" and not compile_enabled(p, "cpu") and compile_enabled(p, "cuda")
+    for refused in ({"engine": "deepspeed"}, {"pp": 2, "pp_schedule": "interleaved_zb"}):  # auto never errors
+        assert not compile_enabled(dataclasses.replace(p, **refused), "cuda"), refused
+    for text, want in [("true", True), ("false", False), ("False", False)]:
+        p = tiny_config(f"parallel.compile={text}").parallel
+        assert p.compile is want and compile_enabled(p, "cpu") is want and compile_enabled(p, "cuda") is want
+    recipe = tmp_path / "old.toml"
+    recipe.write_text("[parallel]\ncompile = true\n")  # recipes written before "auto" existed
+    assert load_config(recipe, []).parallel.compile is True
+
+
+def test_the_inductor_cache_moves_out_of_the_temp_directory_unless_the_user_chose_one(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from tessera.parallel.activation import use_inductor_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing torch._dynamo sets
+    assert use_inductor_cache(tmp_path / "inductor") == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_inductor_cache(tmp_path / "inductor") == str(tmp_path / "mine")

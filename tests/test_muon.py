@@ -87,7 +87,7 @@ def test_update_equals_torch_muon_and_adamw(scale, torch_rule, nesterov):
         group["params"] = [p for p in group["params"] if all(p is not m for m in matrices)]
     reference = [
         torch.optim.Muon(matrices, lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=torch_rule),
-        torch.optim.AdamW(rest, lr=1e-2, betas=(0.9, 0.95), eps=1e-8),
+        torch.optim.AdamW(rest, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True),  # optim.implementation=auto
     ]
     for step in range(3):
         _backward(model, step)

@@ -1,18 +1,27 @@
-"""Parameter groups and learning-rate schedules."""
+"""Parameter groups, learning-rate schedules, and AdamW's kernels (fused, foreach, for-loop) giving one result."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-from tessera.config import model_config, OptimConfig
+from tessera.config import ConfigError, OptimConfig, model_config
 from tessera.model import build_model
-from tessera.train.optim import build_optimizer, build_scheduler, lr_multiplier, parameter_groups
+from tessera.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    lr_multiplier,
+    parameter_groups,
+)
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():
-    model = build_model(model_config(vocab_size=300, dim=32, n_layers=1, n_heads=2, qkv_bias=True, tie_embeddings=False))
+    model = build_model(
+        model_config(vocab_size=300, dim=32, n_layers=1, n_heads=2, qkv_bias=True, tie_embeddings=False)
+    )
     decay, no_decay = parameter_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decay_names = {names[id(p)] for p in decay["params"]}
@@ -56,3 +65,54 @@ def test_scheduler_drives_the_optimizer_lr():
         opt.step()
         sched.step()
     assert seen == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+
+
+def _adamw_runs(implementation: str, scaler: bool, name: str = "adamw") -> list[torch.Tensor]:
+    """Five steps of a tiny decoder with ``optim.implementation`` (one with an overflowed gradient)."""
+    torch.manual_seed(0)
+    model = build_model(model_config(vocab_size=300, dim=32, n_layers=2, n_heads=2, tie_embeddings=False))
+    # Newton-Schulz in fp32: in bf16 it would amplify the kernels' last-bit differences past 1e-6
+    cfg = OptimConfig(name=name, lr=1e-2, implementation=implementation, muon_ns_dtype="fp32")
+    opt = build_optimizer(model, cfg)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=scaler)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 300, (2, 17), generator=gen)
+    for step in range(5):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        grad_scaler.scale(loss).backward()
+        if step == 2 and scaler:
+            model.norm.weight.grad[0] = float("inf")  # the scaler must skip this update, in every kernel
+        grad_scaler.unscale_(opt)
+        grad_scaler.step(opt)
+        grad_scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("scaler", "name"), [(False, "adamw"), (True, "adamw"), (False, "muon")])
+def test_fused_and_foreach_adamw_match_the_for_loop(scaler, name):
+    """torch.optim.AdamW's kernels, and Muon's AdamW part (embeddings, head, norms) through them vs tessera's loop."""
+    want = _adamw_runs("for-loop", scaler, name)
+    for implementation in ("fused", "foreach", "auto"):
+        got = _adamw_runs(implementation, scaler, name)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max().item() <= 1e-6, f"{implementation}: params differ from the for-loop"
+
+
+def test_auto_picks_the_fused_kernel_on_cpu_and_a_bad_choice_is_one_clear_error(tiny_config):
+    model = build_model(model_config(vocab_size=300, dim=32, n_layers=1, n_heads=2))
+    assert build_optimizer(model, OptimConfig()).defaults["fused"] is True
+    assert build_optimizer(model, OptimConfig(implementation="foreach")).defaults["foreach"] is True
+    # inside DeepSpeed's optimizer wrapper: torch's default kernel
+    assert not build_optimizer(model, OptimConfig(), fused_ok=False).defaults["fused"]
+    with pytest.raises(ConfigError, match="optim.implementation='fused' is not for this optimizer's caller"):
+        build_optimizer(model, OptimConfig(implementation="fused"), fused_ok=False)
+    muon = build_optimizer(model, OptimConfig(name="muon"))
+    assert muon.adamw_kernel == {"fused": True}  # auto: Muon's AdamW part takes the fused kernel too
+    assert build_optimizer(model, OptimConfig(name="muon", implementation="for-loop")).adamw_kernel is None
+    with pytest.raises(ConfigError, match="optim.implementation='fused' needs floating-point parameters"):
+        build_optimizer(model.to("meta"), OptimConfig(implementation="fused"))
+    with pytest.raises(ConfigError, match="optim.state_dtype='bf16' runs tessera's own update"):
+        tiny_config("optim.state_dtype=bf16", "optim.implementation=fused")
+    with pytest.raises(ConfigError, match="optim.implementation='foreach' needs parallel.engine='torch'"):
+        tiny_config("parallel.engine=deepspeed", "optim.implementation=foreach")

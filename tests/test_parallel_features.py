@@ -1,4 +1,4 @@
-"""ZeRO-2, per-block compile and meta-device init under FSDP; offload's CPU error; compat table."""
+"""ZeRO-2, per-block compile, fused = for-loop AdamW, meta-device init under FSDP; offload's CPU error; compat table."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from conftest import REPO, assert_runs_match, step_losses, torchrun, write_tiny_
 BASE = ["train.steps=5", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0"]
 
 
+ZERO2 = ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"]
 MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.z_loss_coef=0.001"]
 
 
@@ -32,8 +33,10 @@ def test_zero2_compile_and_meta_init_under_fsdp(tmp_path, cache_dir):
         load_config(recipe, [*MOE, "train.batch_size=4", "train.grad_accum=2", f"train.run_dir={tmp_path}/moe_ref"])
     ).run_dir
     variants = {
-        "zero2": ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"],
+        "zero2": ZERO2,
         "compiled": ["parallel.dp_shard=2", "parallel.compile=true"],
+        # zero2 and the others step with fused AdamW (optim.implementation=auto) on DTensors; this is zero2 for-loop.
+        "forloop_adamw": [*ZERO2, "optim.implementation=for-loop"],
         "compiled_moe": ["parallel.dp_shard=2", "parallel.compile=true", *MOE],
         "meta": ["parallel.dp_shard=2", "parallel.meta_init=true"],
         # lr ~ 0: the weights stay at their initial values, to check every tensor's init statistics.
@@ -42,6 +45,7 @@ def test_zero2_compile_and_meta_init_under_fsdp(tmp_path, cache_dir):
     torchrun(2, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
     assert_runs_match(tmp_path / "zero2", reference)
     assert_runs_match(tmp_path / "compiled", reference)
+    assert_runs_match(tmp_path / "forloop_adamw", tmp_path / "zero2", rtol=1e-6)
     assert_runs_match(tmp_path / "compiled_moe", moe_reference)
     meta = step_losses(tmp_path / "meta")
     # Initialized after sharding (other random draws), so only "it trains" can be required of the curve.

@@ -125,7 +125,7 @@ def test_shape_of_a_full_size_recipe_matches_its_published_size():
 
 def test_enumeration_follows_the_compatibility_matrix(monkeypatch):
     """Only layouts the matrix allows: pp for an encoder-decoder until the matrix refuses it; cp for a dense
-    decoder, not (yet) with MoE; ep is allowed, cp appears for MoE once the matrix allows it."""
+    decoder and for MoE (also with ep over the cp ranks) until the matrix refuses MoE with cp."""
     from tessera import compat
     from tessera.plan.layouts import candidate_layouts
 
@@ -134,16 +134,15 @@ def test_enumeration_follows_the_compatibility_matrix(monkeypatch):
     monkeypatch.setitem(compat.UNSUPPORTED, "encoder-decoder", {"pp": "refused for this test"})
     layouts = list(candidate_layouts(t5, 4, 8))
     assert all(lay.pp == 1 for lay in layouts) and any(lay.tp > 1 for lay in layouts)
-    moe = load_config("configs/tiny/mixtral.toml", ["train.batch_size=8", "parallel.tp=1"])
-    before = list(candidate_layouts(moe, 4, 8))
-    assert before and all(lay.cp == 1 for lay in before) and any(lay.ep > 1 for lay in before)  # ep: issue 13
     dense = load_config("configs/tiny/llama.toml", ["train.batch_size=8"])
     assert any(lay.cp > 1 for lay in candidate_layouts(dense, 4, 8))  # cp: issue 14
-    monkeypatch.setitem(compat.UNSUPPORTED, "mixture of experts", {})
-    monkeypatch.setattr(compat, "UNSUPPORTED_PAIRS", {})
-    after = list(candidate_layouts(moe, 4, 8))
-    assert any(lay.cp > 1 for lay in after) and any(lay.ep > 1 for lay in after)
-    assert all(moe.model.moe.experts % lay.ep == 0 and lay.shard % lay.ep == 0 for lay in after)
+    moe = load_config("configs/tiny/mixtral.toml", ["train.batch_size=8", "parallel.tp=1"])
+    allowed = list(candidate_layouts(moe, 4, 8))
+    assert any(lay.cp > 1 and lay.ep > 1 for lay in allowed)  # MoE under cp, ep over the cp ranks: issue 14
+    assert all(moe.model.moe.experts % lay.ep == 0 and lay.shard % lay.ep == 0 for lay in allowed)
+    monkeypatch.setitem(compat.UNSUPPORTED, "mixture of experts", {"cp": "refused for this test"})
+    refused = list(candidate_layouts(moe, 4, 8))
+    assert refused and all(lay.cp == 1 for lay in refused) and any(lay.ep > 1 for lay in refused)  # ep: issue 13
 
 
 @pytest.mark.parametrize("recipe", ["tiny/mamba", "tiny/jamba", "tiny/gpt2", "tiny/mixtral", "tiny/t5"])

@@ -138,9 +138,10 @@ class AttnContext:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     moe_log: MoELog | None = None  # where MoE layers record their routing (see tessera.model.moe.MoELog)
-    # Replaces every layer's attention core, (layer, q, k, v) -> output: set when this forward holds
-    # only part of each sequence and its queries must reach the other parts' keys (see SequenceSplit).
-    attend: Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Replaces every layer's attention core, (layer, q, k, v, this context) -> output: set when this forward
+    # holds only part of each sequence and its queries must reach the other parts' keys (see SequenceSplit);
+    # ``bias`` then spans the local queries and the keys of SequenceSplit.key_positions.
+    attend: Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor, AttnContext], torch.Tensor] | None = None
 
 
 class SequenceSplit(Protocol):
@@ -151,9 +152,14 @@ class SequenceSplit(Protocol):
         """(1, length) positions, in the whole sequence, of this forward's ``length`` tokens."""
         ...
 
+    def key_positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """(1, keys) positions, in the whole sequence, of the keys the attention core scores, in its order
+        (what a score bias such as ALiBi or T5's spans)."""
+        ...
+
     def attention(
         self, spec: MaskSpec, length: int, document_ids: torch.Tensor | None, device: torch.device
-    ) -> Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    ) -> Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor, AttnContext], torch.Tensor]:
         """The attention core of one forward's layers (:attr:`AttnContext.attend`); it may exchange
         per-batch metadata (document ids) once here, for all layers."""
         ...
@@ -268,7 +274,7 @@ class Attention(nn.Module):
             self.qk_observer(q, k, ctx)
         if cache is not None:
             k, v = cache.update(k, v, start)
-        out = ctx.attend(self, q, k, v) if ctx.attend is not None else self.attend(q, k, v, ctx)
+        out = ctx.attend(self, q, k, v, ctx) if ctx.attend is not None else self.attend(q, k, v, ctx)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:

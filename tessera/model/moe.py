@@ -16,6 +16,7 @@ counts to split the rows). A layer keeps nothing between forwards: when the call
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,19 @@ class RouterStats:
     def dropped(self) -> torch.Tensor:
         """Fraction of assignments dropped by the capacity limit."""
         return self.dropped_counts.sum() / self.counts.sum()
+
+
+@dataclass(frozen=True)
+class TokenGroup:
+    """The processes whose tokens together make up the layer's sequences: under context parallelism
+    each holds a slice of every sequence, so the balancing statistics are those of the whole group.
+
+    ``size`` processes; ``sum`` adds a detached tensor over them (no gradient). The default is this
+    process alone. Set by :mod:`tessera.parallel.context`; the model itself never communicates.
+    """
+
+    size: int = 1
+    sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
 
 
 class MoELog:
@@ -168,7 +182,13 @@ class Routing:
 
 
 class MoE(nn.Module):
-    """Routed experts (plus optional always-on shared experts) replacing a block's FFN."""
+    """Routed experts (plus optional always-on shared experts) replacing a block's FFN.
+
+    ``token_group``: see :class:`TokenGroup`. Its per-process losses are scaled so that their mean over
+    the group is the whole sequences' loss (as the LM loss's context-parallel token share).
+    """
+
+    token_group: TokenGroup = TokenGroup()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -259,24 +279,28 @@ class MoE(nn.Module):
 
     def _balance_loss(self, r: Routing, batch: int) -> torch.Tensor:
         """Switch/Mixtral batch loss ``E * sum_e f_e * P_e`` (f: assignments per token, P: mean score),
-        or DeepSeek's per-sequence loss ``mean_b sum_e f_be * P_be`` with f normalized to 1 when uniform."""
+        or DeepSeek's per-sequence loss ``mean_b sum_e f_be * P_be`` with f normalized to 1 when uniform.
+
+        f counts the assignments of the whole :attr:`token_group` (detached: counts carry no gradient);
+        P is this process's mean, so the group's mean of these losses is the loss of the whole sequences
+        (every process of the group holds as many tokens)."""
         probs = r.scores if self.cfg.router != "sigmoid" else r.scores / r.scores.sum(-1, keepdim=True)
         ones = torch.ones_like(r.weights)
-        n, e = r.ids.shape[0], self.n_experts
+        n, e, group = r.ids.shape[0], self.n_experts, self.token_group
         if self.cfg.aux_loss_scope == "batch":
-            counts = ones.new_zeros(e).scatter_add(0, r.ids.flatten(), ones.flatten())
-            return e * (counts / n * probs.mean(0)).sum()
+            counts = group.sum(ones.new_zeros(e).scatter_add(0, r.ids.flatten(), ones.flatten()))
+            return e * (counts / (n * group.size) * probs.mean(0)).sum()
         seq_len = n // batch
         seq = torch.arange(n, device=r.ids.device) // seq_len
         index = (r.ids + seq[:, None] * e).flatten()
-        counts = ones.new_zeros(batch * e).scatter_add(0, index, ones.flatten()).view(batch, e)
-        f = counts * e / (self.top_k * seq_len)
+        counts = group.sum(ones.new_zeros(batch * e).scatter_add(0, index, ones.flatten()).view(batch, e))
+        f = counts * e / (self.top_k * seq_len * group.size)
         return (f * probs.view(batch, seq_len, e).mean(1)).sum(-1).mean()
 
     def stats(self, r: Routing, batch: int = 1) -> RouterStats:
         """Load-balancing loss, z-loss and per-expert counts of one forward (``batch`` sequences)."""
         aux = self._balance_loss(r, batch)
-        z = torch.logsumexp(r.logits, dim=-1).pow(2).mean()
+        z = torch.logsumexp(r.logits, dim=-1).pow(2).mean()  # a token group's processes hold equal token counts
         loss = self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
         ids = r.ids.flatten()
         counts = r.logits.new_zeros(self.n_experts).scatter_add(0, ids, torch.ones_like(ids, dtype=r.logits.dtype))

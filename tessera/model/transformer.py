@@ -114,7 +114,11 @@ class Stack(nn.Module):
         ctx = self._masking(self.mask_spec, length, start, document_ids, device, kv_start)
         if self.rope is not None:
             ctx.cos, ctx.sin = self.rope(start, length, positions)
-        if self.rel_bias is not None:
+        if self.rel_bias is not None and self.sequence_split is not None:
+            # Global indices: within a document they differ as its own positions do (others are masked).
+            split = self.sequence_split
+            ctx.bias = self.rel_bias(split.positions(length, device), split.key_positions(length, device))
+        elif self.rel_bias is not None:
             kv_len = start + length
             q_pos = positions if positions is not None else torch.arange(start, kv_len, device=device)[None]
             k_pos = positions if positions is not None else torch.arange(kv_start, kv_len, device=device)[None]

@@ -7,7 +7,7 @@ from torch import nn
 
 from tessera.config import JobConfig
 from tessera.parallel.blocks import block_containers
-from tessera.parallel.activation import apply_activation_checkpointing, apply_compile
+from tessera.parallel.activation import apply_activation_checkpointing, apply_compile, compile_enabled
 from tessera.parallel.context import apply_context_parallel
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.expert import apply_expert_parallel
@@ -20,11 +20,12 @@ __all__ = ["ParallelDims", "clip_grad_norm", "parallelize"]
 _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str = "") -> nn.Module:
     """Apply TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to ``model``.
 
     ``dims.build_mesh`` must have run. Returns the model to train (the same module, or its
-    DDP wrapper).
+    DDP wrapper). ``device_type`` (default: ``train.device``, "auto" meaning CUDA when available) decides
+    ``parallel.compile="auto"``.
     """
     p = config.parallel
     tp_mesh = dims.submesh("tp")
@@ -37,7 +38,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig) -> nn.M
     if cp_mesh is not None:  # attention over the sequence split across the cp ranks (no parameters of its own)
         apply_context_parallel(model, cp_mesh, p.cp_method)
     apply_activation_checkpointing(block_containers(model), p.activation_checkpoint, p.ac_every)
-    if p.compile:
+    if compile_enabled(p, device_type or _configured_device_type(config.train.device)):
         apply_compile(block_containers(model))
     if p.engine == "deepspeed":  # deepspeed.initialize partitions it (tessera/parallel/deepspeed.py)
         return model
@@ -55,3 +56,9 @@ def uses_fsdp(dims: ParallelDims) -> bool:
     sharded, and for plain data parallelism beside TP or PP, where DDP cannot take DTensor
     parameters or per-micro-batch backward: FSDP2 on a (replicate, shard=1) mesh replicates."""
     return dims.dp_shard * dims.cp > 1 or (dims.dp_replicate > 1 and (dims.tp > 1 or dims.pp > 1))
+
+
+def _configured_device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type

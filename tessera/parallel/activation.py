@@ -1,13 +1,18 @@
-"""Activation checkpointing of transformer blocks: full, every n-th block, or op-level selective."""
+"""Activation checkpointing of transformer blocks (full, every n-th block, or op-level selective), and
+regional torch.compile of the blocks (``parallel.compile``)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 # Op-level selective checkpointing keeps these outputs and recomputes the cheap rest.
@@ -46,6 +51,26 @@ def _checkpoint_stack(layers: nn.ModuleDict, mode: str, every: int) -> None:
         else:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=True)
         layers[name] = wrapped
+
+
+def compile_enabled(p: Any, device_type: str) -> bool:
+    """Whether ``parallel.compile`` compiles the blocks: true/false as given; "auto" on CUDA, except where
+    compile is refused (the DeepSpeed engine, the zero-bubble pipeline schedule). On CPU "auto" is off:
+    benchmarks/throughput.py measured 1.3% faster steps for 18-24 s of compiling (README, Performance)."""
+    if isinstance(p.compile, bool):
+        return p.compile
+    refused = p.engine == "deepspeed" or (p.pp > 1 and p.pp_schedule == "interleaved_zb")
+    return device_type == "cuda" and not refused
+
+
+def use_inductor_cache(directory: Path | None = None) -> str:
+    """Point TorchInductor's cache (compiled kernels, FX and AOT-autograd graphs) at ``directory``, default
+    ~/.cache/tessera/inductor, unless $TORCHINDUCTOR_CACHE_DIR chose another place than torch's default, which
+    lives in the temp directory that reboots and cleaners empty. A restart then compiles from the cache."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # importing torch._dynamo already set it to the default
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory or Path.home() / ".cache" / "tessera" / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def apply_compile(stacks: list[nn.ModuleDict]) -> None:

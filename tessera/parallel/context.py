@@ -21,13 +21,16 @@ module fills in:
 
 The loss of a rank is the sum over its tokens divided by the global token count of the batch, times
 ``cp`` because FSDP averages gradients over the ``dp_shard x cp`` mesh (a local mean would weight
-ranks with fewer unmasked tokens wrongly). torch's experimental ``context_parallel`` has no CPU
-implementation (no CPU SDPA backend has a sharding rule; FlexAttention has no CPU backward), hence
-this hand-written version.
+ranks with fewer unmasked tokens wrongly). MoE layers likewise: the load-balancing loss uses the
+expert counts of the whole sequences (summed over the cp ranks, detached) with the local router
+scores, so the mean over the cp ranks of each rank's loss is the loss of the whole sequences.
+torch's experimental ``context_parallel`` has no CPU implementation (no CPU SDPA backend has a
+sharding rule; FlexAttention has no CPU backward), hence this hand-written version.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -39,13 +42,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.model.attention import Attention, AttnContext
 from tessera.model.masks import MaskSpec, allowed
+from tessera.model.moe import MoE, TokenGroup
 from tessera.model.transformer import Stack
 
 METHODS = ("allgather", "ring")
 # Scores a ring step materializes at once (queries are processed in chunks below this many elements).
 _RING_CHUNK_ELEMENTS = 1 << 20
 
-AttendFn = Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttendFn = Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor, AttnContext], torch.Tensor]
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -76,6 +80,13 @@ class ContextParallel:
         """(1, length) global positions of this rank's tokens."""
         return self.index(length, device)[None]
 
+    def key_positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """(1, length * cp) global positions of the all-gathered keys, in rank order (all-gather only: the
+        ring never holds them at once)."""
+        if self.method == "ring":
+            raise ValueError("parallel.cp_method='ring' takes no score bias (ALiBi, T5); use allgather")
+        return torch.cat([zigzag_index(length * self.size, self.size, r, device) for r in range(self.size)])[None]
+
     def attention(
         self, spec: MaskSpec, length: int, document_ids: torch.Tensor | None, device: torch.device
     ) -> AttendFn:
@@ -90,15 +101,18 @@ class ContextParallel:
                 mask = allowed(spec, q_idx[rows, None], kv_idx[src][None, :], *docs)
                 return mask.view(-1, 1, *mask.shape[-2:])
 
-            return lambda attn, q, k, v: RingAttention.apply(q, k, v, step_mask, attn.scale, self.group)
+            return lambda attn, q, k, v, _: RingAttention.apply(q, k, v, step_mask, attn.scale, self.group)
         keys = torch.cat(kv_idx)
         docs = () if document_ids is None else (document_ids[:, :, None], torch.cat(kv_doc, 1)[:, None, :])
         mask = allowed(spec, q_idx[:, None], keys[None, :], *docs).view(-1, 1, length, keys.numel())
-        if spec.kernel != "eager":  # sdpa would turn a bool mask into a float copy per layer: share one
-            mask = torch.full(mask.shape, float("-inf"), device=device).masked_fill_(mask, 0.0)
-        ctx = AttnContext(mask=mask)
+        # sdpa would turn a bool mask into a float copy per layer: share one (a score bias needs the bool one)
+        additive = mask
+        if spec.kernel != "eager":
+            additive = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+        plain, biased = AttnContext(mask=additive), AttnContext(mask=mask)
 
-        def attend(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttnContext):
+            ctx = plain if layer.bias is None else dataclasses.replace(biased, bias=layer.bias)
             return attn.attend(q, gather_sequence(k, self.group), gather_sequence(v, self.group), ctx)
 
         return attend
@@ -117,11 +131,25 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, method: str = "allgather") -> None:
-    """Make every stack of ``model`` attend as a slice of a sequence split over ``cp_mesh``."""
+    """Make every stack of ``model`` attend as a slice of a sequence split over ``cp_mesh``, and every MoE
+    layer balance its experts over the whole sequences (expert counts summed over the cp ranks)."""
     split = ContextParallel(cp_mesh, method)
+    tokens = cp_token_group(cp_mesh)
     for module in model.modules():
         if isinstance(module, Stack):
             module.sequence_split = split
+        if isinstance(module, MoE):
+            module.token_group = tokens
+
+
+def cp_token_group(cp_mesh: DeviceMesh) -> TokenGroup:
+    """The MoE :class:`TokenGroup` of a cp mesh: its ranks' tokens make up every sequence."""
+    group = cp_mesh.get_group()
+
+    def sum_over_cp(t: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(t.detach(), "sum", group))
+
+    return TokenGroup(cp_mesh.size(), sum_over_cp)
 
 
 # ----------------------------------------------------------------------------------------------

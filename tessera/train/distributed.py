@@ -97,15 +97,16 @@ class ParallelContext:
 
     def parallelize(self, model: nn.Module, config: JobConfig) -> nn.Module:
         """Apply the configured layout (see :func:`tessera.parallel.parallelize`)."""
-        return parallelize(model, self.dims, config)
+        return parallelize(model, self.dims, config, self.device.type)
 
     def pipeline(
         self, model: nn.Module, config: JobConfig, loss_fn: LossFn, head_loss: HeadLoss | None = None
     ) -> Pipeline:
         """Split ``model`` into this rank's pipeline stages, each parallelized like a whole model
         (``head_loss``: the last stage fuses the head into the loss, see :func:`build_pipeline`)."""
-        stage_parallelize = lambda stage: parallelize(stage, self.dims, config)  # noqa: E731
-        return build_pipeline(model, self.dims, config, self.device, loss_fn, stage_parallelize, head_loss)
+        device_type = self.device.type
+        stage_layout = lambda stage: parallelize(stage, self.dims, config, device_type)  # noqa: E731
+        return build_pipeline(model, self.dims, config, self.device, loss_fn, stage_layout, head_loss)
 
     @property
     def pp_mesh(self):

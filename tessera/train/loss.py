@@ -95,40 +95,41 @@ class _Shard:
         return t
 
 
-def _chunk_loss(z: torch.Tensor, y: torch.Tensor, shard: _Shard, smoothing: float):
-    """Per-token loss of float32 logits ``z`` (C, rows): (loss, log-sum-exp, local target column, target here)."""
+def _chunk_loss_(z: torch.Tensor, y: torch.Tensor, shard: _Shard, smoothing: float):
+    """Per-token loss of float32 logits ``z`` (C, rows): (loss, sum of exps, local target column, target here).
+
+    Leaves exp(z - row max) in ``z`` (in place): the softmax's numerators, which the gradient reuses, so a
+    chunk's logits are exponentiated once and no temporary of the chunk's size is made.
+    """
     top = shard.all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX)
     local = y - shard.first
     hit = (local >= 0) & (local < z.shape[1])  # the target is one of this rank's rows (always on a whole head)
     target = local.clamp(0, z.shape[1] - 1)
-    shifted = (z - top[:, None]).exp_()  # in place: one chunk-sized buffer beside z, not two
-    sums = torch.stack([shifted.sum(-1), z.gather(1, target[:, None]).squeeze(1) * hit])
-    del shifted
-    if smoothing:
-        sums = torch.cat([sums, z.sum(-1)[None]])
-    sums = shard.all_reduce(sums)
+    parts = [z.gather(1, target[:, None]).squeeze(1) * hit] + ([z.sum(-1)] if smoothing else [])
+    sums = shard.all_reduce(torch.stack([z.sub_(top[:, None]).exp_().sum(-1), *parts]))
     lse = top + sums[0].log()
     ce = lse - sums[1]
     if smoothing:
         ce = (1.0 - smoothing) * ce + smoothing * (lse - sums[2] / shard.vocab)
-    return ce, lse, target, hit
+    return ce, sums[0], target, hit
 
 
 def _logits_grad_(
-    z: torch.Tensor,
-    lse: torch.Tensor,
+    e: torch.Tensor,
+    total: torch.Tensor,
     target: torch.Tensor,
     hit: torch.Tensor,
     weights: torch.Tensor,
     smoothing: float,
     vocab: int,
 ) -> torch.Tensor:
-    """In place on float32 logits ``z``: d loss / d z = w * (softmax - (1 - eps) * onehot - eps / V)."""
-    z.sub_(lse[:, None]).exp_()
-    z.scatter_add_(1, target[:, None], -(1.0 - smoothing) * hit.to(z.dtype)[:, None])
+    """In place on ``e`` = exp(logits - row max), ``total`` its (all-rank) row sums: d loss / d logits =
+    w * (softmax - (1 - eps) * onehot - eps / V)."""
+    e.div_(total[:, None])
+    e.scatter_add_(1, target[:, None], -(1.0 - smoothing) * hit.to(e.dtype)[:, None])
     if smoothing:
-        z.sub_(smoothing / vocab)
-    return z.mul_(weights[:, None])
+        e.sub_(smoothing / vocab)
+    return e.mul_(weights[:, None])
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -149,10 +150,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + chunk].to(dtype)
             wt = weights[start : start + chunk]
             z = (h @ w.t() if b is None else torch.addmm(b, h, w.t())).float()
-            ce, lse, target, hit = _chunk_loss(z, labels[start : start + chunk], shard, smoothing)
+            ce, total, target, hit = _chunk_loss_(z, labels[start : start + chunk], shard, smoothing)
             loss += (wt * ce).sum()
             if needs_grad:
-                g = _logits_grad_(z, lse, target, hit, wt, smoothing, shard.vocab).to(dtype)
+                g = _logits_grad_(z, total, target, hit, wt, smoothing, shard.vocab).to(dtype)
                 grad_h[start : start + chunk] = g @ w
                 grad_w += (g.t() @ h).float()
                 if grad_b is not None:

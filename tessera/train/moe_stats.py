@@ -4,7 +4,9 @@ Each MoE layer records its routed and dropped assignments per expert (:class:`Ro
 step's counts are summed over its micro-batches and then over all processes (one all-reduce of a
 ``(layers, 2, experts)`` tensor), so the logged load covers the tokens of every data-parallel and
 expert-parallel rank and, under pipeline parallelism, every stage's layers. Tensor-parallel ranks
-count the same tokens, which scales every count alike and leaves the fractions exact.
+count the same tokens, which scales every count alike and leaves the fractions exact. The logged aux
+and z losses ride in the same all-reduce: their mean over every process's layer forwards (under
+context parallelism the mean over the cp ranks is the whole sequences' loss).
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ from tessera.model.moe import (
     moe_layer_names,
     update_expert_bias,
 )
+
+
+def _loss_sums(logs: list[MoELog], device: torch.device) -> torch.Tensor:
+    """(aux loss sum, z loss sum, layer forwards) of this process's MoE layers in ``logs``."""
+    metrics, n = moe_metrics(logs), sum(len(log) for log in logs)
+    if not metrics:
+        return torch.zeros(3, device=device)
+    return torch.stack([metrics["moe_aux_loss"] * n, metrics["moe_z_loss"] * n, torch.tensor(float(n), device=device)])
 
 
 def _sum_over_processes(t: torch.Tensor) -> torch.Tensor:
@@ -52,11 +62,14 @@ class ExpertLoadTracker:
         return cls(cfg, model, device, replicas) if cfg.moe.experts else None
 
     def step(self, logs: list[MoELog]) -> dict[str, Any]:
-        """One optimizer step's MoE metrics (global load, dropped fraction, imbalance; rank-local aux and
-        z losses); moves the aux-free balancing biases. Every process must call it (a collective)."""
+        """One optimizer step's MoE metrics over every process (load, dropped fraction, imbalance, and the
+        aux and z losses averaged over every layer forward of every process); moves the aux-free
+        balancing biases. Every process must call it (a collective)."""
         counts = expert_counts(logs, self.names, self.order, self.n_experts, self.device)
         self.totals += counts
-        counts = _sum_over_processes(counts)
+        losses = _loss_sums(logs, self.device)
+        summed = _sum_over_processes(torch.cat([counts.flatten(), losses]))  # one all-reduce
+        counts, losses = summed[: counts.numel()].view_as(counts), summed[counts.numel() :]
         if self.rate > 0:
             update_expert_bias(self.names, self.order, counts, self.rate)
         routed, dropped = counts[:, 0], counts[:, 1]
@@ -64,9 +77,10 @@ class ExpertLoadTracker:
         summary = torch.stack(
             [dropped.sum() / routed.sum().clamp(min=1.0), load.max(-1).values.mean() * self.n_experts]
         )
-        local = {k: v for k, v in moe_metrics(logs).items() if k in ("moe_aux_loss", "moe_z_loss")}
-        values = torch.stack([*summary, *local.values()]).tolist()
-        metrics = dict(zip(["moe_dropped", "moe_imbalance", *local], values))
+        # Under context parallelism a rank's losses are its share times cp: their mean is the sequences' loss.
+        mean_losses = losses[:2] / losses[2].clamp(min=1.0)
+        values = torch.cat([summary, mean_losses]).tolist()
+        metrics = dict(zip(["moe_dropped", "moe_imbalance", "moe_aux_loss", "moe_z_loss"], values))
         metrics["moe_expert_load"] = [[round(x, 5) for x in row] for row in load.tolist()]
         return metrics
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam  # torch's functional AdamW (decoupled_weight_decay=True)
 
 from tessera.parallel.muon import orthogonalize
 
@@ -61,7 +62,8 @@ class MuonAdamW(torch.optim.Optimizer):
     AdamW's ``betas`` and ``eps``, Muon's ``momentum``, ``nesterov``, ``ns_steps`` and ``scale``
     ("rms" or "spectral", see :func:`update_scale`). ``ns_dtype`` is the precision of the
     Newton-Schulz iteration, ``state_dtype`` that of the momentum buffers and Adam moments. With no
-    Muon group this is AdamW (torch.optim.AdamW's update, optionally with bf16 state).
+    Muon group this is AdamW (torch.optim.AdamW's update, optionally with bf16 state). ``adamw_kernel``
+    (``{"fused": True}`` or ``{"foreach": True}``, fp32 state) runs the AdamW groups through torch's kernel.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class MuonAdamW(torch.optim.Optimizer):
         scale: str = "rms",
         ns_dtype: torch.dtype = torch.bfloat16,
         state_dtype: torch.dtype = torch.float32,
+        adamw_kernel: dict[str, bool] | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -92,6 +95,9 @@ class MuonAdamW(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self.ns_dtype, self.state_dtype = ns_dtype, state_dtype
+        # torch's fused or foreach AdamW kernel for the AdamW groups (fp32 state only); None: the loop below
+        torch_kernel = adamw_kernel and any(adamw_kernel.values()) and state_dtype == torch.float32
+        self.adamw_kernel = adamw_kernel if torch_kernel else None
         for group in self.param_groups:
             bad = [tuple(p.shape) for p in group["params"] if group["muon"] and p.ndim not in (2, 3)]
             if bad:
@@ -116,7 +122,8 @@ class MuonAdamW(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             if "exp_avg" in names:
-                state["step"] = torch.tensor(0.0)  # torch.optim.AdamW's step counter, for its bias correction
+                # torch.optim.AdamW's step counter, for its bias correction (on the device for the fused kernel)
+                state["step"] = torch.tensor(0.0, device=_local(p).device if self.adamw_kernel else "cpu")
             for name in names:
                 state[name] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
         return [state[name] for name in names]
@@ -145,6 +152,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         """torch.optim.AdamW's update (decoupled decay, bias-corrected moments), moments stored in ``state_dtype``."""
+        if self.adamw_kernel is not None:
+            self._torch_adamw_step(group)
+            return
         beta1, beta2 = group["betas"]
         lr, eps = group["lr"], group["eps"]
         for p in group["params"]:
@@ -163,6 +173,30 @@ class MuonAdamW(torch.optim.Optimizer):
                 v.copy_(v32)
             denom = (v32.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
             local.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+
+    def _torch_adamw_step(self, group: dict[str, Any]) -> None:
+        """The same update by torch's functional AdamW with ``adamw_kernel`` (fused: one kernel, no host reads)
+        on the local shards."""
+        params = [p for p in group["params"] if p.grad is not None]
+        moments = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
+        beta1, beta2 = group["betas"]
+        adam(
+            [_local(p) for p in params],
+            [_grad(p) for p in params],
+            [_local(m) for m, _ in moments],
+            [_local(v) for _, v in moments],
+            [],
+            [self.state[p]["step"] for p in params],
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+            **self.adamw_kernel,
+        )
 
 
 def _lerp_stored(stored: torch.Tensor, value: torch.Tensor, weight: float) -> torch.Tensor:

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from tessera.config import OptimConfig
+from tessera.config import ConfigError, OptimConfig
 from tessera.model.moe import Experts
 from tessera.train.checkpoint import CheckpointError
 from tessera.train.muon import MuonAdamW
@@ -63,15 +64,39 @@ def muon_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [muon, *rest]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer named by ``optim.name``: torch's AdamW, or :class:`MuonAdamW` (Muon, or bf16 state)."""
-    if cfg.name == "adamw" and cfg.state_dtype == "fp32":
-        return torch.optim.AdamW(
-            parameter_groups(model, cfg.weight_decay),
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
+def adamw_kernel(params: list[torch.Tensor], implementation: str, fused_ok: bool = True) -> dict[str, bool]:
+    """torch.optim.AdamW's ``fused``/``foreach`` keywords for ``optim.implementation``.
+
+    "auto" is the fused kernel (one kernel per device and dtype, no full-size temporaries) where
+    torch has it for every parameter's device and dtype (CPU, CUDA, ...), else torch's default, as
+    it is when the caller says ``fused_ok=False`` (DeepSpeed: its optimizer wrapper steps it).
+    """
+    devices = set(_get_fused_kernels_supported_devices())  # torch's own list (no public spelling)
+    fusable = all(p.device.type in devices and torch.is_floating_point(p) for p in params)
+    if not fused_ok and implementation == "fused":
+        raise ConfigError(
+            "optim.implementation='fused' is not for this optimizer's caller (DeepSpeed steps torch's default "
+            "AdamW kernel); use optim.implementation='auto'"
         )
+    fusable = fusable and fused_ok
+    if implementation == "auto":
+        return {"fused": True} if fusable else {}
+    if implementation == "fused" and not fusable:
+        found = sorted({f"{p.device.type}/{p.dtype}" for p in params})
+        raise ConfigError(
+            f"optim.implementation='fused' needs floating-point parameters on {sorted(devices)}, found {found}; "
+            "use optim.implementation='auto' or 'foreach'"
+        )
+    return {"fused": True} if implementation == "fused" else {"foreach": implementation == "foreach"}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, fused_ok: bool = True) -> torch.optim.Optimizer:
+    """The optimizer named by ``optim.name``: torch's AdamW, or :class:`MuonAdamW` (Muon, or bf16 state).
+    ``fused_ok=False``: "auto" keeps torch's default AdamW kernel (see :func:`adamw_kernel`)."""
+    if cfg.name == "adamw" and cfg.state_dtype == "fp32":
+        groups = parameter_groups(model, cfg.weight_decay)
+        kernel = adamw_kernel([p for g in groups for p in g["params"]], cfg.implementation, fused_ok)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
     groups = muon_groups(model, cfg) if cfg.name == "muon" else parameter_groups(model, cfg.weight_decay)
     return MuonAdamW(
         groups,
@@ -84,6 +109,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         scale=cfg.muon_scale,
         ns_dtype=DTYPES[cfg.muon_ns_dtype],
         state_dtype=DTYPES[cfg.state_dtype],
+        adamw_kernel=adamw_kernel([p for g in groups for p in g["params"]], cfg.implementation),
     )
 
 

@@ -35,6 +35,7 @@ from tessera.train.rundir import check_resumable, completed_step, config_changes
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
 from tessera.parallel.grads import clip_grads, global_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
+from tessera.parallel.activation import compile_enabled, use_inductor_cache
 from tessera.parallel.init import shard_seeds
 from tessera.parallel.scaler import build_grad_scaler
 from tessera.train.distributed import add_replicated, local_value, scalar, setup_parallel, teardown_parallel
@@ -185,6 +186,10 @@ class Trainer:
             model = build_model(cfg.model)
         self.n_params = count_parameters(model)
         self.n_embedding_params = self.n_params - count_parameters(model, exclude_embeddings=True)
+        self.compiled = compile_enabled(cfg.parallel, self.device.type)
+        self.first_step_s = 0.0  # with compiled blocks: the first step's seconds, until its compile time is printed
+        if self.compiled:  # compiled kernels persist in the user's cache, reused by restarts and later runs
+            self.inductor_cache = use_inductor_cache()
         self.pipeline = None
         if cfg.parallel.pp > 1:  # this rank's stages; self.model holds their modules under full-model names
             self.pipeline = self.parallel.pipeline(model, cfg, lm_loss, self._pipeline_head_loss())
@@ -508,6 +513,7 @@ class Trainer:
             self.step += 1
             watchdog.kick(self.step)
             window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
+            self._note_compile(logger, time.perf_counter() - t0)
             result.losses.append(metrics["loss"])
             if self._should_eval():  # logged records hold the logging window's means (StepWindow)
                 result.val_losses[self.step] = self._log_eval(logger, self._record(window))
@@ -528,6 +534,19 @@ class Trainer:
                 self._announce(preemption.record(self.step, checkpoint))
                 result.preempted = preemption.reason
                 return
+
+    def _note_compile(self, logger: MetricsLogger, seconds: float) -> None:
+        """With compiled blocks, print once the first step's extra seconds over the second: its compile time."""
+        if not self.compiled or self.first_step_s < 0:
+            return
+        if self.first_step_s == 0:
+            self.first_step_s = seconds
+            return
+        logger.print(
+            f"compile: {self.first_step_s - seconds:.1f} s (first step {self.first_step_s:.1f} s, the next "
+            f"{seconds:.1f} s), cached in {self.inductor_cache}"
+        )
+        self.first_step_s = -1.0
 
     def _record(self, window: StepWindow) -> dict[str, Any]:
         """The metrics.jsonl record of the logging window that ends at this step."""
