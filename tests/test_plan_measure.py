@@ -88,7 +88,8 @@ def test_plan_within_10_percent_of_fake_rank_measurement(name):
 # The optimizer's state and step (MuonAdamW reads its step counter on the host, so it cannot run on fake
 # tensors): one process, real tensors, a model whose optimizer step is the peak (few tokens, wide blocks).
 OPTIMIZERS = {
-    "adamw": [],
+    "adamw": [],  # torch's fused kernel (optim.implementation=auto): no temporaries, the step ends backward's peak
+    "adamw-for-loop": ["optim.implementation=for-loop"],
     "adamw-bf16-state": ["optim.state_dtype=bf16"],
     "muon": ["optim.name=muon"],
     "muon-bf16-state": ["optim.name=muon", "optim.state_dtype=bf16"],
@@ -107,7 +108,7 @@ def test_plan_follows_the_optimizer_state_and_step(name):
     measured, _ = training_memory(build_model(config.model), config, StepSpec(1, False, False), steps=1)
     layout = layout_of(config, 1)
     planned = estimate_memory(model_shape(config.model), layout, job_setting(config, layout, "cpu"))
-    assert planned.moment == "optimizer step"
+    assert planned.moment in ("optimizer step", "backward end")
     assert planned.total == pytest.approx(measured, rel=0.03), (
         f"{name}: plan {planned.total / 2**20:.1f} MiB, measured {measured / 2**20:.1f}"
     )

@@ -204,6 +204,7 @@ class OptimizerState:
     name: str = "adamw"  # "adamw", or "muon" (Muon's momentum on hidden matrices, AdamW's moments on the rest)
     state_bytes: int = 4  # fp32 4, bf16 2
     ns_bytes: int = 2  # Muon's Newton-Schulz dtype (optim.muon_ns_dtype)
+    kernel: str = "default"  # torch's AdamW kernel (optim.implementation): fused, foreach, for-loop, default
 
     @property
     def torch_adamw(self) -> bool:
@@ -308,7 +309,7 @@ def _head_loss_bytes(
 
     Plain loss: the (tokens x vocab) logits in compute dtype, plus at the loss their fp32 buffers. Fused
     loss (tessera/train/loss.py): the hidden-state gradient and the head's fp32 weight gradient it computes
-    in forward, and one chunk's working set -- its fp32 logits and their exp (the loss), or its logits,
+    in forward, and one chunk's working set -- its fp32 logits, exponentiated in place (the loss), or its logits,
     their gradient in compute dtype and the chunk's (vocab x dim) weight-gradient product (the gradient).
     """
     if not share.head:
@@ -318,7 +319,7 @@ def _head_loss_bytes(
         logits = tokens * rows * c
         return logits / c * (c + LOGIT_FP32_BUFFERS[layout.tp > 1]), logits
     chunk, cast = min(setting.loss_chunk, tokens), (c if c != 4 else 0)
-    working = max(8.0 * chunk * rows, (4.0 + cast) * chunk * rows + (c + (4 if cast else 0)) * rows * shape.dim)
+    working = max(4.0 * chunk * rows, (4.0 + cast) * chunk * rows + (c + (4 if cast else 0)) * rows * shape.dim)
     return tokens * shape.dim * setting.prec.stream + 4.0 * rows * shape.dim + working, 0.0
 
 
@@ -333,15 +334,14 @@ def optimizer_state_bytes(shape: ModelShape, share: RankShare, layout: Layout, s
 def _optimizer_temp(shape: ModelShape, share: RankShare, layout: Layout, setting: Setting) -> float:
     """The optimizer step's temporaries on this rank (after FSDP sharding)."""
     opt, n = setting.optimizer, (layout.shard if layout.fsdp else 1)
-    if opt.torch_adamw:  # torch.optim.AdamW: one fp32 list of every parameter (foreach, CUDA), else per tensor
-        return (
-            4.0 * share.local(shape, layout) / n
-            if setting.device == "cuda"
-            else 8.0 * _largest_tensor(shape, layout) / n
-        )
-    # MuonAdamW's AdamW, per tensor: sqrt and its quotient; with bf16 state also fp32 copies of both moments
-    largest = _largest_tensor(shape, layout, matrices=opt.name != "muon")
-    adamw = (8.0 if opt.state_bytes == 4 else 16.0) * largest / n
+    foreach = opt.kernel == "foreach" or (opt.kernel == "default" and setting.device == "cuda")
+    if opt.kernel == "fused" and opt.state_bytes == 4:  # torch's fused AdamW kernel: no full-size temporaries
+        adamw = 0.0
+    elif foreach and opt.torch_adamw:  # one fp32 list of every parameter
+        adamw = 4.0 * share.local(shape, layout) / n
+    else:  # per tensor: sqrt and its quotient; tessera's bf16 state also fp32 copies of both moments
+        largest = _largest_tensor(shape, layout, matrices=opt.name != "muon")
+        adamw = (8.0 if opt.state_bytes == 4 else 16.0) * largest / n
     if opt.name != "muon":
         return adamw
     # Muon: every matrix's update (fp32) is held until one orthogonalization of all of them returns each

@@ -72,7 +72,12 @@ def job_setting(config: JobConfig, layout: Layout, device: str = "cuda") -> Sett
         device,
         config.parallel.layers_per_stage if layout.pp == config.parallel.pp else "",
         chunk_tokens(config.model.vocab_size, 1 << 62, train.loss_chunk_tokens) if fused else 0,
-        OptimizerState(optim.name, 2 if optim.state_dtype == "bf16" else 4, 2 if optim.muon_ns_dtype == "bf16" else 4),
+        OptimizerState(
+            optim.name,
+            2 if optim.state_dtype == "bf16" else 4,
+            2 if optim.muon_ns_dtype == "bf16" else 4,
+            "fused" if optim.implementation == "auto" else optim.implementation,  # auto: fused on CPU and CUDA
+        ),
     )
 
 
