@@ -6,11 +6,16 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from tessera.config import ConfigError, OptimConfig, model_config
 from tessera.model import build_model
 from tessera.train.optim import (
+    adamw_kernel,
     build_optimizer,
     build_scheduler,
     lr_multiplier,
@@ -116,3 +121,25 @@ def test_auto_picks_the_fused_kernel_on_cpu_and_a_bad_choice_is_one_clear_error(
         tiny_config("optim.state_dtype=bf16", "optim.implementation=fused")
     with pytest.raises(ConfigError, match="optim.implementation='foreach' needs parallel.engine='torch'"):
         tiny_config("parallel.engine=deepspeed", "optim.implementation=foreach")
+
+
+def test_a_mix_of_dtensors_and_plain_tensors_keeps_torchs_default_kernel():
+    """Tensor parallelism leaves some parameters whole: torch's fused AdamW refuses a mix in one step."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        model[0].weight = nn.Parameter(distribute_tensor(model[0].weight.detach(), mesh, [Shard(0)]))
+        model[0].bias = nn.Parameter(distribute_tensor(model[0].bias.detach(), mesh, [Shard(0)]))
+        params = list(model.parameters())
+        assert adamw_kernel(params[:2], "auto") == {"fused": True}  # one mesh
+        assert adamw_kernel(params, "auto") == {}  # mixed: torch's default (foreach)
+        with pytest.raises(ConfigError, match="all plain tensors or all DTensors of one device mesh"):
+            adamw_kernel(params, "fused")
+        opt = torch.optim.AdamW(params, **adamw_kernel(params, "auto"))
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()  # the fused kernel would raise "got mixed torch.Tensor and DTensor"
+        assert model[1].weight.detach().lt(1).all()  # stepped: lr 1e-3 against a gradient of ones
+    finally:
+        dist.destroy_process_group()

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from tessera.config import ConfigError, OptimConfig
@@ -64,15 +65,25 @@ def muon_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [muon, *rest]
 
 
+def _layout_of(param: torch.Tensor) -> str:
+    """ "tensor", or the DTensor's mesh: torch's fused AdamW refuses a mix of them in one step."""
+    if not isinstance(param, DTensor):
+        return "tensor"
+    mesh = param.device_mesh
+    return f"DTensor{tuple(mesh.mesh_dim_names or ())}{mesh.mesh.tolist()}"
+
+
 def adamw_kernel(params: list[torch.Tensor], implementation: str, fused_ok: bool = True) -> dict[str, bool]:
     """torch.optim.AdamW's ``fused``/``foreach`` keywords for ``optim.implementation``.
 
     "auto" is the fused kernel (one kernel per device and dtype, no full-size temporaries) where
-    torch has it for every parameter's device and dtype (CPU, CUDA, ...), else torch's default, as
+    torch has it for every parameter's device and dtype (CPU, CUDA, ...) and the parameters are all
+    plain tensors or all DTensors of one mesh (tensor parallelism leaves some whole), else torch's default, as
     it is when the caller says ``fused_ok=False`` (DeepSpeed: its optimizer wrapper steps it).
     """
     devices = set(_get_fused_kernels_supported_devices())  # torch's own list (no public spelling)
     fusable = all(p.device.type in devices and torch.is_floating_point(p) for p in params)
+    fusable = fusable and len({_layout_of(p) for p in params}) <= 1
     if not fused_ok and implementation == "fused":
         raise ConfigError(
             "optim.implementation='fused' is not for this optimizer's caller (DeepSpeed steps torch's default "
@@ -82,10 +93,10 @@ def adamw_kernel(params: list[torch.Tensor], implementation: str, fused_ok: bool
     if implementation == "auto":
         return {"fused": True} if fusable else {}
     if implementation == "fused" and not fusable:
-        found = sorted({f"{p.device.type}/{p.dtype}" for p in params})
+        found = sorted({f"{p.device.type}/{p.dtype}/{_layout_of(p)}" for p in params})
         raise ConfigError(
-            f"optim.implementation='fused' needs floating-point parameters on {sorted(devices)}, found {found}; "
-            "use optim.implementation='auto' or 'foreach'"
+            f"optim.implementation='fused' needs floating-point parameters on {sorted(devices)}, all plain "
+            f"tensors or all DTensors of one device mesh; found {found}; use optim.implementation='auto' or 'foreach'"
         )
     return {"fused": True} if implementation == "fused" else {"foreach": implementation == "foreach"}
 
