@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
@@ -65,12 +66,9 @@ def muon_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [muon, *rest]
 
 
-def _layout_of(param: torch.Tensor) -> str:
-    """ "tensor", or the DTensor's mesh: torch's fused AdamW refuses a mix of them in one step."""
-    if not isinstance(param, DTensor):
-        return "tensor"
-    mesh = param.device_mesh
-    return f"DTensor{tuple(mesh.mesh_dim_names or ())}{mesh.mesh.tolist()}"
+def _layout_of(param: torch.Tensor) -> DeviceMesh | None:
+    """The DTensor's mesh, or None for a plain tensor: torch's fused AdamW refuses a mix in one step."""
+    return param.device_mesh if isinstance(param, DTensor) else None
 
 
 def adamw_kernel(params: list[torch.Tensor], implementation: str, fused_ok: bool = True) -> dict[str, bool]:
@@ -93,7 +91,7 @@ def adamw_kernel(params: list[torch.Tensor], implementation: str, fused_ok: bool
     if implementation == "auto":
         return {"fused": True} if fusable else {}
     if implementation == "fused" and not fusable:
-        found = sorted({f"{p.device.type}/{p.dtype}/{_layout_of(p)}" for p in params})
+        found = sorted({f"{p.device.type}/{p.dtype}/{_layout_of(p) or 'tensor'}" for p in params})
         raise ConfigError(
             f"optim.implementation='fused' needs floating-point parameters on {sorted(devices)}, all plain "
             f"tensors or all DTensors of one device mesh; found {found}; use optim.implementation='auto' or 'foreach'"
