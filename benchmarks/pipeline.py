@@ -29,6 +29,7 @@ import argparse
 import functools
 import os
 import socket
+import statistics
 import time
 from pathlib import Path
 
@@ -106,13 +107,13 @@ def _virtual(schedule: str) -> int:
     return 2 if schedule in MULTI_STAGE else 1
 
 
-def _timed_steps(step, steps: int) -> float:
-    """Mean idle fraction of ``steps`` calls of ``step`` after one untimed call (shape inference).
+def _timed_steps(step, steps: int) -> tuple[float, float]:
+    """(mean idle fraction, mean step seconds) of ``steps`` calls of ``step`` after one untimed call (shape inference).
 
     The step's wall time is the slowest rank's: a rank whose part ends early (the last stage of 1F1B)
     is idle until the step ends on every rank, as the theoretical bubble counts it.
     """
-    idle = []
+    idle, walls = [], []
     for i in range(steps + 1):
         dist.barrier()
         _BUSY[0] = 0.0
@@ -122,11 +123,12 @@ def _timed_steps(step, steps: int) -> float:
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         if i:
             idle.append(1.0 - _BUSY[0] / wall.item())
-    return sum(idle) / len(idle)
+            walls.append(wall.item())
+    return sum(idle) / len(idle), sum(walls) / len(walls)
 
 
-def _measure_sleep(rank: int, p: int, schedule: str, m: int, cost: float, steps: int) -> tuple[float, float]:
-    """(idle fraction, busy ms per micro-batch and stage) of sleep stages costing ``cost`` s per F, B and W."""
+def _measure_sleep(rank: int, p: int, schedule: str, m: int, cost: float, steps: int) -> tuple[float, float, float]:
+    """(idle fraction, busy ms per micro-batch and stage, step s) of sleep stages costing ``cost`` s per F, B and W."""
     v = _virtual(schedule)
     ids = [rank + k * p for k in range(v)]
     stages = [PipelineStage(CostStage(cost / v), s, p * v, torch.device("cpu")) for s in ids]
@@ -134,8 +136,8 @@ def _measure_sleep(rank: int, p: int, schedule: str, m: int, cost: float, steps:
     sched = cls(stages if v > 1 else stages[0], m, loss_fn=lambda out, target: out.mean(), scale_grads=False)
     x, target = torch.zeros(m, 8), torch.zeros(m, 8)
     kwargs = {"target": target} if p * v - 1 in ids else {}
-    idle = _timed_steps(lambda: sched.step(*((x,) if 0 in ids else ()), **kwargs), steps)
-    return idle, 3 * cost / v * 1000
+    idle, wall = _timed_steps(lambda: sched.step(*((x,) if 0 in ids else ()), **kwargs), steps)
+    return idle, 3 * cost / v * 1000, wall
 
 
 def _timed_action(method):
@@ -152,8 +154,9 @@ def _timed_action(method):
     return run
 
 
-def _real_config(p: int, schedule: str, m: int, dim: int, layers: int) -> JobConfig:
-    """The tiny Llama decoder at width ``dim`` split over ``p`` ranks with ``schedule`` and ``m`` micro-batches."""
+def _real_config(p: int, schedule: str, m: int, dim: int, layers: int, split: str, vocab: int) -> JobConfig:
+    """The tiny Llama decoder at width ``dim`` split over ``p`` ranks with ``schedule`` and ``m`` micro-batches
+    (``split``: "even" block counts or "cost", ``parallel.layers_per_stage``)."""
     return load_config(
         RECIPE,
         [
@@ -165,19 +168,21 @@ def _real_config(p: int, schedule: str, m: int, dim: int, layers: int) -> JobCon
             f"parallel.pp_schedule={schedule}",
             f"parallel.microbatches={m}",
             f"train.batch_size={2 * m}",
+            f"parallel.layers_per_stage={'' if split == 'even' else split}",
+            *([f"model.vocab_size={vocab}"] if vocab else []),
         ],
     )
 
 
-def _measure_real(rank: int, dims, schedule: str, m: int, dim: int, layers: int, steps: int) -> tuple[float, float]:
-    """(idle fraction, busy ms per micro-batch and stage) of tessera's pipeline of the decoder at width ``dim``."""
+def _measure_real(rank: int, dims, schedule: str, m: int, dim: int, args: argparse.Namespace, split: str):
+    """(idle fraction, busy ms per micro-batch and stage, step s) of tessera's pipeline of the decoder at ``dim``."""
     from tessera.model import build_model
     from tessera.parallel import parallelize
     from tessera.parallel.pipeline import build_pipeline
     from tessera.train.loss import FusedHeadLoss, lm_loss
 
     p = dims.pp
-    cfg = _real_config(p, schedule, m, dim, layers)
+    cfg = _real_config(p, schedule, m, dim, args.layers, split, args.vocab)
     torch.manual_seed(0)
     model = build_model(cfg.model)
     chunk = cfg.train.loss_chunk_tokens  # the last stage fuses the head into the loss, as the trainer does
@@ -191,9 +196,34 @@ def _measure_real(rank: int, dims, schedule: str, m: int, dim: int, layers: int,
     pipe.schedule._loss_fn = _timed_action(pipe.schedule._loss_fn)  # the loss is the last stage's compute too
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    idle = _timed_steps(lambda: pipe.step((inputs,), labels, None, 1), steps)
+    idle, wall = _timed_steps(lambda: pipe.step((inputs,), labels, None, 1), args.steps)
     busy_ms = _BUSY[0] * 1000 / (m * len(stages))  # the last timed step's
-    return idle, busy_ms
+    return idle, busy_ms, wall
+
+
+def _rounds(rank: int, p: int, dims, schedule: str, m: int, cost: float, args) -> dict[str, tuple]:
+    """Interleaved rounds (A B A B ...) of each stage split: per split (idle, busy ms, step ms median, min, max),
+    idle and busy as medians of the rank means."""
+    runs: dict[str, list[tuple[float, float, float]]] = {split: [] for split in args.splits}
+    for _ in range(args.rounds):
+        for split in args.splits:
+            if args.mode == "real":
+                idle, busy, wall = _measure_real(rank, dims, schedule, m, int(cost), args, split)
+            else:
+                idle, busy, wall = _measure_sleep(rank, p, schedule, m, cost / 1000, args.steps)
+            figures = torch.tensor([idle, busy], dtype=torch.float64)
+            dist.all_reduce(figures)
+            runs[split].append((*(figures / p).tolist(), wall * 1000))
+    return {
+        split: (
+            statistics.median(r[0] for r in rs),
+            statistics.median(r[1] for r in rs),
+            statistics.median(r[2] for r in rs),
+            min(r[2] for r in rs),
+            max(r[2] for r in rs),
+        )
+        for split, rs in runs.items()
+    }
 
 
 def _worker(rank: int, p: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -210,14 +240,10 @@ def _worker(rank: int, p: int, port: int, args: argparse.Namespace, queue) -> No
         for cost in args.sweep:
             for schedule in args.schedules:
                 for m in args.microbatches:
-                    if args.mode == "real":
-                        idle, busy = _measure_real(rank, dims, schedule, m, int(cost), args.layers, args.steps)
-                    else:
-                        idle, busy = _measure_sleep(rank, p, schedule, m, cost / 1000, args.steps)
-                    figures = torch.tensor([idle, busy], dtype=torch.float64)
-                    dist.all_reduce(figures)
+                    rows = _rounds(rank, p, dims, schedule, m, cost, args)
                     if rank == 0:
-                        queue.put((cost, schedule, m, *(figures / p).tolist()))
+                        for split, figures in rows.items():
+                            queue.put((cost, split, schedule, m, *figures))
     finally:
         dist.destroy_process_group()
 
@@ -242,6 +268,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--microbatches", type=_numbers(int), default=[4, 8], help="micro-batches per step")
     parser.add_argument("--schedules", type=lambda t: t.split(","), default=list(SCHEDULES), help="schedules")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
+    parser.add_argument("--splits", type=lambda t: t.split(","), default=["even"], help="real: even and/or cost")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the splits (median reported)")
+    parser.add_argument("--vocab", type=int, default=0, help="real: vocabulary size (0: the tiny recipe's)")
     args = parser.parse_args()
     args.sweep = args.dims if args.mode == "real" else args.cost_ms
     return args
@@ -252,8 +281,12 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     knob = "dim" if args.mode == "real" else "sleep ms"
     print(f"{args.mode} stages, 1 thread per rank, load average {os.getloadavg()[0]:.2f}")
-    print(f"| {knob} | schedule | p | m | stage ms / micro-batch | measured idle | theoretical bubble | x theory |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"{args.rounds} interleaved round(s) per split, {args.steps} timed steps each; medians, step ms (min..max)")
+    print(
+        f"| {knob} | split | schedule | p | m | stage ms / micro-batch | step ms | measured idle | theoretical bubble "
+        "| x theory |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for p in args.pp:
         queue = ctx.Queue()
         try:
@@ -261,10 +294,11 @@ def main() -> None:
         except mp.ProcessExitedException as exc:  # a rank can abort at exit after its work: keep what was measured
             print(f"(p={p}: {exc})")
         while not queue.empty():
-            cost, schedule, m, idle, busy = queue.get()
+            cost, split, schedule, m, idle, busy, wall, low, high = queue.get()
             theory = theoretical_bubble(schedule, p, m, _virtual(schedule))
             print(
-                f"| {cost:g} | {schedule} | {p} | {m} | {busy:.1f} | {idle:.3f} | {theory:.3f} | {idle / theory:.2f} |"
+                f"| {cost:g} | {split} | {schedule} | {p} | {m} | {busy:.1f} | {wall:.0f} ({low:.0f}..{high:.0f}) "
+                f"| {idle:.3f} | {theory:.3f} | {idle / theory:.2f} |"
             )
 
 

@@ -50,11 +50,71 @@ def microbatches(p: ParallelConfig) -> int:
     return p.microbatches or p.pp
 
 
+COST_SPLIT = "cost"  # parallel.layers_per_stage: balance the stages' estimated FLOPs, the head's included
+
+
 def stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage: str = "") -> list[int]:
-    """Blocks per stage: the explicit comma-separated list, or ``n_layers`` balanced by count."""
+    """Blocks per stage: the explicit comma-separated list, or ``n_layers`` balanced by count
+    (``"cost"`` is resolved into a list by ``tessera.plan.shapes.cost_split`` first)."""
+    if layers_per_stage == COST_SPLIT:
+        raise ValueError("resolve parallel.layers_per_stage='cost' with tessera.plan.shapes.cost_split first")
     if layers_per_stage:
         return [int(c) for c in layers_per_stage.split(",")]
     return [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]
+
+
+def stage_split(config: JobConfig) -> str:
+    """``parallel.layers_per_stage`` as block counts: "cost" resolved for this model and sequence length,
+    an explicit list as given, "" (balanced by count) as is."""
+    p = config.parallel
+    if p.layers_per_stage != COST_SPLIT:
+        return p.layers_per_stage
+    from tessera.plan.shapes import cost_split, model_shape  # the planner's shapes import this module
+
+    return cost_split(model_shape(config.model), config.train.seq_len, p.pp * virtual_stages(p))
+
+
+def describe_stages(config: JobConfig) -> str:
+    """One line for the banner: the pipeline's ranks, stages, blocks per stage and how they were chosen."""
+    p = config.parallel
+    n_stages = p.pp * virtual_stages(p)
+    counts = stage_layer_counts(pipeline_blocks(config.model), n_stages, stage_split(config))
+    how = {"": "even counts", COST_SPLIT: "balanced FLOPs, head on the last"}.get(p.layers_per_stage, "given")
+    return (
+        f"pipeline: {p.pp} ranks x {n_stages // p.pp} stages, blocks per stage {','.join(map(str, counts))} "
+        f"({how}; parallel.layers_per_stage), {p.pp_schedule}, {microbatches(p)} micro-batches"
+    )
+
+
+def cost_balanced_counts(block_costs: list[float], last_stage_extra: float, n_stages: int) -> list[int]:
+    """Blocks per stage, contiguous and at least one each, that minimize the costliest stage's cost.
+
+    ``block_costs`` in model order; ``last_stage_extra`` is what the last stage runs besides its blocks
+    (the head and the loss). Among splits with the same maximum, the one closest to even counts wins.
+    """
+    n = len(block_costs)
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: (max stage cost, count imbalance) of the first i blocks in s stages, and its last cut
+    inf = (float("inf"), float("inf"))
+    even = n / n_stages
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for s in range(1, n_stages + 1):
+        extra = last_stage_extra if s == n_stages else 0.0
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                prev = best[s - 1][j]
+                cand = (max(prev[0], prefix[i] - prefix[j] + extra), prev[1] + abs(i - j - even))
+                if cand < best[s][i]:
+                    best[s][i], cut[s][i] = cand, j
+    counts, i = [], n
+    for s in range(n_stages, 0, -1):
+        counts.append(i - cut[s][i])
+        i = cut[s][i]
+    return counts[::-1]
 
 
 def pipeline_blocks(m: ModelConfig) -> int:
@@ -243,7 +303,7 @@ def _check_pipeline_plan(config: JobConfig) -> None:
 
 def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int, enc_dec: bool = False) -> None:
     blocks = "model.n_layers + n_decoder_layers" if enc_dec else "model.n_layers"
-    if not p.layers_per_stage:
+    if p.layers_per_stage in ("", COST_SPLIT):
         _require(
             n_stages <= n_layers,
             f"{n_stages} pipeline stages (pp={p.pp} x {n_stages // p.pp} per rank) but {blocks}={n_layers}; "
@@ -253,7 +313,8 @@ def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int, enc_dec:
     counts = p.layers_per_stage.split(",")
     _require(
         all(c.strip().isdigit() and int(c) >= 1 for c in counts),
-        f"parallel.layers_per_stage={p.layers_per_stage!r} must be comma-separated positive block counts, e.g. '3,5'",
+        f"parallel.layers_per_stage={p.layers_per_stage!r} must be comma-separated positive block counts, "
+        "e.g. '3,5', or 'cost'",
     )
     _require(
         len(counts) == n_stages and sum(map(int, counts)) == n_layers,

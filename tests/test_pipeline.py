@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 import re
 
 import pytest
@@ -9,8 +11,8 @@ import torch
 
 from tessera.config import ConfigError, load_config
 from tessera.model import build_model
-from tessera.layout import local_stage_ids, stage_layer_counts
-from tessera.parallel.pipeline import split_model
+from tessera.layout import cost_balanced_counts, describe_stages, local_stage_ids, stage_layer_counts, stage_split
+from tessera.parallel.pipeline import _stage_keys, split_model
 
 from conftest import TINY_OVERRIDES
 
@@ -24,6 +26,47 @@ def test_layer_counts_balance_or_follow_the_explicit_list():
     assert stage_layer_counts(5, 4) == [2, 1, 1, 1]
     assert stage_layer_counts(4, 2, "1,3") == [1, 3]
     assert local_stage_ids(1, 2, 2) == [1, 3]
+
+
+def _best_max_cost(costs: list[float], extra: float, n_stages: int) -> float:
+    """The smallest costliest-stage cost over every contiguous split (brute force)."""
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), n_stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        stages = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        stages[-1] += extra
+        best = min(best, max(stages))
+    return best
+
+
+def test_cost_balanced_split_is_optimal_and_keeps_even_counts_when_costs_are_even():
+    rng = random.Random(0)
+    for _ in range(200):
+        n, n_stages = rng.randint(2, 9), rng.randint(1, 4)
+        if n_stages > n:
+            continue
+        costs, extra = [rng.uniform(0.5, 3.0) for _ in range(n)], rng.choice([0.0, rng.uniform(0, 8)])
+        counts = cost_balanced_counts(costs, extra, n_stages)
+        assert sum(counts) == n and len(counts) == n_stages and min(counts) >= 1
+        bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
+        stages = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        stages[-1] += extra
+        assert max(stages) == pytest.approx(_best_max_cost(costs, extra, n_stages))
+    assert cost_balanced_counts([1.0] * 8, 0.0, 2) == [4, 4]
+    assert cost_balanced_counts([1.0] * 8, 2.0, 2) == [5, 3]  # the head costs two blocks
+    assert cost_balanced_counts([1.0] * 8, 1.0, 4) == [2, 2, 2, 2]  # a tie: the even split
+
+
+def test_cost_split_moves_blocks_off_the_stage_with_a_large_head():
+    """A 32k vocabulary on a narrow model: the last stage keeps one block; a small head changes nothing."""
+    cfg = _config("parallel.pp=2", "parallel.layers_per_stage=cost", "model.n_layers=8", "model.vocab_size=32768")
+    assert stage_split(cfg) == "7,1"
+    assert [len(keys) for keys in _stage_keys(cfg)] == [7, 1]  # what the pipeline splits the model by
+    assert "blocks per stage 7,1 (balanced FLOPs, head on the last" in describe_stages(cfg)
+    small_head = _config("parallel.pp=2", "parallel.layers_per_stage=cost", "model.n_layers=8", "model.vocab_size=512")
+    assert stage_split(small_head) == "4,4"
+    with pytest.raises(ConfigError, match="or 'cost'"):
+        _config("parallel.pp=2", "parallel.layers_per_stage=costs")
 
 
 def _assert_same_gradients(full: torch.nn.Module, forward_full, forward_stages) -> None:

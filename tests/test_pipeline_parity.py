@@ -75,7 +75,7 @@ def references(recipe, tmp_path_factory):
 def test_schedules_moe_and_checkpoints_across_layouts(recipe, references, tmp_path):
     _resume_copy(references / "dense", tmp_path / "single_to_pp2")
     variants = {
-        "gpipe": [*PP2, "parallel.pp_schedule=gpipe", "parallel.microbatches=4"],
+        "gpipe": [*PP2, "parallel.pp_schedule=gpipe", "parallel.microbatches=4", "parallel.layers_per_stage=cost"],
         "1f1b": [*PP2, "parallel.pp_schedule=1f1b", "parallel.microbatches=2", "parallel.layers_per_stage=1,3"],
         "interleaved_1f1b": [*PP2, "parallel.pp_schedule=interleaved_1f1b", "parallel.microbatches=2"],
         "interleaved_zb": [*PP2, "parallel.pp_schedule=interleaved_zb", "parallel.microbatches=4"],
@@ -145,9 +145,11 @@ def test_pipeline_benchmark_runs_both_modes():
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     common = ["--steps", "1", "--pp", "2", "--microbatches", "2"]
-    for mode in (["--mode", "sleep", "--cost-ms", "1"], ["--mode", "real", "--dims", "32", "--layers", "4"]):
+    schedules = ["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb"]
+    real = ["--mode", "real", "--dims", "32", "--layers", "4", "--splits", "even,cost"]
+    for mode, splits in ((["--mode", "sleep", "--cost-ms", "1"], ["even"]), (real, ["cost", "even"])):
         cmd = [sys.executable, str(REPO / "benchmarks" / "pipeline.py"), *mode, *common]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
         assert out.returncode == 0, out.stderr[-2000:]
-        rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
-        assert sorted(row.split(" | ")[1] for row in rows) == ["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb"]
+        rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+        assert sorted((row[1], row[2]) for row in rows[1:]) == [(s, k) for s in splits for k in schedules]

@@ -46,6 +46,7 @@ from tessera.layout import (
     microbatches,
     pipeline_blocks,
     stage_layer_counts,
+    stage_split,
     virtual_stages,
 )
 from tessera.model import MoELog, build_model, moe_loss
@@ -307,7 +308,7 @@ def _stage_keys(config: JobConfig) -> list[list[str]]:
     """The block keys of every stage (an encoder-decoder's count the encoder's blocks, then the decoder's)."""
     p = config.parallel
     n_stages = p.pp * virtual_stages(p)
-    counts = stage_layer_counts(pipeline_blocks(config.model), n_stages, p.layers_per_stage)
+    counts = stage_layer_counts(pipeline_blocks(config.model), n_stages, stage_split(config))
     bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
     return [[str(i) for i in range(bounds[s], bounds[s + 1])] for s in range(n_stages)]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tessera.config import JobConfig
 from tessera.errors import ConfigError
-from tessera.layout import check_layout, microbatches, resolve_dp_shard, virtual_stages
+from tessera.layout import COST_SPLIT, check_layout, microbatches, resolve_dp_shard, virtual_stages
 from tessera.plan.shapes import divisors
 
 AC_MODES = ("none", "op", "selective", "full")
@@ -127,6 +127,15 @@ def global_batch(config: JobConfig) -> int:
     return config.train.batch_size * config.train.grad_accum
 
 
+def stage_split_for(config: JobConfig, layout: Layout) -> str:
+    """``parallel.layers_per_stage`` for ``layout``: "cost" fits any split; an explicit list only the
+    job's own number of stages (another is balanced by count)."""
+    split = config.parallel.layers_per_stage
+    if split == COST_SPLIT or layout.pp * layout.virtual == config.parallel.pp * virtual_stages(config.parallel):
+        return split
+    return ""
+
+
 def apply_layout(config: JobConfig, layout: Layout) -> JobConfig:
     """A copy of ``config`` that runs ``layout`` (same global batch)."""
     g = global_batch(config)
@@ -145,7 +154,7 @@ def apply_layout(config: JobConfig, layout: Layout) -> JobConfig:
         activation_checkpoint=layout.ac,
         ac_every=layout.ac_every,
         reshard_after_forward=layout.reshard,
-        layers_per_stage="" if layout.pp != config.parallel.pp else config.parallel.layers_per_stage,
+        layers_per_stage=stage_split_for(config, layout),
     )
     if layout.pp > 1:
         train = dataclasses.replace(config.train, batch_size=g, grad_accum=1)

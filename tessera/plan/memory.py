@@ -29,11 +29,11 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tessera.layout import stage_layer_counts
+from tessera.layout import COST_SPLIT, stage_layer_counts
 from tessera.plan import activations as act
 from tessera.plan.activations import BlockMemory, Precision
 from tessera.plan.layouts import Layout
-from tessera.plan.shapes import BlockParams, ModelShape
+from tessera.plan.shapes import BlockParams, ModelShape, cost_split
 
 # Bytes per logit at the loss, beyond the logits in compute dtype: the fp32 log-softmax the loss
 # keeps (tessera's lm_loss upcasts) and the fp32 buffers of its backward -- two (the loss and
@@ -122,9 +122,14 @@ def _block_local(block: BlockParams, layout: Layout) -> float:
     return block.tp / layout.tp + block.replicated + block.experts / layout.ep
 
 
-def rank_share(shape: ModelShape, layout: Layout, pp_rank: int, layers_per_stage: str = "") -> RankShare:
-    """The stages (looped: rank, rank + pp, ...) and blocks pipeline rank ``pp_rank`` runs."""
+def rank_share(
+    shape: ModelShape, layout: Layout, pp_rank: int, layers_per_stage: str = "", seq_len: int = 0
+) -> RankShare:
+    """The stages (looped: rank, rank + pp, ...) and blocks pipeline rank ``pp_rank`` runs
+    (``layers_per_stage="cost"`` balances the stages' FLOPs at ``seq_len``)."""
     n_stages = layout.pp * layout.virtual
+    if layers_per_stage == COST_SPLIT:
+        layers_per_stage = cost_split(shape, seq_len, n_stages)
     counts = stage_layer_counts(shape.n_layers, n_stages, layers_per_stage)
     starts = [sum(counts[:i]) for i in range(n_stages + 1)]
     ids = [pp_rank + k * layout.pp for k in range(layout.virtual)]
@@ -263,7 +268,7 @@ def _buffers(shape: ModelShape, share: RankShare, layout: Layout, prec: Precisio
 
 def rank_memory(shape: ModelShape, layout: Layout, setting: Setting, pp_rank: int) -> MemoryBreakdown:
     """The peak bytes of pipeline rank ``pp_rank``: the largest of the moments in the module docstring."""
-    prec, share = setting.prec, rank_share(shape, layout, pp_rank, setting.layers_per_stage)
+    prec, share = setting.prec, rank_share(shape, layout, pp_rank, setting.layers_per_stage, setting.seq_len)
     local = share.local(shape, layout)
     n = layout.shard if layout.fsdp else 1
     states = {"params": prec.param * local / n, "optim": optimizer_state_bytes(shape, share, layout, setting) / n}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from tessera.config import ConfigError, JobConfig
 from tessera.plan.activations import tessera_precision
 from tessera.plan.gpus import ALLOCATOR_SLACK, GPU, RUNTIME_OVERHEAD
-from tessera.plan.layouts import Layout, candidate_layouts, global_batch, layout_of, layout_problem
+from tessera.plan.layouts import Layout, candidate_layouts, global_batch, layout_of, layout_problem, stage_split_for
 from tessera.plan.memory import MemoryBreakdown, OptimizerState, Setting, estimate_memory
 from tessera.plan.shapes import ModelShape, model_shape
 from tessera.plan.speed import TESSERA, Engine, Speed, estimate_speed
@@ -70,7 +70,7 @@ def job_setting(config: JobConfig, layout: Layout, device: str = "cuda") -> Sett
         tessera_precision(train.dtype, layout.fsdp),
         train.seq_len,
         device,
-        config.parallel.layers_per_stage if layout.pp == config.parallel.pp else "",
+        stage_split_for(config, layout),
         chunk_tokens(config.model.vocab_size, 1 << 62, train.loss_chunk_tokens) if fused else 0,
         OptimizerState(
             optim.name,

@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 from torch import nn
 
 from tessera.config import ModelConfig
+from tessera.layout import cost_balanced_counts
 
 _TP_SHARDED = tuple(f"{a}.{p}_proj" for a in ("attention", "cross_attention") for p in "qkvo") + ("feed_forward.",)
 
@@ -90,6 +92,26 @@ class ModelShape:
         attention layers only (a Mamba layer has no score products)."""
         attention_layers = sum(1 for b in self.blocks if b.mixer != "mamba")
         return 6.0 * self.active_matmul + 12.0 * attention_layers * self.n_heads * self.head_dim * seq_len
+
+
+def stage_costs(shape: ModelShape, seq_len: int) -> tuple[list[float], float]:
+    """Training FLOPs per token of each block, and of the head (the last stage's extra), as in
+    :meth:`ModelShape.flops_per_token`: 6 per active matrix parameter, 12 H Q T for an attention layer."""
+    attention = 12.0 * shape.n_heads * shape.head_dim * seq_len
+    blocks = [
+        6.0 * (b.tp + b.replicated + (b.experts * shape.top_k // shape.experts if shape.experts else 0))
+        + (attention if b.mixer != "mamba" else 0.0)
+        for b in shape.blocks
+    ]
+    return blocks, 6.0 * shape.head_matmul
+
+
+@lru_cache(maxsize=256)
+def cost_split(shape: ModelShape, seq_len: int, n_stages: int) -> str:
+    """``parallel.layers_per_stage="cost"`` resolved: the block counts (e.g. "5,3") that even out the
+    stages' training FLOPs with the head and loss on the last stage (see :func:`cost_balanced_counts`)."""
+    blocks, head = stage_costs(shape, seq_len)
+    return ",".join(map(str, cost_balanced_counts(blocks, head, n_stages)))
 
 
 def _classify(block: nn.Module, layer: int) -> BlockParams:

@@ -206,7 +206,7 @@ def estimate_speed(
     prec: Precision | None = None,
 ) -> Speed:
     """Seconds per optimizer step of ``layout`` on ``gpu``, split into compute, exposed comm, bubble, optimizer."""
-    ranks = [rank_share(shape, layout, r, layers_per_stage) for r in sorted({0, layout.pp - 1})]
+    ranks = [rank_share(shape, layout, r, layers_per_stage, seq_len) for r in sorted({0, layout.pp - 1})]
     prec = prec or tessera_precision("bf16", layout.fsdp)
     engine = dataclasses.replace(engine, compute_bytes=prec.compute)  # activations and gathers travel in it
     times = [_rank_time(shape, s, layout, seq_len, gpu, engine, prec) for s in ranks]

@@ -17,6 +17,7 @@ from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
+from tessera.layout import describe_stages
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.async_checkpoint import build_checkpointer
 from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_meta
@@ -577,6 +578,7 @@ class Trainer:
             f"tessera: {self.threads.describe()}, {peak} ({self.peak_source})",
         ]
         extra = [busy_hint(self.threads.threads) if self.device.type == "cpu" else "", realized_mix(self.data.train)]
+        extra.append(describe_stages(self.config) if self.pipeline is not None else "")
         return "\n".join(lines + [f"tessera: {line}" for line in extra if line])
 
     def _finish(self, result: TrainResult, logger: MetricsLogger) -> None:
