@@ -182,7 +182,7 @@ class ParallelConfig:
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"] = "1f1b"  # pipeline schedule (pp > 1)
     microbatches: int = 0  # micro-batches per pipeline step; 0 means pp
     pp_virtual_stages: int = 0  # stages per pp rank; 0 means 2 for interleaved/zero-bubble schedules, else 1
-    layers_per_stage: str = ""  # block counts per stage, e.g. "3,5"; "cost": even FLOPs, head included; empty: even counts
+    layers_per_stage: str = ""  # block counts per stage, e.g. "3,5"; "cost": even FLOPs (head too); empty: even
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence (zigzag split)
     cp_method: Literal["allgather", "ring"] = "allgather"  # cp attention: all-gather K/V, or pass them around a ring
     ep: int = 1  # expert-parallel degree: experts sharded over this many dp_shard x cp x tp ranks
