@@ -97,9 +97,7 @@ def cache_footprint(model: torch.nn.Module, kind: str = "auto") -> tuple[int, in
     return two - one, 2 * one - two
 
 
-def layer_caches(
-    blocks: list[torch.nn.Module], batch: int, max_len: int, kind: str, like: torch.Tensor
-) -> list:
+def layer_caches(blocks: list[torch.nn.Module], batch: int, max_len: int, kind: str, like: torch.Tensor) -> list:
     """Caches of ``kind`` for standalone ``blocks`` (e.g. multi-token-prediction modules), on ``like``'s device."""
     dtype = CACHE_DTYPES.get(kind, like.dtype)
     caches = [block.new_cache(batch, max_len, dtype, torch.device("meta")) for block in blocks]

@@ -110,9 +110,7 @@ def predict_ahead(
         log.logits.append(model.output(module.norm(hidden)))
 
 
-def mtp_targets(
-    labels: torch.Tensor, loss_mask: torch.Tensor | None, depth: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def mtp_targets(labels: torch.Tensor, loss_mask: torch.Tensor | None, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(labels, loss mask) of depth ``depth``: the next-token labels rolled left by ``depth``, the last
     ``depth`` positions (whose inputs wrapped around) masked."""
     length = labels.shape[1]
