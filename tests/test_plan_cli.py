@@ -12,6 +12,7 @@ from tessera.config import load_config
 from tessera.layout import check_layout
 from tessera.plan import estimate, gpu, model_shape, plan
 from tessera.plan.layouts import Layout
+from tessera.plan.report import run_command
 
 
 def test_plan_prints_a_ranked_table_a_measurement_and_a_command_that_runs(capsys):
@@ -151,3 +152,25 @@ def test_model_flops_never_exceed_the_timed_flops(recipe):
     config = load_config(f"configs/{recipe}.toml", ["train.batch_size=8", "train.dtype=bf16"])
     p = plan(config, 4, gpu("h100-80gb"))
     assert p.estimates and max(e.speed.mfu for e in p.estimates) <= gpu("h100-80gb").efficiency + 1e-9
+
+
+def test_the_command_keeps_the_plans_own_overrides_and_its_stage_split():
+    """What the plan was made with (seq_len, a cost-balanced split) reaches the command; the layout's keys win."""
+    user = ["train.batch_size=32", "train.seq_len=4096", "parallel.pp=4", "parallel.layers_per_stage=cost"]
+    p = plan(load_config("configs/llama3-8b.toml", user), 16, gpu("h100-80gb"))
+    staged = next(e for e in p.estimates if e.fits and e.layout.pp == 2)
+    words = run_command(p, "configs/llama3-8b.toml", staged, user).split()
+    assert "train.seq_len=4096" in words and "parallel.pp=2" in words and "parallel.pp=4" not in words
+    assert words.count("parallel.layers_per_stage=cost") == 1
+    assert words.count("train.batch_size=32") == 1  # the layout's (global batch 32 per pipeline step), not twice
+    config = load_config("configs/llama3-8b.toml", [w for w in words if "=" in w and not w.startswith("--")])
+    assert config.train.seq_len == 4096 and config.parallel.pp == 2
+    listed_user = [*user[:3], "parallel.layers_per_stage=8,8,8,8"]
+    listed = plan(load_config("configs/llama3-8b.toml", listed_user), 16, gpu("h100-80gb"))
+    by_stages = {
+        e.layout.pp * e.layout.virtual: run_command(listed, "configs/llama3-8b.toml", e, listed_user).split()
+        for e in listed.estimates
+        if e.fits and e.layout.pp > 1
+    }
+    assert "parallel.layers_per_stage=8,8,8,8" in by_stages[4]  # the list fits a layout of 4 stages
+    assert "parallel.layers_per_stage=" in by_stages[2]  # not one of 2: even counts there

@@ -43,4 +43,4 @@ def run_plan(
             )
         best = candidates[0]
         measured = (best, measure_layout(apply_layout(config, best.layout), gpus))
-    return render(result, config_path, top, measured)
+    return render(result, config_path, top, measured, overrides)

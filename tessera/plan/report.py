@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Sequence
+
 from tessera.plan.gpus import GIB, LINK_EFFICIENCY
-from tessera.plan.layouts import global_batch
+from tessera.plan.layouts import global_batch, stage_split_for
 from tessera.plan.measure import Measurement
 from tessera.plan.planner import Estimate, Plan
 
@@ -41,8 +44,15 @@ def _header_lines(p: Plan, config_path: str) -> list[str]:
     ]
 
 
-def render(p: Plan, config_path: str, top: int = 10, measured: tuple[Estimate, Measurement] | None = None) -> str:
-    """The whole report: header, ranked fitting layouts, the closest misfits, the requested layout, the command."""
+def render(
+    p: Plan,
+    config_path: str,
+    top: int = 10,
+    measured: tuple[Estimate, Measurement] | None = None,
+    overrides: Sequence[str] = (),
+) -> str:
+    """The whole report: header, ranked fitting layouts, the closest misfits, the requested layout, the command
+    (with the user's ``overrides`` that the layout does not set)."""
     fitting = [e for e in p.estimates if e.fits]
     misfits = [e for e in p.estimates if not e.fits]
     lines = _header_lines(p, config_path)
@@ -62,13 +72,19 @@ def render(p: Plan, config_path: str, top: int = 10, measured: tuple[Estimate, M
     if measured is not None:
         lines += ["", measure_line(*measured)]
     if fitting:
-        lines += ["", "run the top layout with:", "  " + run_command(p, config_path, fitting[0])]
+        lines += ["", "run the top layout with:", "  " + run_command(p, config_path, fitting[0], overrides)]
     return "\n".join(lines)
 
 
-def run_command(p: Plan, config_path: str, e: Estimate) -> str:
-    """``tessera launch`` (one node) or ``tessera slurm`` (several) with the layout's overrides."""
-    overrides = " ".join(e.layout.overrides(global_batch(p.config)))
+def run_command(p: Plan, config_path: str, e: Estimate, user: Sequence[str] = ()) -> str:
+    """``tessera launch`` (one node) or ``tessera slurm`` (several) with the user's overrides the plan was made
+    with, then the layout's (they replace the user's for the keys they set; so does the stage split)."""
+    layout = e.layout.overrides(global_batch(p.config))
+    if p.config.parallel.layers_per_stage:  # "cost" fits any layout; an explicit list only its own stage count
+        layout.append(f"parallel.layers_per_stage={stage_split_for(p.config, e.layout)}")
+    keys = {o.split("=", 1)[0] for o in layout}
+    kept = [o for o in user if o.split("=", 1)[0] not in keys]
+    overrides = " ".join(shlex.quote(o) for o in [*kept, *layout])
     per_node = p.gpu.gpus_per_node
     if p.world <= per_node or p.world % per_node:
         return f"tessera launch {config_path} --nproc-per-node {p.world} {overrides}"
