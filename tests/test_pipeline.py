@@ -65,6 +65,8 @@ def test_cost_split_moves_blocks_off_the_stage_with_a_large_head():
     assert "blocks per stage 7,1 (balanced FLOPs, head on the last" in describe_stages(cfg)
     small_head = _config("parallel.pp=2", "parallel.layers_per_stage=cost", "model.n_layers=8", "model.vocab_size=512")
     assert stage_split(small_head) == "4,4"
+    t5 = _config("parallel.pp=2", *T5, "parallel.layers_per_stage=cost", "model.vocab_size=4096")
+    assert stage_split(t5) == "6,2"  # 4 encoder blocks, then decoder blocks (cross-attention) and the head
     with pytest.raises(ConfigError, match="or 'cost'"):
         _config("parallel.pp=2", "parallel.layers_per_stage=costs")
 
@@ -102,6 +104,7 @@ def _chain(stages, *inputs):
         ["parallel.pp_schedule=interleaved_zb", "parallel.microbatches=4"],
         ["model.arch=encoder", "model.sentinel_tokens=1", "parallel.pp_schedule=gpipe"],
         ["model.moe.experts=4", "parallel.pp_schedule=1f1b", "parallel.microbatches=2"],
+        ["model.moe.experts=4", "model.vocab_size=4096", "parallel.layers_per_stage=cost"],  # 3,1
     ],
 )
 def test_stages_chain_to_the_full_model(overrides):
