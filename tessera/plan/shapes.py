@@ -90,28 +90,25 @@ class ModelShape:
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per trained token: 6 N_active + 12 L H Q T (PaLM's, as tessera's MFU), with L the
         attention layers only (a Mamba layer has no score products)."""
-        attention_layers = sum(1 for b in self.blocks if b.mixer != "mamba")
-        return 6.0 * self.active_matmul + 12.0 * attention_layers * self.n_heads * self.head_dim * seq_len
+        return sum(self.block_flops(seq_len)) + 6.0 * self.head_matmul
 
-
-def stage_costs(shape: ModelShape, seq_len: int) -> tuple[list[float], float]:
-    """Training FLOPs per token of each block, and of the head (the last stage's extra), as in
-    :meth:`ModelShape.flops_per_token`: 6 per active matrix parameter, 12 H Q T for an attention layer."""
-    attention = 12.0 * shape.n_heads * shape.head_dim * seq_len
-    blocks = [
-        6.0 * (b.tp + b.replicated + (b.experts * shape.top_k // shape.experts if shape.experts else 0))
-        + (attention if b.mixer != "mamba" else 0.0)
-        for b in shape.blocks
-    ]
-    return blocks, 6.0 * shape.head_matmul
+    def block_flops(self, seq_len: int) -> list[float]:
+        """Each block's share of :meth:`flops_per_token`: 6 per active matrix parameter (top-k of the routed
+        experts), plus 12 H Q T for an attention layer's score products."""
+        attention = 12.0 * self.n_heads * self.head_dim * seq_len
+        return [
+            6.0 * (b.tp + b.replicated + (b.experts * self.top_k // self.experts if self.experts else 0))
+            + (attention if b.mixer != "mamba" else 0.0)
+            for b in self.blocks
+        ]
 
 
 @lru_cache(maxsize=256)
 def cost_split(shape: ModelShape, seq_len: int, n_stages: int) -> str:
     """``parallel.layers_per_stage="cost"`` resolved: the block counts (e.g. "5,3") that even out the
     stages' training FLOPs with the head and loss on the last stage (see :func:`cost_balanced_counts`)."""
-    blocks, head = stage_costs(shape, seq_len)
-    return ",".join(map(str, cost_balanced_counts(blocks, head, n_stages)))
+    counts = cost_balanced_counts(shape.block_flops(seq_len), 6.0 * shape.head_matmul, n_stages)
+    return ",".join(map(str, counts))
 
 
 def _classify(block: nn.Module, layer: int) -> BlockParams:

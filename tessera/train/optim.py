@@ -66,7 +66,7 @@ def muon_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [muon, *rest]
 
 
-def _layout_of(param: torch.Tensor) -> DeviceMesh | None:
+def _mesh_of(param: torch.Tensor) -> DeviceMesh | None:
     """The DTensor's mesh, or None for a plain tensor: torch's fused AdamW refuses a mix in one step."""
     return param.device_mesh if isinstance(param, DTensor) else None
 
@@ -81,7 +81,7 @@ def adamw_kernel(params: list[torch.Tensor], implementation: str, fused_ok: bool
     """
     devices = set(_get_fused_kernels_supported_devices())  # torch's own list (no public spelling)
     fusable = all(p.device.type in devices and torch.is_floating_point(p) for p in params)
-    fusable = fusable and len({_layout_of(p) for p in params}) <= 1
+    fusable = fusable and len({_mesh_of(p) for p in params}) <= 1
     if not fused_ok and implementation == "fused":
         raise ConfigError(
             "optim.implementation='fused' is not for this optimizer's caller (DeepSpeed steps torch's default "
@@ -91,7 +91,7 @@ def adamw_kernel(params: list[torch.Tensor], implementation: str, fused_ok: bool
     if implementation == "auto":
         return {"fused": True} if fusable else {}
     if implementation == "fused" and not fusable:
-        found = sorted({f"{p.device.type}/{p.dtype}/{_layout_of(p) or 'tensor'}" for p in params})
+        found = sorted({f"{p.device.type}/{p.dtype}/{_mesh_of(p) or 'tensor'}" for p in params})
         raise ConfigError(
             f"optim.implementation='fused' needs floating-point parameters on {sorted(devices)}, all plain "
             f"tensors or all DTensors of one device mesh; found {found}; use optim.implementation='auto' or 'foreach'"
