@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tessera.cli import main
-from tessera.config import ConfigError, JobConfig, config_from_dict, load_config, parse_overrides
+from tessera.config import ConfigError, JobConfig, parse_overrides
+from tessera.validate import config_from_dict, load_config
 
 from conftest import REPO, run_cli
 
@@ -126,7 +127,7 @@ def test_loading_a_config_imports_no_model_or_parallel_code():
     import sys
 
     code = (
-        "import sys; from tessera.config import load_config; load_config('configs/smoke.toml', []); "
+        "import sys; from tessera.config import read_config; read_config('configs/smoke.toml', []); "
         "bad = [m for m in sys.modules if m.startswith(('tessera.parallel', 'tessera.model', "
         "'torch.distributed.pipelining'))]; assert not bad, bad"
     )
