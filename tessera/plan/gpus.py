@@ -9,7 +9,7 @@ figures for ``train.dtype = "fp32"`` (tessera leaves TF32 off, so fp32 matmuls r
 ``efficiency`` is the fraction of peak that the model's matmuls achieve on that GPU. It is the
 one fitted number per GPU kind (not per run): the A100 value is fitted to Narayanan et al. 2021
 (Table 1) and Korthikanti et al. 2022, the H100 value to the Llama 3 paper (Table 4); see
-``tests/test_plan_published.py``, which refits them and checks the catalog holds the fit. H200
+``tests/unit/plan/test_plan_published.py``, which refits them and checks the catalog holds the fit. H200
 shares H100's SMs and uses its value; B200 has no published run here and borrows H100's value
 (marked ``calibrated=False``).
 """

@@ -1,0 +1,1 @@
+"""Shared test helpers: run and compare trainings (runs.py); torchrun workers (dist_*.py)."""

@@ -1,0 +1,103 @@
+"""Recipes: full-size parameter counts match the published models; every tiny recipe trains, and
+its first 20 steps reproduce the golden loss and grad-norm curve in tests/golden/<family>.json.
+
+Golden curves make a numerics change a visible diff in review. Regenerate them (only when a
+change of numbers is intended and explained in the commit) with
+``TESSERA_REGENERATE_GOLDEN=1 python -m pytest tests/integration/test_recipes.py -k tiny``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.validate import load_config
+from tessera.model import build_model, count_parameters
+from tessera.train.trainer import train
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+GOLDEN_STEPS = 20
+
+# Published parameter counts (HF transformers' models of the same configs count the same).
+PUBLISHED = {
+    "gpt2-124m": 124_439_808,
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,
+    "bert-base": 109_514_298,  # BertForMaskedLM: encoder + MLM head, no pooler
+    "t5-base": 222_903_552,
+    "mamba-130m": 129_135_360,
+    "mamba2-130m": 128_989_632,
+    "jamba-v0.1": 51_570_323_328,  # 52B total (12B active)
+    "olmoe-1b-7b": 6_919_161_856,
+    "qwen3-moe-30b-a3b": 30_532_122_624,
+    "qwen2-moe-a2.7b": 14_315_784_192,  # Qwen1.5-MoE-A2.7B
+    "deepseek-v3": 671_026_404_352,  # without the multi-token-prediction module
+    # DeepSeekMoE 16B ("16.4B"): embeddings 2 x 102400 x 2048, 28 x (attention 4 x 2048^2 + 2 norms), a dense
+    # first FFN 3 x 2048 x 10944, 27 x (64 experts + 2 shared experts of 3 x 2048 x 1408, router 64 x 2048).
+    "deepseek-moe-16b": 16_375_728_128,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_full_recipe_parameter_count(name):
+    config = load_config(CONFIGS / f"{name}.toml")
+    with torch.device("meta"):
+        model = build_model(config.model)
+    assert count_parameters(model) == PUBLISHED[name]
+
+
+TINY = sorted(p.stem for p in (CONFIGS / "tiny").glob("*.toml"))
+
+
+def test_every_family_has_a_tiny_recipe():
+    assert set(TINY) >= {
+        *("llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"),
+        *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3"),
+    }
+
+
+def _environment() -> dict[str, str]:
+    """What the golden numbers depend on besides tessera: the corpus (this Python's stdlib) and kernels."""
+    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
+
+
+def _check_golden(family: str, records: list[dict]) -> None:
+    curve = {k: [r[k] for r in records[:GOLDEN_STEPS]] for k in ("loss", "grad_norm")}
+    path = GOLDEN / f"{family}.json"
+    if os.environ.get("TESSERA_REGENERATE_GOLDEN"):
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"environment": _environment(), **curve}, indent=1) + "\n")
+        return
+    assert path.is_file(), f"no golden curve for {family}; regenerate: see the docstring of {__file__}"
+    golden = json.loads(path.read_text())
+    if golden["environment"] != _environment():
+        pytest.skip(f"golden curve recorded under {golden['environment']}, this is {_environment()}")
+    for key in ("loss", "grad_norm"):
+        for step, (got, want) in enumerate(zip(curve[key], golden[key], strict=True), 1):
+            assert abs(got - want) <= 1e-5 * abs(want), f"{family} {key} at step {step}: {got} vs golden {want}"
+
+
+@pytest.mark.parametrize("family", TINY)
+def test_tiny_recipe_trains_and_matches_its_golden_curve(family, tmp_path, cache_dir):
+    overrides = [
+        f"train.run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "train.steps=30", "train.eval_every=0",
+        "train.eval_batches=1", "train.sample_tokens=0", "checkpoint.enabled=false", "log.progress=none",
+        "log.tensorboard=false", "log.plot=false", "log.peak_flops=1e12", "log.every=1", "train.dtype=fp32",
+    ]
+    result = train(load_config(CONFIGS / "tiny" / f"{family}.toml", overrides))
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    assert last < first - 0.5, f"{family}: loss {first:.3f} -> {last:.3f}"
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]
+    if family == "mixtral":  # the trainer logs the MoE losses and expert load
+        assert all(r["moe_aux_loss"] > 0 and r["moe_imbalance"] >= 1 for r in records)
+    _check_golden(family, records)
