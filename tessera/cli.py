@@ -73,11 +73,14 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(commented_toml(config), end="")
         return 0
     from tessera.status import claim_run
+    from tessera.data.pipeline import cache_dir
+    from tessera.evaluate.loop import check_eval
     from tessera.train.metrics import check_sinks
     from tessera.train.preemption import stop_exit_code
     from tessera.train.trainer import train_and_exit
 
     check_sinks(config.log)
+    check_eval(config, cache_dir(config.data.cache_dir))  # [eval] tasks known, their rows well formed
     with claim_run(config.train.run_dir):  # before anything is built: the run is busy from now on
         return stop_exit_code(train_and_exit(config).preempted)
 

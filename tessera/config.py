@@ -304,6 +304,20 @@ class LogConfig:
     wandb_project: str = "tessera"  # W&B project
     wandb_run_name: str = ""  # W&B run name; "" = the run directory's name
     wandb_mode: Literal["auto", "online", "offline"] = "auto"  # auto: $WANDB_MODE, else online if logged in
+    mlflow: bool = False  # also log to MLflow (pip install 'tessera[mlflow]')
+    mlflow_tracking_uri: str = ""  # "" = file:RUN_DIR/mlruns (a local file store); or an MLflow server URL
+    mlflow_experiment: str = "tessera"  # MLflow experiment name
+
+
+@dataclass
+class EvalConfig:
+    """Downstream tasks (lm-eval-harness task YAMLs, local files) scored during training; see docs/evaluation.md."""
+
+    tasks: str = ""  # comma-separated task names, e.g. "stdlib_next_line,stdlib_line_end"; "" = none
+    every: int = 0  # steps between task evaluations; 0 = at the end only (when tasks are named)
+    task_dirs: str = ""  # comma-separated directories of lm-eval task YAMLs besides the built-in stdlib tasks
+    limit: int = 0  # documents per task (0 = all)
+    stdlib_docs: int = 200  # documents of each built-in stdlib task
 
 
 @dataclass
@@ -317,6 +331,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The config as nested plain data (TOML/JSON-ready)."""
@@ -900,6 +915,28 @@ def _require_finite(prefix: str, obj: Any) -> None:
             _require(math.isfinite(value), f"{prefix}.{f.name} must be a finite number, got {value}")
 
 
+def eval_task_names(e: EvalConfig) -> list[str]:
+    """``eval.tasks`` as a list of names."""
+    return [t.strip() for t in e.tasks.split(",") if t.strip()]
+
+
+def _validate_eval(e: EvalConfig, config: JobConfig) -> None:
+    _require_all("eval", e, ("every", "limit"), positive=False)
+    _require(e.stdlib_docs > 0, f"eval.stdlib_docs must be positive, got {e.stdlib_docs}")
+    if not eval_task_names(e):
+        return
+    _require(
+        config.model.arch == "decoder",
+        f"eval.tasks scores a causal decoder; model.arch={config.model.arch!r} has no next-token head: unset eval.tasks",
+    )
+    p = config.parallel
+    _require(
+        p.pp == 1 and p.cp == 1 and p.engine != "deepspeed",
+        "eval.tasks runs the model's plain forward: not with parallel.pp > 1, parallel.cp > 1 or "
+        "parallel.engine=deepspeed; unset eval.tasks and score a checkpoint with `tessera lm-eval`",
+    )
+
+
 def validate(config: JobConfig) -> None:
     """Cross-field checks: everything that can be known wrong before a process starts."""
     validate_model(config.model)
@@ -913,6 +950,7 @@ def validate(config: JobConfig) -> None:
     _validate_data(config.data)
     _validate_engine(config.parallel, config.train)
     _validate_engine_optimizer(config.parallel, config.optim)
+    _validate_eval(config.eval, config)
     _require(
         not (config.data.document_mask and "M" in config.model.layer_pattern),
         "data.document_mask cannot reset Mamba layers' state at document boundaries; set data.document_mask=false "

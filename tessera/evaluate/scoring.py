@@ -41,8 +41,12 @@ class Scorer:
     reduce: Reduce = _no_reduce
     autocast: Callable | None = None
 
-    def _mine(self, n: int) -> range:
-        return range(self.dp_rank, n, self.dp_size)
+    def _mine(self, n: int) -> list[tuple[int, bool]]:
+        """(request, keep) for this rank: every rank runs the same number of forwards (FSDP gathers weights
+        collectively in each), so a rank short of a request repeats request 0 and drops the result."""
+        rounds = -(-n // self.dp_size)
+        picks = (self.dp_rank + k * self.dp_size for k in range(rounds))
+        return [(i, True) if i < n else (0, False) for i in picks]
 
     def _logits(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], device=self.device)
@@ -68,9 +72,10 @@ class Scorer:
         self.model.eval()
         rows = [0.0] * (2 * len(pairs))
         try:
-            for i in self._mine(len(pairs)):
-                rows[2 * i], greedy = self._loglikelihood(*pairs[i])
-                rows[2 * i + 1] = float(greedy)
+            for i, keep in self._mine(len(pairs)):
+                logprob, greedy = self._loglikelihood(*pairs[i])
+                if keep:
+                    rows[2 * i], rows[2 * i + 1] = logprob, float(greedy)
         finally:
             self.model.train(was_training)
         rows = self.reduce(rows)
@@ -78,16 +83,21 @@ class Scorer:
 
     @torch.no_grad()
     def greedy(self, prompts: Sequence[Sequence[int]], max_new: int, eos_id: int | None) -> list[list[int]]:
-        """Greedy continuations (up to ``max_new`` tokens each, fewer at the context's end or at EOS)."""
+        """Greedy continuations of ``max_new`` tokens each (cut at EOS), prompts left-truncated to fit the context.
+
+        Always ``max_new`` decoding steps, EOS or not: every rank then runs the same forwards (see ``_mine``)."""
         from tessera.model.generate import generate
 
+        max_new = min(max_new, self.max_len - 1)
         width = max_new + 1  # slot 0: the length; then the tokens, each stored as id + 1 (0 = empty)
         rows = [0.0] * (width * len(prompts))
-        for i in self._mine(len(prompts)):
-            prompt = list(prompts[i])[-(self.max_len - 1) :]
-            room = min(max_new, self.max_len - len(prompt))
+        for i, keep in self._mine(len(prompts)):
+            prompt = list(prompts[i])[-(self.max_len - max_new) :]
             ids = torch.tensor([prompt], device=self.device)
-            out = generate(self.model, ids, room, temperature=0.0, eos_id=eos_id)[0].tolist() if room > 0 else []
+            out = generate(self.model, ids, max_new, temperature=0.0, eos_id=None)[0].tolist()
+            out = out[: out.index(eos_id)] if eos_id in out else out
+            if not keep:
+                continue
             rows[i * width] = float(len(out))
             rows[i * width + 1 : i * width + 1 + len(out)] = [float(t + 1) for t in out]
         rows = self.reduce(rows)

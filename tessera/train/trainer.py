@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
-from tessera.config import ConfigError, JobConfig
+from tessera.config import ConfigError, JobConfig, eval_task_names
 from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
+from tessera.evaluate.loop import DownstreamEval
 from tessera.layout import describe_stages
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.async_checkpoint import build_checkpointer
@@ -142,6 +143,7 @@ class Trainer:
             self.device, config.log.peak_flops, cache_dir(config.data.cache_dir), self.parallel.env.local_world_size
         )
         self.nonfinite = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
+        self.downstream = self._build_downstream()  # [eval] tasks, or None
 
     def close(self) -> None:
         """Release the run directory (the end of :meth:`fit` does it; so does the end of the process)."""
@@ -204,6 +206,14 @@ class Trainer:
             with torch.no_grad():
                 model.init_weights(shard_seeds(cfg.train.seed))
         return model.to(self.device)
+
+    def _build_downstream(self) -> DownstreamEval | None:
+        """The ``[eval]`` downstream tasks over the live model (None when no task is named)."""
+        if not eval_task_names(self.config.eval):
+            return None
+        dp = (self.parallel.dp_rank, self.parallel.dp_size, self.parallel.sum_over_dp)
+        cache = cache_dir(self.config.data.cache_dir)
+        return DownstreamEval(self.config, self.model, self.data.tokenizer, self.device, dp, cache, self._autocast)
 
     def _write_run_files(self) -> None:
         write_text_atomic(self.run_dir / "config.toml", resolved_config_text(self.config))
@@ -506,7 +516,7 @@ class Trainer:
         cfg = self.config
         window = StepWindow(self.flops_per_token, self.peak * self.parallel.env.world_size)
         if self.step == 0 and self.data.val is not None and len(self.data.val) > 0:
-            result.val_losses[0] = self._log_eval(logger, {"step": 0})
+            result.val_losses[0] = self._log_eval(logger, {"step": 0}, tasks=self.config.eval.every > 0)
         self.model.train()
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
@@ -516,8 +526,12 @@ class Trainer:
             window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
             self._note_compile(logger, time.perf_counter() - t0)
             result.losses.append(metrics["loss"])
+            tasks = self.downstream is not None and self.downstream.due(self.step)
             if self._should_eval():  # logged records hold the logging window's means (StepWindow)
-                result.val_losses[self.step] = self._log_eval(logger, self._record(window))
+                result.val_losses[self.step] = self._log_eval(logger, self._record(window), tasks)
+                watchdog.kick(self.step)
+            elif tasks:
+                logger.log({**self._record(window), **self.downstream.run()})
                 watchdog.kick(self.step)
             elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
                 logger.log(self._record(window))
@@ -556,9 +570,10 @@ class Trainer:
             record["skipped_steps"] = self.nonfinite.skipped
         return record
 
-    def _log_eval(self, logger: MetricsLogger, record: dict[str, Any]) -> float:
+    def _log_eval(self, logger: MetricsLogger, record: dict[str, Any], tasks: bool = False) -> float:
         val = self.evaluate()
-        logger.log({**record, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+        scores = self.downstream.run() if tasks and self.downstream is not None else {}
+        logger.log({**record, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **scores})
         return val
 
     def _banner(self) -> str:
