@@ -126,3 +126,58 @@ def generate_text(
     lines.insert(0, f"decoding cache ({kv_cache}): {per_token:,} bytes per token of context, {fixed:,} bytes fixed")
     lines.append(f"{out.shape[1]} tokens in {seconds:.2f}s ({out.shape[1] / max(seconds, 1e-9):.1f} tokens/s)")
     return prompt + tokenizer.decode(out[0].tolist()), "\n".join(lines)
+
+
+def _run_config(path: str | Path):
+    """The JobConfig a run or checkpoint was trained with (None for an HF model directory)."""
+    if is_hf_dir(path):
+        return None
+    meta = read_meta(find_checkpoint(path))
+    return config_from_dict(meta["config"], where=str(path))
+
+
+def evaluation_tokens(path: str | Path, data: str, budget: int) -> Any:
+    """Up to ``budget`` + 1 tokens to score: the indexed dataset ``data`` (PREFIX.bin/.idx), else the
+    validation split of the run's own data (its documents in order, concatenated)."""
+    import numpy as np
+
+    from tessera.data.dataset import open_indexed
+
+    if data:
+        indexed, docs = open_indexed(data), None
+    else:
+        config = _run_config(path)
+        if config is None:
+            raise ConfigError(f"'{path}' is an HF model directory: give the text to score with --data PREFIX")
+        from tessera.data.pipeline import build_data
+
+        val = build_data(config).val
+        if val is None:
+            raise ConfigError(f"run '{path}' has no validation split (data.val_fraction=0): give --data PREFIX")
+        indexed, docs = val.gpt.dataset, val.gpt.indices
+    parts, total = [], 0
+    for d in docs if docs is not None else range(len(indexed)):
+        parts.append(np.asarray(indexed[int(d)]))
+        total += len(parts[-1])
+        if total > budget:
+            break
+    return np.concatenate(parts)[: budget + 1] if parts else np.zeros(0, dtype=np.int64)
+
+
+def evaluate_lengths(
+    path: str | Path, lengths: str, scalings: str, data: str = "", budget: int = 32768, seq_len: int = 0
+) -> tuple[list[Any], int]:
+    """Perplexity rows (:class:`tessera.evaluate.lengths.LengthRow`) of a run, checkpoint or HF directory at
+    ``lengths`` (multiples of the training length ``seq_len``, default the run's ``train.seq_len``) for each
+    RoPE scaling, and the base length used."""
+    from tessera.evaluate.lengths import check_length, length_table, parse_lengths, parse_scalings
+
+    model = load(path)
+    config = _run_config(path)
+    base = seq_len or (config.train.seq_len if config is not None else model.cfg.max_seq_len)
+    wanted = parse_lengths(lengths, base)
+    names = parse_scalings(scalings, model.cfg)
+    for length in wanted:  # before any data is read
+        check_length(model.cfg, length)
+    stream = evaluation_tokens(path, data, max(budget, max(wanted) + 1))
+    return length_table(model, stream, base, wanted, names, budget), base

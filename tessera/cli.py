@@ -428,6 +428,80 @@ def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- evaluation: eval, compare, lm-eval
+
+
+def _add_eval(sub: Subparsers) -> None:
+    ev = _command(sub, "eval", _cmd_eval, "perplexity at multiples of the training length, RoPE scaling switchable")
+    ev.add_argument("path", help="run directory, checkpoint directory or HF model directory")
+    ev.add_argument("--lengths", default="1x,2x,4x", help="multiples of the training length or token counts")
+    ev.add_argument(
+        "--rope-scaling",
+        default="model",
+        help="comma-separated: model (as trained), none, linear, ntk, yarn, llama3; factor = length / training length",
+    )
+    ev.add_argument("--data", default="", help="indexed dataset PREFIX to score (default: the run's validation split)")
+    ev.add_argument("--tokens", type=int, default=32768, help="tokens scored at each length (default 32768)")
+    ev.add_argument("--seq-len", type=int, default=0, help="the training length (default: the run's train.seq_len)")
+    ev.add_argument("--out", default="", help="PNG to write (default: PATH/length_eval.png, or ./ for HF dirs)")
+
+
+def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    _no_overrides("eval", overrides)
+    if args.tokens <= 0 or args.seq_len < 0:
+        raise ConfigError(f"--tokens must be positive and --seq-len >= 0, got {args.tokens}, {args.seq_len}")
+    from pathlib import Path
+
+    from tessera.api import evaluate_lengths
+    from tessera.evaluate.lengths import format_table, plot_lengths
+
+    rows, base = evaluate_lengths(args.path, args.lengths, args.rope_scaling, args.data, args.tokens, args.seq_len)
+    print(format_table(rows, f"perplexity (trained at {base})"))
+    out = Path(args.out) if args.out else Path(args.path) / "length_eval.png"
+    print(f"plot: {plot_lengths(rows, Path(args.path).name, out)}")
+    return 0
+
+
+def _add_compare(sub: Subparsers) -> None:
+    cmp = _command(sub, "compare", _cmd_compare, "overlay several runs' loss, validation and eval curves")
+    cmp.add_argument("runs", nargs="+", help="run directories (train.run_dir); runs still training are fine")
+    cmp.add_argument("--x", default="step", choices=["step", "tokens"], help="x axis (default step)")
+    cmp.add_argument("--out", default="compare.png", help="PNG to write (default compare.png)")
+
+
+def _cmd_compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    _no_overrides("compare", overrides)
+    from pathlib import Path
+
+    from tessera.evaluate.compare import compare_runs
+
+    table, out = compare_runs(args.runs, Path(args.out), args.x)
+    print(table)
+    print(f"plot: {out}")
+    return 0
+
+
+def _add_lm_eval(sub: Subparsers) -> None:
+    lm = _command(
+        sub,
+        "lm-eval",
+        _cmd_lm_eval,
+        "lm-eval-harness with the 'tessera' model registered and the built-in stdlib tasks on --include_path",
+    )
+    lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm_eval's own arguments, e.g. --model tessera "
+                    "--model_args path=runs/smoke --tasks stdlib_next_line")
+
+
+def _cmd_lm_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.data.pipeline import cache_dir
+    from tessera.evaluate.harness import require_lm_eval
+
+    require_lm_eval()
+    from tessera.lm_eval_model import run_lm_eval
+
+    return run_lm_eval([*args.lm_eval_args, *overrides], cache_dir())
+
+
 # ---------------------------------------------------------------- models: generate, convert
 
 
@@ -683,6 +757,9 @@ COMMANDS = (
     _add_data,
     _add_tokenizer,
     _add_generate,
+    _add_eval,
+    _add_compare,
+    _add_lm_eval,
     _add_convert,
     _add_inspect,
     _add_prune,

@@ -305,7 +305,7 @@ class LogConfig:
     wandb_run_name: str = ""  # W&B run name; "" = the run directory's name
     wandb_mode: Literal["auto", "online", "offline"] = "auto"  # auto: $WANDB_MODE, else online if logged in
     mlflow: bool = False  # also log to MLflow (pip install 'tessera[mlflow]')
-    mlflow_tracking_uri: str = ""  # "" = file:RUN_DIR/mlruns (a local file store); or an MLflow server URL
+    mlflow_tracking_uri: str = ""  # "" = sqlite:///RUN_DIR/mlflow.db; or file:DIR, or a server URL
     mlflow_experiment: str = "tessera"  # MLflow experiment name
 
 

@@ -1,8 +1,8 @@
 """tessera models inside lm-eval-harness: the ``tessera`` model adapter and the task runner.
 
-The adapter (:class:`TesseraLM`, registered as ``tessera``) wraps a :class:`~tessera.evaluate.scoring.Scorer`:
-from the command line it loads a run, checkpoint or HF directory (``--model_args path=RUN``); in the training
-loop it wraps the live model, its tokenizer and the data-parallel reduction. lm-eval builds the requests,
+The adapter (:class:`TesseraLM`) wraps a :class:`~tessera.evaluate.scoring.Scorer`: in the training loop over
+the live model, its tokenizer and the data-parallel reduction; from the command line
+(:mod:`tessera.lm_eval_model`, registered as ``tessera``) over a run, checkpoint or HF directory. lm-eval builds the requests,
 applies the task's templates and computes the metrics; tessera only scores tokens. lm-eval sees one process
 (rank 0 of 1) on every rank; the sharding is inside the scorer, so every rank gets the same metrics.
 """
@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from tessera.config import ConfigError
 from tessera.evaluate.scoring import Scorer
@@ -30,19 +28,15 @@ def require_lm_eval() -> None:
 require_lm_eval()
 
 from lm_eval.api.model import TemplateLM  # noqa: E402
-from lm_eval.api.registry import register_model  # noqa: E402
 
 
-@register_model("tessera")
 class TesseraLM(TemplateLM):
-    """lm-eval's view of a tessera decoder: log-likelihoods and greedy generation through a :class:`Scorer`."""
+    """lm-eval's view of a tessera decoder: log-likelihoods and greedy generation through a :class:`Scorer`.
 
-    def __init__(
-        self, path: str = "", scorer: Scorer | None = None, tokenizer: Any = None, device: str | None = None, **_: Any
-    ) -> None:
+    The command-line adapter (``--model tessera``, :mod:`tessera.lm_eval_model`) is this class loading a run."""
+
+    def __init__(self, scorer: Scorer, tokenizer: Any) -> None:
         super().__init__()
-        if scorer is None:
-            scorer, tokenizer = _scorer_from_path(path, device or "cpu")
         self.scorer, self.tok = scorer, tokenizer
 
     @property
@@ -91,16 +85,6 @@ class TesseraLM(TemplateLM):
                 text = text.split(stop)[0] if stop else text
             texts.append(text)
         return texts
-
-
-def _scorer_from_path(path: str, device: str) -> tuple[Scorer, Any]:
-    from tessera.api import load_with_tokenizer
-
-    if not path:
-        raise ConfigError("--model tessera needs --model_args path=RUN (a run, checkpoint or directory)")
-    model, tokenizer = load_with_tokenizer(path)
-    target = torch.device(device)
-    return Scorer(model.to(target), target, model.cfg.max_seq_len), tokenizer
 
 
 def run_tasks(

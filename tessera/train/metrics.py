@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import secrets
 import sys
@@ -158,13 +159,18 @@ def _mlflow_key(tag: str) -> str:
 
 
 class MlflowSink:
-    """An MLflow run (default store: ``file:RUN_DIR/mlruns``); resumed runs continue the same MLflow run."""
+    """An MLflow run (default store: ``sqlite:///RUN_DIR/mlflow.db``); resumed runs continue the same MLflow run.
+
+    A ``file:`` tracking URI (MLflow's file store, in maintenance mode since MLflow 3) is honoured: naming it
+    is the opt-in MLflow asks for (``MLFLOW_ALLOW_FILE_STORE``)."""
 
     def __init__(self, run_dir: Path, log: LogConfig, config: dict[str, Any]) -> None:
         check_sinks(log)
         from mlflow.tracking import MlflowClient
 
-        uri = log.mlflow_tracking_uri or (run_dir / "mlruns").resolve().as_uri()
+        uri = log.mlflow_tracking_uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        if uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         id_file = run_dir / "mlflow-id.txt"
         if id_file.is_file():
