@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lm_eval.api.registry import register_model
 
 from tessera.config import ConfigError
 from tessera.evaluate.harness import TesseraLM
 from tessera.evaluate.scoring import Scorer
-from lm_eval.api.registry import register_model
 
 
 @register_model("tessera")

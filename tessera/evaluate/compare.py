@@ -8,9 +8,10 @@ against step or tokens (step x ``tokens_per_step`` from the run's config, when i
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from tessera.config import ConfigError
 

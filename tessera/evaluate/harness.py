@@ -27,7 +27,7 @@ def require_lm_eval() -> None:
 
 require_lm_eval()
 
-from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.api.model import TemplateLM
 
 
 class TesseraLM(TemplateLM):
