@@ -128,3 +128,18 @@ def test_eval_of_hf_llama_equals_transformers_perplexity(tmp_path):
             logits = hf(windows[:, :-1]).logits
         want = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), windows[:, 1:].reshape(-1))
         assert abs(row.nll - float(want)) < 1e-4 * abs(float(want)), (row, float(want))
+
+
+@pytest.mark.slow
+def test_scores_equal_at_dp2_and_tp2(tmp_path):
+    """One spawned world of 2 ranks: dp=2 and tp=2 reproduce the single-process scores (1e-6 relative)."""
+    from conftest import torchrun
+
+    out = tmp_path / "scores.json"
+    torchrun(2, "tests/dist_eval.py", str(out))
+    got = json.loads(out.read_text())
+    want = got["single"]
+    for layout in ("dp2", "tp2"):
+        for (a, greedy_a), (b, greedy_b) in zip(got[layout]["loglik"], want["loglik"]):
+            assert abs(a - b) <= 1e-6 * abs(b) and greedy_a == greedy_b, (layout, a, b)
+    assert got["dp2"]["greedy"] == want["greedy"] and got["tp2"]["greedy"] == want["greedy"]

@@ -81,25 +81,33 @@ class Scorer:
         rows = self.reduce(rows)
         return [(rows[2 * i], rows[2 * i + 1] > 0.5) for i in range(len(pairs))]
 
+    def _greedy_one(self, prompt: list[int], max_new: int) -> list[int]:
+        """``max_new`` greedy tokens, each from a full forward of the sequence so far: no decoding cache, so the
+        model's normal forward serves every layout (a tensor-parallel model's caches would hold local heads)."""
+        ids = list(prompt)
+        for _ in range(max_new):
+            ids.append(int(self._logits(ids)[-1].argmax()))
+        return ids[len(prompt) :]
+
     @torch.no_grad()
     def greedy(self, prompts: Sequence[Sequence[int]], max_new: int, eos_id: int | None) -> list[list[int]]:
         """Greedy continuations of ``max_new`` tokens each (cut at EOS), prompts left-truncated to fit the context.
 
         Always ``max_new`` decoding steps, EOS or not: every rank then runs the same forwards (see ``_mine``)."""
-        from tessera.model.generate import generate
-
         max_new = min(max_new, self.max_len - 1)
         width = max_new + 1  # slot 0: the length; then the tokens, each stored as id + 1 (0 = empty)
         rows = [0.0] * (width * len(prompts))
-        for i, keep in self._mine(len(prompts)):
-            prompt = list(prompts[i])[-(self.max_len - max_new) :]
-            ids = torch.tensor([prompt], device=self.device)
-            out = generate(self.model, ids, max_new, temperature=0.0, eos_id=None)[0].tolist()
-            out = out[: out.index(eos_id)] if eos_id in out else out
-            if not keep:
-                continue
-            rows[i * width] = float(len(out))
-            rows[i * width + 1 : i * width + 1 + len(out)] = [float(t + 1) for t in out]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for i, keep in self._mine(len(prompts)):
+                out = self._greedy_one(list(prompts[i])[-(self.max_len - max_new) :], max_new)
+                out = out[: out.index(eos_id)] if eos_id in out else out
+                if keep:
+                    rows[i * width] = float(len(out))
+                    rows[i * width + 1 : i * width + 1 + len(out)] = [float(t + 1) for t in out]
+        finally:
+            self.model.train(was_training)
         rows = self.reduce(rows)
         result = []
         for i in range(len(prompts)):
