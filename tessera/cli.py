@@ -488,8 +488,12 @@ def _add_lm_eval(sub: Subparsers) -> None:
         _cmd_lm_eval,
         "lm-eval-harness with the 'tessera' model registered and the built-in stdlib tasks on --include_path",
     )
-    lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm_eval's own arguments, e.g. --model tessera "
-                    "--model_args path=runs/smoke --tasks stdlib_next_line")
+    lm.add_argument(
+        "lm_eval_args",
+        nargs=argparse.REMAINDER,
+        help="lm_eval's own arguments, e.g. run --model tessera --model_args path=runs/smoke --tasks stdlib_next_line",
+    )
+    lm.set_defaults(passthrough=True)
 
 
 def _cmd_lm_eval(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -499,7 +503,8 @@ def _cmd_lm_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     require_lm_eval()
     from tessera.lm_eval_model import run_lm_eval
 
-    return run_lm_eval([*args.lm_eval_args, *overrides], cache_dir())
+    raw = args.argv[args.argv.index("lm-eval") + 1 :]  # in the user's order (argparse splits them)
+    return run_lm_eval(raw, cache_dir())
 
 
 # ---------------------------------------------------------------- models: generate, convert
@@ -804,7 +809,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        _unknown_flags(parser, extra)
+        if not getattr(args, "passthrough", False):  # tessera lm-eval hands its flags to lm-eval untouched
+            _unknown_flags(parser, extra)
         return args.handler(args, extra)
     except _user_errors() as err:
         print(f"tessera: error: {err}", file=sys.stderr)

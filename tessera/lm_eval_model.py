@@ -30,7 +30,10 @@ class TesseraRunLM(TesseraLM):
         if not path:
             raise ConfigError("--model tessera needs --model_args path=RUN (a run or checkpoint directory)")
         model, tokenizer = load_with_tokenizer(path)
-        target = torch.device(device or "cpu")
+        # lm-eval passes --device (default "cuda") to every model; without CUDA that default means the CPU.
+        if not device or (device.startswith("cuda") and not torch.cuda.is_available()):
+            device = "cpu"
+        target = torch.device(device)
         super().__init__(Scorer(model.to(target), target, model.cfg.max_seq_len), tokenizer)
 
 
