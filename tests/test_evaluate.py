@@ -143,3 +143,22 @@ def test_scores_equal_at_dp2_and_tp2(tmp_path):
         for (a, greedy_a), (b, greedy_b) in zip(got[layout]["loglik"], want["loglik"]):
             assert abs(a - b) <= 1e-6 * abs(b) and greedy_a == greedy_b, (layout, a, b)
     assert got["dp2"]["greedy"] == want["greedy"] and got["tp2"]["greedy"] == want["greedy"]
+
+
+def test_eval_rules_and_missing_extras_are_one_line(tiny_config, monkeypatch):
+    import importlib.util
+
+    from tessera.config import LogConfig
+    from tessera.evaluate.harness import require_lm_eval
+    from tessera.train.metrics import check_sinks
+
+    with pytest.raises(ConfigError, match="not with parallel.pp > 1"):
+        tiny_config("eval.tasks=stdlib_next_line", "parallel.pp=2")
+    with pytest.raises(ConfigError, match="eval.limit must be >= 0"):
+        tiny_config("eval.limit=-1")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("mlflow", "lm_eval") else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'tessera\[mlflow\]'"):
+        check_sinks(LogConfig(mlflow=True))
+    with pytest.raises(ConfigError, match=r"pip install 'tessera\[eval\]'"):
+        require_lm_eval()
