@@ -78,8 +78,11 @@ class TesseraLM(TemplateLM):
         max_new = max(int(k.get("max_gen_toks", 64)) for k in kwargs) if kwargs else 0
         outs = self.scorer.greedy(prompts, max_new, self.tok.eos_id)
         texts = []
-        for out, k in zip(outs, kwargs):
-            text = self.tok.decode(out[: int(k.get("max_gen_toks", 64))])
+        for prompt, out, k in zip(prompts, outs, kwargs):
+            # Decoded after the prompt, not alone: SentencePiece drops a leading space of a text decoded alone.
+            head = self.tok.decode(prompt)
+            text = self.tok.decode(prompt + out[: int(k.get("max_gen_toks", 64))])
+            text = text[len(head) :] if text.startswith(head) else self.tok.decode(out)
             until = k.get("until") or []
             for stop in [until] if isinstance(until, str) else until:
                 text = text.split(stop)[0] if stop else text

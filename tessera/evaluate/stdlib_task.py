@@ -25,7 +25,7 @@ CONTEXT_LINES = 6
 CHOICES = 4
 MIN_LINE_CHARS = 8
 MAX_LINE_CHARS = 100
-TASK_VERSION = 1  # bump when the generator changes: a new cache directory is built
+TASK_VERSION = 2  # bump when the generator changes: a new cache directory is built
 
 MC_YAML = """task: stdlib_next_line
 dataset_path: json
@@ -62,7 +62,7 @@ target_delimiter: ""
 generation_kwargs:
   until: ["\\n"]
   do_sample: false
-  max_gen_toks: 48
+  max_gen_toks: 32
 metric_list:
   - metric: exact_match
     aggregation: mean
