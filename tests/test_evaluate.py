@@ -162,3 +162,19 @@ def test_eval_rules_and_missing_extras_are_one_line(tiny_config, monkeypatch):
         check_sinks(LogConfig(mlflow=True))
     with pytest.raises(ConfigError, match=r"pip install 'tessera\[eval\]'"):
         require_lm_eval()
+
+
+def test_generated_text_keeps_its_leading_space(small_tokenizer):
+    """A continuation decoded alone loses SentencePiece's leading space; the adapter decodes it after its prompt."""
+    from types import SimpleNamespace
+
+    from tessera.data.tokenizer import Tokenizer
+    from tessera.evaluate.harness import TesseraLM
+
+    tok = Tokenizer(small_tokenizer)
+    prompt, continuation = "def f1(x):\n    return", " x * 1\n"
+    full = tok.encode(prompt + continuation)
+    n = len(tok.encode(prompt))
+    scorer = SimpleNamespace(greedy=lambda prompts, max_new, eos: [full[n:]])
+    request = SimpleNamespace(args=(prompt, {"until": ["\n"], "max_gen_toks": 16}))
+    assert TesseraLM(scorer, tok).generate_until([request]) == [" x * 1"]
