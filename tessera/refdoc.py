@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tessera.cli import build_parser
-from tessera.configdoc import sections, toml_value
+from tessera.config.docs import sections, toml_value
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reference"
 HELP_WIDTH = "100"  # argparse wraps to $COLUMNS: fixed, so the page does not depend on the terminal
