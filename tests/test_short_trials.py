@@ -4,7 +4,6 @@ split too small for one sequence takes documents from the training split with a 
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import numpy as np
 
