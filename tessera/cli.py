@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -183,10 +184,10 @@ def _add_slurm_allocation(sl: argparse.ArgumentParser) -> None:
         default="auto",
         help="gpu, cpu, or auto: cpu when train.device=cpu, else gpu (what the job needs, not what this node has)",
     )
-    sl.add_argument("--partition", default="")
+    sl.add_argument("--partition", default="", help="#SBATCH --partition")
     sl.add_argument("--time", default="", help="time limit, e.g. 04:00:00 or 2-00:00:00")
-    sl.add_argument("--account", default="")
-    sl.add_argument("--qos", default="")
+    sl.add_argument("--account", default="", help="#SBATCH --account")
+    sl.add_argument("--qos", default="", help="#SBATCH --qos")
     sl.add_argument("--exclusive", action="store_true", help="whole nodes only")
     sl.add_argument("--job-name", default="", help="default: the run directory's name")
     sl.add_argument(
@@ -287,8 +288,8 @@ def _add_parity(sub: Subparsers) -> None:
         required=True,
         help='layouts such as single "dp_shard=2" "tp=2" "dp_shard=2,tp=2"; the first is the reference',
     )
-    par.add_argument("--steps", type=int, default=5)
-    par.add_argument("--rtol", type=float, default=1e-5)
+    par.add_argument("--steps", type=int, default=5, help="optimizer steps each layout trains")
+    par.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance on losses and grad norms")
     par.add_argument("--work-dir", default=None, help="where the runs write (default: a temporary directory)")
 
 
@@ -507,12 +508,12 @@ def _add_generate(sub: Subparsers) -> None:
     gen = _command(sub, "generate", _cmd_generate, "sample text from a run directory or checkpoint")
     gen.add_argument("path", help="run directory (newest checkpoint) or checkpoint directory")
     gen.add_argument("--prompt", default="", help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--greedy", action="store_true", help="same as --temperature 0")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument(
         "--kv-cache",
         default="auto",
@@ -774,7 +775,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
+    for each in _all_parsers(parser):
+        each.formatter_class = DefaultsHelpFormatter
     return parser
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default (on/off flags and helps that already name it are left alone)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or isinstance(action, (argparse._StoreTrueAction, argparse._HelpAction)):
+            return text
+        if action.default in (None, "") and action.option_strings:
+            return f"{text} (default: none)"
+        return super()._get_help_string(action)
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, extra: list[str]) -> None:
@@ -808,6 +823,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as err:
         print(f"tessera: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `tessera config keys | head -1`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail again
+        return 0
     except OSError as err:  # the machine's refusal (disk full, permissions), not a tessera bug: one line
         where = f": '{err.filename}'" if err.filename else ""
         print(f"tessera: error: {err.strerror or err}{where}", file=sys.stderr)

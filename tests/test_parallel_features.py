@@ -93,8 +93,8 @@ def test_world_size_must_match_the_degrees(tiny_config):
     assert ParallelDims.from_config(tiny_config("parallel.tp=2").parallel, 8).dp_shard == 4
 
 
-def test_readme_compatibility_table_is_the_declared_one():
-    readme = (REPO / "README.md").read_text()
-    block = re.search(r"<!-- compat:start -->\n(.*?)\n<!-- compat:end -->", readme, re.S)
-    assert block, "README.md lost its compatibility table markers"
+def test_docs_compatibility_table_is_the_declared_one():
+    page = (REPO / "docs" / "parallelism" / "index.md").read_text()
+    block = re.search(r"<!-- compat:start -->\n(.*?)\n<!-- compat:end -->", page, re.S)
+    assert block, "docs/parallelism/index.md lost its compatibility table markers"
     assert block.group(1).strip() == render_markdown().strip()

@@ -79,6 +79,12 @@ class DataBundle:
     collate: Collate
     test: Split | None = None
 
+    @property
+    def notice(self) -> str:
+        """A line about how the validation split was sized (see blend.sized_up_ranges), or ""."""
+        parts = getattr(self.val, "datasets", [self.val])
+        return "; ".join(n for n in (getattr(part, "notice", "") for part in parts) if n)
+
     def log_blend_phase(self, step: int, run_dir: Path | None = None) -> str:
         """Under ``data.blend_schedule``, after the last step of a phase: its realized mix as a console line,
         also appended to ``run_dir/blend_phases.jsonl`` when given (rank 0); else ""."""

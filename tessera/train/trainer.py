@@ -29,7 +29,13 @@ from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
 from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.mtp_loss import MTPLoss
-from tessera.train.optim import build_optimizer, build_scheduler, check_optimizer_unchanged, keep_config_hyperparameters
+from tessera.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    check_optimizer_unchanged,
+    keep_config_hyperparameters,
+    warmup_notice,
+)
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.qk_clip import QKClip
 from tessera.train.save_schedule import SaveSchedule
@@ -593,6 +599,7 @@ class Trainer:
             f"tessera: {self.threads.describe()}, {peak} ({self.peak_source})",
         ]
         extra = [busy_hint(self.threads.threads) if self.device.type == "cpu" else "", realized_mix(self.data.train)]
+        extra += [warmup_notice(self.config.optim, self.config.train.steps), self.data.notice]
         extra.append(describe_stages(self.config) if self.pipeline is not None else "")
         return "\n".join(lines + [f"tessera: {line}" for line in extra if line])
 
