@@ -24,6 +24,7 @@ from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_me
 from tessera.train.distill import Distillation, load_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
+from tessera.train.init_from import check_init_from, check_source, is_weights_only, open_source
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
 from tessera.train.moe_stats import ExpertLoadTracker
@@ -96,6 +97,7 @@ class Trainer:
     def __init__(self, config: JobConfig) -> None:
         self.config = config
         self.run_dir = Path(config.train.run_dir)
+        self.init_source = check_init_from(config)  # train.init_from: checked before any process group starts
         self.device = resolve_device(config.train.device)
         self.dtype = DTYPES[config.train.dtype]
         self.parallel = setup_parallel(config, self.device)
@@ -111,6 +113,7 @@ class Trainer:
     def _build(self, config: JobConfig) -> None:
         self.parallel.barrier()  # rank 0 has locked (and with train.overwrite, emptied) the run directory
         self.resume_from = resolve_resume(config)
+        self._weights_only_resume()
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
         self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
@@ -142,6 +145,16 @@ class Trainer:
             self.device, config.log.peak_flops, cache_dir(config.data.cache_dir), self.parallel.env.local_world_size
         )
         self.nonfinite = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
+
+    def _weights_only_resume(self) -> None:
+        """A ``convert hf-import`` checkpoint holds weights only: start from it (or init_from) instead of resuming."""
+        if self.resume_from is None or not is_weights_only(read_meta(self.resume_from)):
+            return
+        cfg = self.config
+        cfg.train.init_from = cfg.train.init_from or str(self.resume_from)
+        self.init_source = open_source(cfg.train.init_from, cfg.model)
+        check_source(self.init_source, cfg.model)
+        self.resume_from = None
 
     def close(self) -> None:
         """Release the run directory (the end of :meth:`fit` does it; so does the end of the process)."""
@@ -203,7 +216,10 @@ class Trainer:
                 root.to_empty(device=self.device)
             with torch.no_grad():
                 model.init_weights(shard_seeds(cfg.train.seed))
-        return model.to(self.device)
+        model = model.to(self.device)
+        if self.init_source is not None and self.resume_from is None:
+            self.init_source.load_into(model)  # each rank reads the blocks of the tensors it holds
+        return model
 
     def _write_run_files(self) -> None:
         write_text_atomic(self.run_dir / "config.toml", resolved_config_text(self.config))
@@ -579,7 +595,19 @@ class Trainer:
         ]
         extra = [busy_hint(self.threads.threads) if self.device.type == "cpu" else "", realized_mix(self.data.train)]
         extra.append(describe_stages(self.config) if self.pipeline is not None else "")
+        extra.append(self._init_line())
         return "\n".join(lines + [f"tessera: {line}" for line in extra if line])
+
+    def _init_line(self) -> str:
+        """Where the weights came from (train.init_from), or why init_from is not used."""
+        init_from = self.config.train.init_from
+        if init_from and self.resume_from is not None:
+            return f"train.init_from={init_from} ignored: the run resumes from its own checkpoint {self.resume_from}"
+        if self.init_source is None:
+            return ""
+        return (
+            f"weights from {self.init_source.describe()}; optimizer, schedule, data position and step start fresh"
+        )
 
     def _finish(self, result: TrainResult, logger: MetricsLogger) -> None:
         cfg = self.config
@@ -604,7 +632,10 @@ class Trainer:
             return
         final_loss = result.losses[-1] if result.losses else None
         # param_sumsq: per tensor, layout-independent: the parity tests' final check
-        write_summary(self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq)
+        write_summary(
+            self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq,
+            init_from=cfg.train.init_from,
+        )
         vals = list(result.val_losses.values())
         trend = f"val loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
         logger.print(f"done: step {self.step} in {result.seconds:.1f}s {trend}; outputs in {self.run_dir}")
