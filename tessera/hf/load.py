@@ -65,7 +65,7 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, torch.Size]]:
     """HF tensor name -> (file, shape), from the files' headers only (a truncated file is refused here)."""
     found: dict[str, tuple[Path, torch.Size]] = {}
     for file in files:
-        size = file.stat().st_size
+        _check_length(file, file.stat().st_size)
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
@@ -74,16 +74,20 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, torch.Size]]:
             raise HFConversionError(
                 f"'{file}' is not a readable safetensors file ({str(err).splitlines()[0]}); download it again"
             ) from None
-        _check_length(file, size)
     return found
 
 
 def _check_length(file: Path, size: int) -> None:
     """Refuse a file shorter than its header says (a download cut short)."""
-    with file.open("rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    try:
+        with file.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(header_len, size)))
+    except (ValueError, UnicodeDecodeError):
+        return  # not even a header: safetensors' own message says so
+    if not isinstance(header, dict):
+        return
+    ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)]
     if 8 + header_len + max(ends, default=0) > size:
         raise HFConversionError(
             f"'{file}' is truncated ({size} bytes; its header needs {8 + header_len + max(ends)}); download it again"
@@ -136,6 +140,10 @@ class HFSlices:
     def names(self) -> list[str]:
         """The tessera tensor names this source provides."""
         return list(self.rules)
+
+    def source_name(self, name: str) -> str:
+        """The HF tensor name(s) tessera tensor ``name`` is made of."""
+        return ", ".join(self.rules[name][0].theirs[:2]) + (", ..." if len(self.rules[name][0].theirs) > 2 else "")
 
     def shape(self, name: str) -> torch.Size:
         """The shape tessera tensor ``name`` has in this source."""

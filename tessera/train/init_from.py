@@ -218,8 +218,10 @@ def check_tensors(source: InitSource, recipe: ModelConfig) -> None:
         raise ConfigError(f"{where} has tensor(s) {_listed(unexpected)} that the recipe's model has no place for")
     for name, shape in want.items():
         if source.tensors.shape(name) != shape:
+            theirs = getattr(source.tensors, "source_name", lambda n: n)(name)
+            label = f"'{theirs}'" + (f" (tessera '{name}')" if theirs != name else "")
             raise ConfigError(
-                f"{where}: tensor '{name}' has shape {tuple(source.tensors.shape(name))} there but "
+                f"{where}: tensor {label} has shape {tuple(source.tensors.shape(name))} there but "
                 f"{tuple(shape)} in the recipe's model"
             )
 
