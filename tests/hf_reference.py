@@ -9,16 +9,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-TINY_LLAMA = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-)
+TINY_LLAMA = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+}
 
 
 def save_llama(path: Path, seed: int = 0, **overrides) -> Path:

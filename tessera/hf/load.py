@@ -68,7 +68,7 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, torch.Size]]:
         _check_length(file, file.stat().st_size)
         try:
             with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                     found[key] = (file, torch.Size(f.get_slice(key).get_shape()))
         except (SafetensorError, OSError) as err:
             raise HFConversionError(

@@ -94,7 +94,10 @@ class InitSource:
 
     def load_into(self, model: nn.Module) -> None:
         """Overwrite ``model``'s weights (parallelized or not: each rank fills the blocks it holds)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            set_model_state_dict,
+        )
 
         state = get_model_state_dict(model)
         if isinstance(self.tensors, _Checkpoint):
@@ -119,7 +122,9 @@ def _partial() -> Any:
 def _fill(tensor: torch.Tensor, name: str, source: TensorSource) -> None:
     """Copy this rank's block of ``name`` from ``source`` into ``tensor`` (a DTensor's local shard, or all of it)."""
     if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,
+        )
 
         shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         local = tensor.to_local()
