@@ -290,6 +290,7 @@ class CheckpointConfig:
     every_minutes: float = 0.0  # also save when this many minutes passed since the last save (0 = off)
     async_save: bool = False  # write in the background (DCP async_save) while training goes on; alias "async"
     keep_last: int = 3  # older checkpoints are deleted
+    hf_every: int = 0  # also write an HF model directory (RUN/hf/step_N) every this many steps, in the background; 0 off
 
 
 @dataclass
@@ -1079,5 +1080,6 @@ def _validate_output(config: JobConfig) -> None:
     _require(c.every > 0, f"checkpoint.every must be positive, got {c.every}")
     _require(c.every_minutes >= 0, f"checkpoint.every_minutes must be >= 0 (0 = off), got {c.every_minutes}")
     _require(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
+    _require(c.hf_every >= 0, f"checkpoint.hf_every must be >= 0 (0 = off), got {c.hf_every}")
     _require(log.every > 0, f"log.every must be positive, got {log.every}")
     _require(log.peak_flops >= 0, f"log.peak_flops must be >= 0, got {log.peak_flops}")

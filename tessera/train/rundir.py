@@ -32,6 +32,7 @@ SUMMARY = "summary.json"
 # What a training run writes into its run directory (train.overwrite deletes exactly these).
 RUN_OUTPUTS = (
     CHECKPOINT_DIR,
+    "hf",  # checkpoint.hf_every's exports
     METRICS,
     SUMMARY,
     "config.toml",

@@ -24,6 +24,7 @@ from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_me
 from tessera.train.distill import Distillation, load_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
+from tessera.train.hf_every import HFExports
 from tessera.train.init_from import check_init_from, check_source, is_weights_only, open_source
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
@@ -135,6 +136,7 @@ class Trainer:
                 "with collectives); set checkpoint.async=false"
             )
         self.checkpointer = build_checkpointer(self.run_dir, c.keep_last, self.parallel.is_main, c.async_save)
+        self.hf_exports = HFExports(self.run_dir, c.hf_every, self.parallel.is_main)  # checkpoint.hf_every
         self.save_schedule = SaveSchedule(c.every, c.every_minutes, config.train.steps, c.enabled, self.device)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
@@ -273,6 +275,7 @@ class Trainer:
             "model": self.config.to_dict()["model"],
             "config": self.config.to_dict(),
         }
+        self.hf_exports.wait()  # the save's pruning must not delete a checkpoint an HF export still reads
         if self.engine is not None:
             return self.engine.save(self.checkpointer, self.step, extra)
         return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
@@ -484,6 +487,7 @@ class Trainer:
             finally:
                 try:
                     self.checkpointer.wait()  # checkpoint.async: the last save is complete before the run ends
+                    self.hf_exports.wait()  # checkpoint.hf_every: so is the last HF export
                 finally:  # a failed background write raises: the signal handlers still go back
                     preemption.uninstall()
                     logger.close()
@@ -540,8 +544,9 @@ class Trainer:
             if line := self.data.log_blend_phase(self.step, self.run_dir if self.parallel.is_main else None):
                 logger.print(line)  # data.blend_schedule: the realized mix of the phase that just ended
             saved = self._should_save()
-            if saved:
-                self.save()
+            if saved or self.hf_exports.due(self.step):
+                self._save_and_export()
+                saved = True
                 watchdog.kick(self.step)
             if self.step < cfg.train.steps and preemption.stop_requested(self.device):
                 if not saved:
@@ -551,6 +556,14 @@ class Trainer:
                 self._announce(preemption.record(self.step, checkpoint))
                 result.preempted = preemption.reason
                 return
+
+    def _save_and_export(self) -> None:
+        """This step's checkpoint and, when ``checkpoint.hf_every`` is due, its HF export started in the background."""
+        path = self.save()
+        if not self.hf_exports.due(self.step):
+            return
+        self.checkpointer.wait()  # checkpoint.async: the export reads the complete checkpoint
+        self.hf_exports.start(path if path is not None else latest_checkpoint(self.run_dir), self.step)
 
     def _note_compile(self, logger: MetricsLogger, seconds: float) -> None:
         """With compiled blocks, print once the first step's extra seconds over the second: its compile time."""

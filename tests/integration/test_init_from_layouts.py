@@ -61,7 +61,8 @@ def test_fsdp_and_tp_from_hf_equal_transformers(tmp_path, cache_dir):
 
 @pytest.mark.slow
 def test_init_under_dp_tp_pp_ep_equals_single_process(tmp_path, cache_dir):
-    """Step-1 losses from HF weights under dp_shard=2 x tp=2, pp=2 and ep=2 equal single-process init (1e-6)."""
+    """Step-1 losses from HF weights under dp_shard=2 x tp=2, pp=2 and ep=2 equal single-process init (1e-6); the
+    HF directory checkpoint.hf_every writes under dp_shard=2 x tp=2 loads in transformers with equal logits."""
     llama, llama_recipe = _source(tmp_path, "llama", save_llama)
     mixtral, mixtral_recipe = _source(tmp_path, "mixtral", save_mixtral)
     one = [*TRAIN, "train.steps=1", "optim.warmup_steps=1", f"data.cache_dir={cache_dir}"]
@@ -76,6 +77,7 @@ def test_init_under_dp_tp_pp_ep_equals_single_process(tmp_path, cache_dir):
         "dp2_tp2_meta_llama": [*dense, "parallel.dp_shard=2", "parallel.tp=2", "parallel.meta_init=true"],
         "pp2_llama": [*dense, "parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"],
         "ep2_mixtral": [*moe, "parallel.dp_shard=4", "parallel.ep=2"],
+        "hf_every_dp2_tp2_llama": [*dense, "parallel.dp_shard=2", "parallel.tp=2", "checkpoint.hf_every=1"],
     }
     torchrun(4, "tests/dist_init_from.py", str(tmp_path), json.dumps(jobs))
     for name in jobs:
@@ -83,3 +85,20 @@ def test_init_under_dp_tp_pp_ep_equals_single_process(tmp_path, cache_dir):
         got, want = step_records(tmp_path / name), step_records(ref)
         assert_losses_close([r["loss"] for r in got], [r["loss"] for r in want], 1e-6, what=f"{name} loss")
         assert_runs_match(tmp_path / name, ref)  # the grad norm and every tensor's checksum, too
+    _check_hf_export(tmp_path / "hf_every_dp2_tp2_llama")
+
+
+def _check_hf_export(run: Path) -> None:
+    """checkpoint.hf_every's directory (written from dp2 x tp2 shards) loads in transformers with the run's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tessera.api import load
+
+    hf = AutoModelForCausalLM.from_pretrained(str(run / "hf" / "step_00000001"), dtype=torch.float32).eval()
+    ours = load(run / "checkpoints" / "step_00000001")
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, ours(ids), rtol=1e-4, atol=1e-4)
+    card = (run / "hf" / "step_00000001" / "README.md").read_text()
+    assert "Initialized from" in card and (run / "hf" / "step_00000001" / "tokenizer.json").is_file()
