@@ -7,7 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY_OVERRIDES, assert_losses_close, assert_runs_match, step_records, torchrun
+from conftest import (
+    TINY_OVERRIDES,
+    assert_losses_close,
+    assert_runs_match,
+    step_records,
+    torchrun,
+)
 from hf_reference import save_llama, save_mixtral, transformers_loop
 
 from tessera.config import load_config
