@@ -2,7 +2,7 @@
 
 :class:`HFSlices` opens the headers of an HF directory's safetensors files (one file, several, or
 the shards a ``model.safetensors.index.json`` names), maps their names to tessera's with the
-family's weight map (``model/hf_families``), and answers ``read(name, offsets, shape)``: the
+family's weight map (``tessera/hf/families``), and answers ``read(name, offsets, shape)``: the
 block of the tessera tensor ``name`` that starts at ``offsets``, read with safetensors'
 ``get_slice`` so that only those bytes are touched. The family rules' transposes, fused QKV
 splits and per-expert stacks become index arithmetic on the HF tensors; a family that rewrites
@@ -22,8 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tessera.config import ModelConfig
-from tessera.model.hf import _OUTPUT_KEYS, config_from_hf, is_hf_dir
-from tessera.model.hf_families import FAMILIES, HFConversionError, Rule
+from tessera.hf.families import FAMILIES, HFConversionError, Rule
+from tessera.hf.weights import _OUTPUT_KEYS, config_from_hf, is_hf_dir
 
 _INDEX = "model.safetensors.index.json"
 _FIRST = 3  # names listed in a missing / unexpected tensor message

@@ -24,8 +24,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tessera.config import ConfigError, JobConfig, ModelConfig, config_from_dict
-from tessera.model.hf import _canonical, is_hf_dir
+from tessera.config import ConfigError, JobConfig, ModelConfig
+from tessera.hf.weights import _canonical, is_hf_dir
+from tessera.validate import config_from_dict
 
 # Keys a continued run may change without touching a weight's meaning: RoPE models extend their context
 # this way (a learned position table's size is still checked, as a tensor shape).
@@ -173,7 +174,7 @@ def _hf_config_near(path: Path) -> dict[str, Any] | None:
 
 def _deepspeed_source(path: Path, recipe: ModelConfig) -> InitSource:
     """A DeepSpeed checkpoint: HF-named (a config.json beside it) or tessera-named (then the recipe is its model)."""
-    from tessera.model.hf import state_from_hf
+    from tessera.hf.weights import state_from_hf
     from tessera.train.ds_checkpoint import find_deepspeed_checkpoint, read_deepspeed
 
     state = read_deepspeed(path)

@@ -14,8 +14,8 @@ from hf_reference import save_llama, transformers_loop
 from safetensors.torch import load_file, save_file
 
 from tessera.cli import main
-from tessera.config import load_config
-from tessera.convert import hf_import
+from tessera.validate import load_config
+from tessera.hf.convert import hf_import
 from tessera.train.trainer import Trainer
 
 TRAIN = [o for o in TINY_OVERRIDES if not o.startswith("model.")] + ["train.steps=10", "train.eval_every=0"]
