@@ -13,9 +13,9 @@ import sys
 import torch
 from distexit import run_and_exit
 
-from tessera.validate import load_config
 from tessera.train.distributed import teardown_parallel
 from tessera.train.trainer import train
+from tessera.validate import load_config
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ from conftest import (
 )
 from hf_reference import save_llama, save_mixtral, transformers_loop
 
-from tessera.validate import load_config
 from tessera.hf.convert import hf_import
 from tessera.train.trainer import Trainer, train
+from tessera.validate import load_config
 
 TRAIN = [o for o in TINY_OVERRIDES if not o.startswith("model.")] + ["train.eval_every=0", "optim.implementation=for-loop"]
 

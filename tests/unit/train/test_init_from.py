@@ -14,9 +14,9 @@ from hf_reference import save_llama, transformers_loop
 from safetensors.torch import load_file, save_file
 
 from tessera.cli import main
-from tessera.validate import load_config
 from tessera.hf.convert import hf_import
 from tessera.train.trainer import Trainer
+from tessera.validate import load_config
 
 TRAIN = [o for o in TINY_OVERRIDES if not o.startswith("model.")] + ["train.steps=10", "train.eval_every=0"]
 
@@ -174,3 +174,21 @@ def test_hf_import_run_dir_trains_and_prints_the_init_from_command(tmp_path, cac
     direct = tmp_path / "direct"
     assert _train(llama, direct, cache_dir, f"train.init_from={llama / 'hf'}", *short) == 0
     assert [r["loss"] for r in step_records(out)] == [r["loss"] for r in step_records(direct)]
+
+
+def test_init_from_deepspeed_universal_checkpoint(llama, tmp_path, cache_dir):
+    """An HF-named DeepSpeed universal checkpoint (config.json beside it) starts the run like the HF directory."""
+    folder = tmp_path / "ds" / "global_step7"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text((llama / "hf" / "config.json").read_text())
+    for name, tensor in load_file(str(llama / "hf" / "model.safetensors")).items():
+        (folder / "zero" / name).mkdir(parents=True)
+        torch.save({"param": tensor}, folder / "zero" / name / "fp32.pt")
+    (tmp_path / "ds" / "latest").write_text("global_step7")
+    short = ["train.steps=2", "optim.warmup_steps=1"]
+    assert _train(llama, tmp_path / "from_ds", cache_dir, f"train.init_from={tmp_path / 'ds'}", *short) == 0
+    assert _train(llama, tmp_path / "from_hf", cache_dir, f"train.init_from={llama / 'hf'}", *short) == 0
+    got, want = step_records(tmp_path / "from_ds"), step_records(tmp_path / "from_hf")
+    assert [r["loss"] for r in got] == [r["loss"] for r in want] and [r["grad_norm"] for r in got] == [
+        r["grad_norm"] for r in want
+    ]
