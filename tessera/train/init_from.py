@@ -186,9 +186,20 @@ def _deepspeed_source(path: Path, recipe: ModelConfig) -> InitSource:
     return InitSource(path, f"DeepSpeed {state.kind}, tessera names", recipe, _InMemory(weights))
 
 
+def is_upcycling(recipe: ModelConfig, source: ModelConfig) -> bool:
+    """A dense source into an MoE recipe (sparse upcycling, Komatsuzaki et al. 2022)."""
+    return bool(recipe.moe.experts) and not source.moe.experts
+
+
 def first_difference(recipe: ModelConfig, source: ModelConfig) -> tuple[str, Any, Any] | None:
-    """The first key (dotted, under ``model.``) whose resolved value differs, with both values; None if none."""
+    """The first key (dotted, under ``model.``) whose resolved value differs, with both values; None if none.
+    Upcycling compares everything but the MoE keys, and the experts' width with the dense FFN's."""
     ours, theirs = _canonical(recipe), _canonical(source)
+    if is_upcycling(recipe, source):
+        expert = ours.get("moe.ffn_hidden")
+        ours = {k: v for k, v in ours.items() if not k.startswith("moe.") and k != "ffn_hidden"}
+        ours["moe.ffn_hidden"] = expert
+        theirs = {k: v for k, v in theirs.items() if k != "ffn_hidden"} | {"moe.ffn_hidden": theirs.get("ffn_hidden")}
     for key in [*ours, *(k for k in theirs if k not in ours)]:
         if key not in _FREE_KEYS and ours.get(key) != theirs.get(key):
             return key, ours.get(key), theirs.get(key)
@@ -214,6 +225,8 @@ def _listed(names: list[str]) -> str:
 def check_tensors(source: InitSource, recipe: ModelConfig) -> None:
     """Refuse a source whose tensors do not fit the recipe's model: missing, unexpected or of another shape."""
     want = expected_shapes(recipe)
+    if isinstance(source.tensors, _Upcycled):  # the routers start as the recipe initializes them
+        want = {k: v for k, v in want.items() if ".moe.router." not in k}
     have = set(source.tensors.names())
     missing = [k for k in want if k not in have]
     unexpected = sorted(have - set(want))
@@ -232,8 +245,57 @@ def check_tensors(source: InitSource, recipe: ModelConfig) -> None:
             )
 
 
+class _Upcycled:
+    """A dense source seen as an MoE model: every expert (and shared expert) of layer i is layer i's dense FFN."""
+
+    def __init__(self, dense: TensorSource, recipe: ModelConfig) -> None:
+        from tessera.model.moe import is_moe_layer
+
+        self.dense, self.map = dense, {}
+        names = set(dense.names())
+        for i in range(recipe.n_layers):
+            if not is_moe_layer(recipe, i):
+                continue
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                ffn = f"layers.{i}.feed_forward.{proj}.weight"
+                if ffn not in names:
+                    continue
+                names.discard(ffn)
+                self.map[f"layers.{i}.moe.experts.{proj}"] = (ffn, recipe.moe.experts)
+                if recipe.moe.shared_experts:
+                    self.map[f"layers.{i}.moe.shared.{proj}.weight"] = (ffn, 0)
+        self.plain = names
+
+    def names(self) -> list[str]:
+        return [*self.plain, *self.map]
+
+    def shape(self, name: str) -> torch.Size:
+        if name not in self.map:
+            return self.dense.shape(name)
+        ffn, experts = self.map[name]
+        out, inp = self.dense.shape(ffn)
+        return torch.Size((experts, inp, out)) if experts else torch.Size((out, inp))
+
+    def read(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.map:
+            return self.dense.read(name, offsets, shape)
+        ffn, experts = self.map[name]
+        if not experts:
+            return self.dense.read(ffn, offsets, shape)
+        block = self.dense.read(ffn, (offsets[2], offsets[1]), (shape[2], shape[1])).T  # (in, out) of every expert
+        return block.unsqueeze(0).expand(shape[0], -1, -1).contiguous()
+
+
 def check_source(source: InitSource, recipe: ModelConfig) -> None:
     """The recipe's ``[model]`` must be the source's (one line: the first differing key), then its tensors must fit."""
+    if is_upcycling(recipe, source.cfg):
+        if isinstance(source.tensors, _Checkpoint):
+            raise ConfigError(
+                f"train.init_from='{source.path}': upcycling a dense model into the recipe's MoE reads an HF directory "
+                "or a DeepSpeed checkpoint; export the tessera run first (tessera convert hf-export RUN DIR)"
+            )
+        source.tensors = _Upcycled(source.tensors, recipe)
+        source.kind += f", upcycled into {recipe.moe.experts} experts"
     diff = first_difference(recipe, source.cfg)
     if diff is not None:
         key, ours, theirs = diff

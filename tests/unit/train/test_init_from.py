@@ -192,3 +192,16 @@ def test_init_from_deepspeed_universal_checkpoint(llama, tmp_path, cache_dir):
     assert [r["loss"] for r in got] == [r["loss"] for r in want] and [r["grad_norm"] for r in got] == [
         r["grad_norm"] for r in want
     ]
+
+
+def test_upcycling_a_dense_source_into_moe(llama, tmp_path, cache_dir):
+    """Sparse upcycling: every expert starts as the dense FFN, so (top-k weights summing to 1) the MoE's step-0
+    validation loss is the dense model's; with a shared expert too, the run trains."""
+    moe = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=128"]
+    evals = ["train.steps=2", "optim.warmup_steps=1", "train.eval_every=2"]
+    hf = f"train.init_from={llama / 'hf'}"
+    assert _train(llama, tmp_path / "dense", cache_dir, hf, *evals) == 0
+    assert _train(llama, tmp_path / "moe", cache_dir, hf, *evals, *moe) == 0
+    val = {r: json.loads((tmp_path / r / "summary.json").read_text())["val_losses"]["0"] for r in ("dense", "moe")}
+    assert abs(val["moe"] - val["dense"]) <= 1e-6 * val["dense"], val
+    assert _train(llama, tmp_path / "shared", cache_dir, hf, *evals, *moe, "model.moe.shared_experts=1") == 0
