@@ -68,6 +68,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     from tessera.data.pipeline import cache_dir
     from tessera.evaluate.loop import check_eval
+    from tessera.train.init_from import check_init_from
     from tessera.train.rundir import claim_run
     from tessera.train.metrics import check_sinks
     from tessera.train.preemption import stop_exit_code
@@ -75,6 +76,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     check_sinks(config.log)
     check_eval(config, cache_dir(config.data.cache_dir))  # [eval] tasks known, their rows well formed
+    check_init_from(config)  # train.init_from: source and recipe checked before anything is written
     with claim_run(config.train.run_dir):  # before anything is built: the run is busy from now on
         return stop_exit_code(train_and_exit(config).preempted)
 
@@ -631,12 +633,13 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         convert_gqa(args.run, args.kv_heads, args.out, args.uptrain_fraction, args.batches, overrides, print)
         return 0
     _no_overrides("convert", overrides)
-    from tessera.hf.convert import consolidate, deepspeed_import, hf_export, hf_import
+    from tessera.hf.convert import consolidate, deepspeed_import, hf_export, hf_import, init_from_command
 
     if args.convert_command == "deepspeed-import":
         print(f"imported {args.ds_checkpoint} -> {deepspeed_import(args.ds_checkpoint, args.out_dir, args.config)}")
     elif args.convert_command == "hf-import":
         print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir, args.overwrite)}")
+        print(f"next step (continued pretraining): {init_from_command(args.hf_dir, args.out_dir)}")
     elif args.convert_command == "consolidate":
         print(f"consolidated {args.checkpoint} -> {consolidate(args.checkpoint, args.out_dir)}")
     else:

@@ -73,14 +73,20 @@ def hf_import(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False) 
 
 
 def _write_imported(out_dir: Path, hf_dir: Path, job: JobConfig, model: torch.nn.Module, family: str) -> Path:
+    if copy_tokenizer_files(hf_dir, out_dir):  # the run keeps the source model's tokenizer, and trains with it
+        job.data.tokenizer = str(out_dir)
     (out_dir / "config.toml").write_text(job.to_toml(), encoding="utf-8")
-    copy_tokenizer_files(hf_dir, out_dir)  # the run keeps the source model's tokenizer
     extra = {
         "config": job.to_dict(),
         "model": job.to_dict()["model"],
         "imported_from": {"path": str(hf_dir), "family": family},
     }
     return Checkpointer(out_dir, keep_last=1).save(0, model, torch.optim.AdamW(model.parameters()), extra)
+
+
+def init_from_command(hf_dir: str | Path, out_dir: str | Path) -> str:
+    """The command that continues pretraining from an imported HF model (printed after ``hf-import``)."""
+    return f"tessera train {Path(out_dir) / 'config.toml'} train.init_from={hf_dir}"
 
 
 def hf_export(checkpoint: str | Path, out_dir: str | Path, family: str | None = None) -> str:

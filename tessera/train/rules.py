@@ -75,5 +75,6 @@ def check_output(config: JobConfig) -> None:
     require(c.every > 0, f"checkpoint.every must be positive, got {c.every}")
     require(c.every_minutes >= 0, f"checkpoint.every_minutes must be >= 0 (0 = off), got {c.every_minutes}")
     require(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
+    require(c.hf_every >= 0, f"checkpoint.hf_every must be >= 0 (0 = off), got {c.hf_every}")
     require(log.every > 0, f"log.every must be positive, got {log.every}")
     require(log.peak_flops >= 0, f"log.peak_flops must be >= 0, got {log.peak_flops}")

@@ -35,6 +35,7 @@ SUMMARY = "summary.json"
 # What a training run writes into its run directory (train.overwrite deletes exactly these).
 RUN_OUTPUTS = (
     CHECKPOINT_DIR,
+    "hf",  # checkpoint.hf_every's exports
     METRICS,
     SUMMARY,
     "config.toml",
@@ -46,7 +47,7 @@ RUN_OUTPUTS = (
 )
 # Keys a resumed run cannot change: the saved data position only means something for the same samples.
 FIXED_ON_RESUME = {"train.seq_len": "the sequence length", "train.seed": "the data order"}
-NOT_COMPARED = ("train.run_dir", "train.resume", "train.overwrite")
+NOT_COMPARED = ("train.run_dir", "train.resume", "train.overwrite", "train.init_from")
 
 
 def make_run_dir(run_dir: Path) -> None:
@@ -148,7 +149,13 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 
 
 def write_summary(
-    run_dir: Path, steps: int, seconds: float, final_loss: float | None, continued: bool, param_sumsq: Any = None
+    run_dir: Path,
+    steps: int,
+    seconds: float,
+    final_loss: float | None,
+    continued: bool,
+    param_sumsq: Any = None,
+    init_from: str = "",
 ) -> None:
     """Write summary.json; a run that continued an earlier one adds to its summary instead of replacing it."""
     path = run_dir / SUMMARY
@@ -167,6 +174,8 @@ def write_summary(
         "final_loss": final_loss,
         "param_sumsq": param_sumsq,
     }
+    if init_from:  # train.init_from: where the run's first weights came from
+        summary["init_from"] = init_from
     write_text_atomic(path, json.dumps(json_safe(summary), indent=1))
 
 

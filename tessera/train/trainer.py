@@ -25,6 +25,8 @@ from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_me
 from tessera.train.distill import Distillation, load_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
+from tessera.train.hf_every import HFExports
+from tessera.train.init_from import check_init_from, check_source, is_weights_only, open_source
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
 from tessera.train.moe_stats import ExpertLoadTracker
@@ -103,6 +105,7 @@ class Trainer:
     def __init__(self, config: JobConfig) -> None:
         self.config = config
         self.run_dir = Path(config.train.run_dir)
+        self.init_source = check_init_from(config)  # train.init_from: checked before any process group starts
         self.device = resolve_device(config.train.device)
         self.dtype = DTYPES[config.train.dtype]
         self.parallel = setup_parallel(config, self.device)
@@ -118,6 +121,7 @@ class Trainer:
     def _build(self, config: JobConfig) -> None:
         self.parallel.barrier()  # rank 0 has locked (and with train.overwrite, emptied) the run directory
         self.resume_from = resolve_resume(config)
+        self._weights_only_resume()
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
         self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
@@ -139,6 +143,7 @@ class Trainer:
                 "with collectives); set checkpoint.async=false"
             )
         self.checkpointer = build_checkpointer(self.run_dir, c.keep_last, self.parallel.is_main, c.async_save)
+        self.hf_exports = HFExports(self.run_dir, c.hf_every, self.parallel.is_main)  # checkpoint.hf_every
         self.save_schedule = SaveSchedule(c.every, c.every_minutes, config.train.steps, c.enabled, self.device)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
@@ -150,6 +155,16 @@ class Trainer:
         )
         self.nonfinite = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
         self.downstream = self._build_downstream()  # [eval] tasks, or None
+
+    def _weights_only_resume(self) -> None:
+        """A ``convert hf-import`` checkpoint holds weights only: start from it (or init_from) instead of resuming."""
+        if self.resume_from is None or not is_weights_only(read_meta(self.resume_from)):
+            return
+        cfg = self.config
+        cfg.train.init_from = cfg.train.init_from or str(self.resume_from)
+        self.init_source = open_source(cfg.train.init_from, cfg.model)
+        check_source(self.init_source, cfg.model)
+        self.resume_from = None
 
     def close(self) -> None:
         """Release the run directory (the end of :meth:`fit` does it; so does the end of the process)."""
@@ -211,7 +226,10 @@ class Trainer:
                 root.to_empty(device=self.device)
             with torch.no_grad():
                 model.init_weights(shard_seeds(cfg.train.seed))
-        return model.to(self.device)
+        model = model.to(self.device)
+        if self.init_source is not None and self.resume_from is None:
+            self.init_source.load_into(model)  # each rank reads the blocks of the tensors it holds
+        return model
 
     def _build_downstream(self) -> DownstreamEval | None:
         """The ``[eval]`` downstream tasks over the live model (None when no task is named)."""
@@ -273,6 +291,7 @@ class Trainer:
             "model": self.config.to_dict()["model"],
             "config": self.config.to_dict(),
         }
+        self.hf_exports.wait()  # the save's pruning must not delete a checkpoint an HF export still reads
         if self.engine is not None:
             return self.engine.save(self.checkpointer, self.step, extra)
         return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
@@ -484,6 +503,7 @@ class Trainer:
             finally:
                 try:
                     self.checkpointer.wait()  # checkpoint.async: the last save is complete before the run ends
+                    self.hf_exports.wait()  # checkpoint.hf_every: so is the last HF export
                 finally:  # a failed background write raises: the signal handlers still go back
                     preemption.uninstall()
                     logger.close()
@@ -544,8 +564,9 @@ class Trainer:
             if line := self.data.log_blend_phase(self.step, self.run_dir if self.parallel.is_main else None):
                 logger.print(line)  # data.blend_schedule: the realized mix of the phase that just ended
             saved = self._should_save()
-            if saved:
-                self.save()
+            if saved or self.hf_exports.due(self.step):
+                self._save_and_export()
+                saved = True
                 watchdog.kick(self.step)
             if self.step < cfg.train.steps and preemption.stop_requested(self.device):
                 if not saved:
@@ -555,6 +576,14 @@ class Trainer:
                 self._announce(preemption.record(self.step, checkpoint))
                 result.preempted = preemption.reason
                 return
+
+    def _save_and_export(self) -> None:
+        """This step's checkpoint and, when ``checkpoint.hf_every`` is due, its HF export started in the background."""
+        path = self.save()
+        if not self.hf_exports.due(self.step):
+            return
+        self.checkpointer.wait()  # checkpoint.async: the export reads the complete checkpoint
+        self.hf_exports.start(path if path is not None else latest_checkpoint(self.run_dir), self.step)
 
     def _note_compile(self, logger: MetricsLogger, seconds: float) -> None:
         """With compiled blocks, print once the first step's extra seconds over the second: its compile time."""
@@ -601,7 +630,19 @@ class Trainer:
         extra = [busy_hint(self.threads.threads) if self.device.type == "cpu" else "", realized_mix(self.data.train)]
         extra += [warmup_notice(self.config.optim, self.config.train.steps), self.data.notice]
         extra.append(describe_stages(self.config) if self.pipeline is not None else "")
+        extra.append(self._init_line())
         return "\n".join(lines + [f"tessera: {line}" for line in extra if line])
+
+    def _init_line(self) -> str:
+        """Where the weights came from (train.init_from), or why init_from is not used."""
+        init_from = self.config.train.init_from
+        if init_from and self.resume_from is not None:
+            return f"train.init_from={init_from} ignored: the run resumes from its own checkpoint {self.resume_from}"
+        if self.init_source is None:
+            return ""
+        return (
+            f"weights from {self.init_source.describe()}; optimizer, schedule, data position and step start fresh"
+        )
 
     def _finish(self, result: TrainResult, logger: MetricsLogger) -> None:
         cfg = self.config
@@ -626,7 +667,10 @@ class Trainer:
             return
         final_loss = result.losses[-1] if result.losses else None
         # param_sumsq: per tensor, layout-independent: the parity tests' final check
-        write_summary(self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq)
+        write_summary(
+            self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq,
+            init_from=cfg.train.init_from,
+        )
         vals = list(result.val_losses.values())
         trend = f"val loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
         logger.print(f"done: step {self.step} in {result.seconds:.1f}s {trend}; outputs in {self.run_dir}")
