@@ -256,6 +256,7 @@ class TrainConfig:
     distill_from: str = ""  # a teacher run or checkpoint directory: distill its logits into this model ("" = off)
     distill_temperature: float = 2.0  # distillation: both models' logits are divided by this before the softmax
     distill_alpha: float = 0.5  # distillation: loss = (1 - alpha) * cross-entropy + alpha * T^2 * KL(teacher||student)
+    fp8: Literal["off", "tensorwise", "rowwise", "mxfp8"] = "off"  # torchao fp8 training of the block linears (CPU: emulated)
 
 
 @dataclass
@@ -912,6 +913,7 @@ def validate(config: JobConfig) -> None:
     check_layout(config)
     _validate_data(config.data)
     _validate_engine(config.parallel, config.train)
+    _validate_fp8(config)
     _validate_engine_optimizer(config.parallel, config.optim)
     _require(
         not (config.data.document_mask and "M" in config.model.layer_pattern),
@@ -947,6 +949,35 @@ def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _require(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32) (numpy and megatron seeds), got {t.seed}")
     _require(t.max_nonfinite_skips >= 1, f"train.max_nonfinite_skips must be >= 1, got {t.max_nonfinite_skips}")
     _require(t.hang_timeout_s >= 0, f"train.hang_timeout_s must be >= 0 (0 = no watchdog), got {t.hang_timeout_s}")
+
+
+def _validate_fp8(config: JobConfig) -> None:
+    """fp8 training: torch engine only, and matrix sides torchao's fp8 GEMMs can take."""
+    t, m = config.train, config.model
+    if t.fp8 == "off":
+        return
+    _require(
+        config.parallel.engine == "torch",
+        f"train.fp8={t.fp8!r} runs in the torch engine (torchao converts the linears before FSDP); "
+        "parallel.engine='deepspeed' does not support it: set train.fp8=off or parallel.engine=torch",
+    )
+    multiple = 32 if t.fp8 == "mxfp8" else 16
+    head_dim = m.head_dim or m.dim // m.n_heads
+    sides = {"model.dim": m.dim, "model.n_heads*head_dim": m.n_heads * head_dim}
+    sides["model.n_kv_heads*head_dim"] = (m.n_kv_heads or m.n_heads) * head_dim
+    sides.update({"model.ffn_hidden": m.ffn_hidden} if m.ffn_hidden else {"model.multiple_of": m.multiple_of})
+    for name, value in sides.items():
+        _require(
+            value % multiple == 0,
+            f"train.fp8={t.fp8!r} needs matrix sides divisible by {multiple}, but {name}={value}; "
+            f"change {name.split('*')[0]} or set train.fp8=off",
+        )
+    rows = t.batch_size * t.seq_len
+    _require(
+        t.fp8 != "mxfp8" or t.seq_len % 32 == 0,
+        f"train.fp8='mxfp8' scales blocks of 32 tokens: train.seq_len={t.seq_len} (x batch {t.batch_size} = "
+        f"{rows} rows) must be a multiple of 32",
+    )
 
 
 def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:

@@ -18,6 +18,7 @@ from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
 from tessera.layout import describe_stages
+from tessera.parallel.fp8 import check_fp8_device
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.async_checkpoint import build_checkpointer
 from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_meta
@@ -97,6 +98,7 @@ class Trainer:
         self.config = config
         self.run_dir = Path(config.train.run_dir)
         self.device = resolve_device(config.train.device)
+        check_fp8_device(config.train.fp8, self.device)
         self.dtype = DTYPES[config.train.dtype]
         self.parallel = setup_parallel(config, self.device)
         self.device = self.parallel.device
