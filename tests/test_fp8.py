@@ -12,14 +12,25 @@ import json
 
 import pytest
 import torch
+from conftest import (
+    TINY_OVERRIDES,
+    step_losses,
+    step_records,
+    torchrun,
+    write_tiny_recipe,
+)
 from torch import nn
 
 from tessera.config import ConfigError, load_config
 from tessera.model import build_model
-from tessera.parallel.fp8 import convert_float8, convert_mxfp8, float8_config, import_torchao, mxfp8_config
+from tessera.parallel.fp8 import (
+    convert_float8,
+    convert_mxfp8,
+    float8_config,
+    import_torchao,
+    mxfp8_config,
+)
 from tessera.train.trainer import train
-
-from conftest import TINY_OVERRIDES, assert_runs_match, step_losses, torchrun, write_tiny_recipe
 
 import_torchao()
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -147,5 +158,14 @@ def test_fp8_under_fsdp_and_tp_matches_fp8_in_one_process(tmp_path, cache_dir):
             for fp8 in ("tensorwise", "rowwise", "mxfp8")}
     torchrun(2, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
     for fp8, ref in refs.items():
-        assert_runs_match(tmp_path / f"fsdp_{fp8}", ref, rtol=1e-2, checksum=False)
-        assert_runs_match(tmp_path / f"tp_{fp8}", ref, rtol=3e-3, checksum=False)
+        for layout, loss_tol, gnorm_tol in (("fsdp", 2e-4, 1e-2), ("tp", 1e-4, 3e-3)):
+            run = tmp_path / f"{layout}_{fp8}"
+            loss, gnorm = _max_rel(run, ref, "loss"), _max_rel(run, ref, "grad_norm")
+            print(f"{layout} {fp8}: loss {loss:.1e} grad norm {gnorm:.1e}")
+            assert loss <= loss_tol and gnorm <= gnorm_tol, f"{run.name}: loss {loss:.2e}, grad norm {gnorm:.2e}"
+
+
+def _max_rel(run, ref, key: str) -> float:
+    got, want = step_records(run), step_records(ref)
+    assert [r["step"] for r in got] == [r["step"] for r in want] and got
+    return max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(got, want))

@@ -6,14 +6,18 @@ import torch
 from torch import nn
 
 from tessera.config import JobConfig
+from tessera.parallel.activation import (
+    apply_activation_checkpointing,
+    apply_compile,
+    compile_enabled,
+)
 from tessera.parallel.blocks import block_containers
-from tessera.parallel.activation import apply_activation_checkpointing, apply_compile, compile_enabled
 from tessera.parallel.context import apply_context_parallel
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.expert import apply_expert_parallel
-from tessera.parallel.grads import clip_grad_norm
 from tessera.parallel.fp8 import convert_float8, convert_mxfp8
 from tessera.parallel.fsdp import apply_ddp, apply_fsdp
+from tessera.parallel.grads import clip_grad_norm
 from tessera.parallel.tensor import apply_tensor_parallel
 
 __all__ = ["ParallelDims", "clip_grad_norm", "parallelize"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -84,7 +84,10 @@ def float8_config(recipe: str, emulate: bool, fsdp_all_gather: bool):
 
 def mxfp8_config(emulate: bool):
     """torchao's ``MXFP8TrainingOpConfig`` (RCEIL scales; the PyTorch emulation off Blackwell GPUs)."""
-    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.prototype.moe_training.config import (
+        MXFP8TrainingOpConfig,
+        MXFP8TrainingRecipe,
+    )
 
     recipe = MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL if emulate else MXFP8TrainingRecipe.MXFP8_RCEIL
     return MXFP8TrainingOpConfig.from_recipe(recipe)
