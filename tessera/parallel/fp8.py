@@ -35,16 +35,20 @@ def fp8_multiple(recipe: str) -> int:
 
 
 def import_torchao() -> None:
-    """Import torchao quietly (it logs a warning per CUDA .so it cannot load on a CPU build)."""
-    logger = logging.getLogger("torchao")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """Import torchao quietly: it logs a warning per CUDA .so it cannot load on a CPU build, and torch
+    one per enum torchao registers with pytree; neither is the user's concern."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         import torchao  # noqa: F401
+        import torchao.prototype.moe_training.config  # noqa: F401  (registers its enums while muted)
     except ImportError:
         raise ConfigError("train.fp8 and quantization need torchao: pip install 'tessera[lowp]'") from None
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def check_fp8_device(recipe: str, device: torch.device) -> None:

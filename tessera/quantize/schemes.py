@@ -88,9 +88,11 @@ def quantization_config(path: str | Path) -> dict | None:
 def load_quantized_hf(path: str | Path) -> nn.Module:
     """The quantized tessera model of a torchao-quantized HF directory (eval mode, CPU).
 
-    The stored tensors are dequantized, mapped to tessera names and quantized again with the stored
-    config: per-row and per-group absmax quantization of its own dequantized values gives back the
-    same integers and scales, so tessera and transformers decode the same tokens (tests prove it).
+    The stored tensors are dequantized and mapped to tessera names (which fixes the model config and
+    every plain tensor), the model is quantized with the stored config, and then each quantized weight
+    that the mapping only renamed takes the stored torchao tensor itself: tessera computes with the
+    very integers and scales transformers loads (quantizing the dequantized values again would not
+    give back the same scales).
     """
     from tessera.model import build_model
     from tessera.model.hf import HFConversionError, load_state, state_from_hf
@@ -99,19 +101,25 @@ def load_quantized_hf(path: str | Path) -> nn.Module:
     if quant is None:
         raise HFConversionError(f"'{path}' is not a torchao-quantized HF directory (no quantization_config)")
     from torchao.core.config import config_from_dict
-
-    hf_config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    cfg, state, _ = state_from_hf(hf_config, _dequantized_tensors(Path(path)), Path(path) / "config.json")
-    model = build_model(cfg)
-    load_state(model, state)
     from torchao.quantization import quantize_
 
+    hf_config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    plain, stored = _dequantized_tensors(Path(path))
+    cfg, state, _ = state_from_hf(hf_config, plain, Path(path) / "config.json")
+    model = build_model(cfg)
+    load_state(model, state)
     quantize_(model, config_from_dict(quant["quant_type"]["default"]), filter_fn=quantized_linear)
+    for name, tensor in state.items():
+        original = stored.get(tensor.data_ptr())
+        owner, _, leaf = name.rpartition(".")
+        if original is not None and original.shape == tensor.shape:
+            setattr(model.get_submodule(owner), leaf, nn.Parameter(original, requires_grad=False))
     return model.eval()
 
 
-def _dequantized_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """HF-named fp32 tensors of the directory's safetensors files (torchao tensors dequantized)."""
+def _dequantized_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+    """HF-named fp32 tensors of the directory's safetensors files (torchao tensors dequantized), and the
+    torchao tensors by the address of their dequantized copy."""
     from safetensors import safe_open
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
@@ -119,12 +127,16 @@ def _dequantized_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not files:
         raise ConfigError(f"'{path}' has no .safetensors files; re-run tessera convert quantize")
     tensors: dict[str, torch.Tensor] = {}
+    stored: dict[int, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             data = {key: handle.get_tensor(key) for key in handle.keys()}
             metadata = handle.metadata() or {}
         restored, _ = unflatten_tensor_state_dict(data, metadata)
         for name, tensor in restored.items():
-            plain = tensor.dequantize() if hasattr(tensor, "dequantize") and type(tensor) is not torch.Tensor else tensor
-            tensors[name] = plain.float()
-    return tensors
+            if type(tensor) is torch.Tensor:
+                tensors[name] = tensor.float()
+                continue
+            tensors[name] = tensor.dequantize().float().contiguous()
+            stored[tensors[name].data_ptr()] = tensor
+    return tensors, stored
