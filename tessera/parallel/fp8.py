@@ -117,4 +117,14 @@ def convert_mxfp8(model: nn.Module, device_type: str) -> list[str]:
     keep = fp8_filter("mxfp8")
     names = [fqn for fqn, mod in model.named_modules() if keep(mod, fqn)]
     quantize_(model, mxfp8_config(emulate=device_type != "cuda"), filter_fn=keep)
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(_input_to_weight_dtype)
     return names
+
+
+def _input_to_weight_dtype(module: nn.Module, args: tuple) -> tuple:
+    """Under autocast the MXFP8 wrapper sees a bf16 input beside its fp32 weight (its function runs before
+    autocast's cast) and its emulated GEMM needs one dtype: the input goes to the weight's; the fp8 casts
+    of both are what sets the precision."""
+    x = args[0]
+    return args if x.dtype == module.weight.dtype else (x.to(module.weight.dtype), *args[1:])
