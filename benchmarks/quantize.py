@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tessera.api import load
-from tessera.convert import hf_export
+from tessera.hf.convert import hf_export
 from tessera.quantize.convert import quantize_run
 
 SCHEMES = ("fp32", "int8-weight", "int4-weight", "fp8")
@@ -33,7 +33,7 @@ def _random_run(overrides: str, where: Path, tokenizer_run: Path) -> Path:
     of ``tokenizer_run``, which the HF export copies)."""
     import shutil
 
-    from tessera.config import load_config
+    from tessera.validate import load_config
     from tessera.model import build_model
     from tessera.train.checkpoint import Checkpointer
 

@@ -21,7 +21,8 @@ from conftest import (
 )
 from torch import nn
 
-from tessera.config import ConfigError, load_config
+from tessera.config import ConfigError
+from tessera.validate import load_config
 from tessera.model import build_model
 from tessera.parallel.fp8 import (
     convert_float8,

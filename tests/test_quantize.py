@@ -17,7 +17,7 @@ PROMPT = [[5, 17, 42, 9]]
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, cache_dir):
-    from tessera.config import load_config
+    from tessera.validate import load_config
 
     from conftest import TINY_OVERRIDES
 

@@ -16,7 +16,7 @@ def quantize_run(run: str | Path, out_dir: str | Path, scheme: str, group_size: 
     ``out_dir`` then loads with ``AutoModelForCausalLM.from_pretrained`` (torchao installed) and with
     tessera (``generate``, ``inspect``, ``tessera.load``)."""
     from tessera.api import find_checkpoint, load
-    from tessera.convert import hf_export
+    from tessera.hf.convert import hf_export
 
     check_scheme(load(find_checkpoint(run)), scheme, group_size)  # before anything is written
     config = torchao_config(scheme, group_size)

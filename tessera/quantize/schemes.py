@@ -95,7 +95,7 @@ def load_quantized_hf(path: str | Path) -> nn.Module:
     give back the same scales).
     """
     from tessera.model import build_model
-    from tessera.model.hf import HFConversionError, load_state, state_from_hf
+    from tessera.hf.weights import HFConversionError, load_state, state_from_hf
 
     quant = quantization_config(path)
     if quant is None:
