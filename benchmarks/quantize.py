@@ -33,9 +33,9 @@ def _random_run(overrides: str, where: Path, tokenizer_run: Path) -> Path:
     of ``tokenizer_run``, which the HF export copies)."""
     import shutil
 
-    from tessera.validate import load_config
     from tessera.model import build_model
     from tessera.train.checkpoint import Checkpointer
+    from tessera.validate import load_config
 
     config = load_config("configs/smoke.toml", [*overrides.split(), f"train.run_dir={where}"])
     torch.manual_seed(0)
@@ -67,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", default="", help="a trained run directory")
     parser.add_argument("--random", default="", help="model overrides of a randomly initialized model instead")
-    parser.add_argument("--tokenizer-run", default="runs/smoke", help="--random: a run whose tokenizer the export copies")
+    parser.add_argument("--tokenizer-run", default="runs/smoke", help="--random: the run whose tokenizer is copied")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, default=8)

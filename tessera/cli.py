@@ -570,7 +570,8 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.convert_command == "quantize":
         from tessera.quantize.convert import quantize_run
 
-        print(f"quantized {args.run} -> {quantize_run(args.run, args.out_dir, args.scheme, args.group_size)} ({args.scheme})")
+        out = quantize_run(args.run, args.out_dir, args.scheme, args.group_size)
+        print(f"quantized {args.run} -> {out} ({args.scheme})")
         return 0
     from tessera.hf.convert import consolidate, deepspeed_import, hf_export, hf_import
 

@@ -22,7 +22,6 @@ from conftest import (
 from torch import nn
 
 from tessera.config import ConfigError
-from tessera.validate import load_config
 from tessera.model import build_model
 from tessera.parallel.fp8 import (
     convert_float8,
@@ -32,6 +31,7 @@ from tessera.parallel.fp8 import (
     mxfp8_config,
 )
 from tessera.train.trainer import train
+from tessera.validate import load_config
 
 import_torchao()
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -150,7 +150,8 @@ def test_bad_fp8_input_is_one_line(tiny_config, overrides, message):
 def test_fp8_under_fsdp_and_tp_matches_fp8_in_one_process(tmp_path, cache_dir):
     """Same tolerance as the bf16 layouts (tests/test_precision.py): FSDP 2e-4 loss / 1e-2 grad norm,
     TP 1e-4 / 3e-3."""
-    recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, *FP8_QUICK, "train.steps=4", "checkpoint.enabled=false")
+    job = [*FP8_QUICK, "train.steps=4", "checkpoint.enabled=false"]
+    recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, *job)
     variants = {}
     for fp8 in ("tensorwise", "rowwise", "mxfp8"):
         variants[f"fsdp_{fp8}"] = ["parallel.dp_shard=2", f"train.fp8={fp8}"]

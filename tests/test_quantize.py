@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_cli
 
 from tessera.api import load
 from tessera.model import generate
 from tessera.quantize.convert import quantize_run
 from tessera.train.trainer import train
 
-from conftest import run_cli
-
 PROMPT = [[5, 17, 42, 9]]
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, cache_dir):
-    from tessera.validate import load_config
-
     from conftest import TINY_OVERRIDES
+
+    from tessera.validate import load_config
 
     run = tmp_path_factory.mktemp("quant") / "run"
     overrides = [*TINY_OVERRIDES, f"train.run_dir={run}", f"data.cache_dir={cache_dir}", "train.eval_every=0"]
@@ -47,9 +46,13 @@ def test_quantized_export_decodes_the_same_in_transformers_and_tessera(trained_r
 
 
 def test_bad_int4_group_size_is_one_line_exit_2(trained_run, tmp_path):
-    result = run_cli("convert", "quantize", str(trained_run), str(tmp_path / "q"), "--scheme", "int4-weight", "--group-size", "48")
+    args = ["convert", "quantize", str(trained_run), str(tmp_path / "q"), "--scheme", "int4-weight", "--group-size", "48"]
+    result = run_cli(*args)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines == ["tessera: error: --group-size 48 does not divide the input dimension 64 of "
-                     "layers.0.attention.q_proj; use a divisor of 64 (e.g. 32)"], lines
+    want = (
+        "tessera: error: --group-size 48 does not divide the input dimension 64 of layers.0.attention.q_proj; "
+        "use a divisor of 64 (e.g. 32)"
+    )
+    assert lines == [want], lines
     assert not (tmp_path / "q").exists()

@@ -42,7 +42,7 @@ def import_torchao() -> None:
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        import torchao  # noqa: F401
+        import torchao
         import torchao.prototype.moe_training.config  # noqa: F401  (registers its enums while muted)
     except ImportError:
         raise ConfigError("train.fp8 and quantization need torchao: pip install 'tessera[lowp]'") from None
@@ -83,7 +83,8 @@ def float8_config(recipe: str, emulate: bool, fsdp_all_gather: bool):
     from torchao.float8 import Float8LinearConfig
 
     base = Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(base, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise")
+    all_gather = fsdp_all_gather and recipe == "tensorwise"
+    return dataclasses.replace(base, emulate=emulate, enable_fsdp_float8_all_gather=all_gather)
 
 
 def mxfp8_config(emulate: bool):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from tessera.errors import ConfigError
 from tessera.quantize.schemes import DEFAULT_GROUP_SIZE, check_scheme, torchao_config
 
 
@@ -20,8 +21,11 @@ def quantize_run(run: str | Path, out_dir: str | Path, scheme: str, group_size: 
 
     check_scheme(load(find_checkpoint(run)), scheme, group_size)  # before anything is written
     config = torchao_config(scheme, group_size)
+    try:
+        from transformers import AutoModelForCausalLM, TorchAoConfig
+    except ImportError:
+        raise ConfigError("tessera convert quantize needs transformers: pip install 'tessera[lowp]'") from None
     hf_export(run, out_dir)
-    from transformers import AutoModelForCausalLM, TorchAoConfig
 
     quant = TorchAoConfig(config, modules_to_not_convert=["lm_head"])
     model = AutoModelForCausalLM.from_pretrained(str(out_dir), quantization_config=quant, dtype=torch.float32)

@@ -31,7 +31,11 @@ def torchao_config(scheme: str, group_size: int = DEFAULT_GROUP_SIZE) -> Any:
     from tessera.parallel.fp8 import import_torchao
 
     import_torchao()
-    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig
+    from torchao.quantization import (
+        Float8WeightOnlyConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+    )
     from torchao.quantization.granularity import PerGroup
 
     if scheme == "int8-weight":
@@ -94,8 +98,8 @@ def load_quantized_hf(path: str | Path) -> nn.Module:
     very integers and scales transformers loads (quantizing the dequantized values again would not
     give back the same scales).
     """
-    from tessera.model import build_model
     from tessera.hf.weights import HFConversionError, load_state, state_from_hf
+    from tessera.model import build_model
 
     quant = quantization_config(path)
     if quant is None:
@@ -121,7 +125,9 @@ def _dequantized_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[int,
     """HF-named fp32 tensors of the directory's safetensors files (torchao tensors dequantized), and the
     torchao tensors by the address of their dequantized copy."""
     from safetensors import safe_open
-    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+    from torchao.prototype.safetensors.safetensors_support import (
+        unflatten_tensor_state_dict,
+    )
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -130,7 +136,7 @@ def _dequantized_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[int,
     stored: dict[int, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            data = {key: handle.get_tensor(key) for key in handle.keys()}
+            data = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (a handle, not a dict)
             metadata = handle.metadata() or {}
         restored, _ = unflatten_tensor_state_dict(data, metadata)
         for name, tensor in restored.items():
