@@ -46,7 +46,8 @@ def test_quantized_export_decodes_the_same_in_transformers_and_tessera(trained_r
 
 
 def test_bad_int4_group_size_is_one_line_exit_2(trained_run, tmp_path):
-    args = ["convert", "quantize", str(trained_run), str(tmp_path / "q"), "--scheme", "int4-weight", "--group-size", "48"]
+    args = ["convert", "quantize", str(trained_run), str(tmp_path / "q"), "--scheme", "int4-weight"]
+    args += ["--group-size", "48"]
     result = run_cli(*args)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
