@@ -8,6 +8,7 @@ reference of the fp8 casts, so a change in what is converted or how is visible h
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -26,9 +27,7 @@ from tessera.model import build_model
 from tessera.parallel.fp8 import (
     convert_float8,
     convert_mxfp8,
-    float8_config,
     import_torchao,
-    mxfp8_config,
 )
 from tessera.train.trainer import train
 from tessera.validate import load_config
@@ -48,6 +47,13 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     amax = t.abs().max().to(torch.float64).clamp(min=1e-12)
     scale = (torch.finfo(dtype).max / amax).to(torch.float32)
     return (t * scale).clamp(torch.finfo(dtype).min, torch.finfo(dtype).max).to(dtype).float() / scale
+
+
+def _torchao_float8(recipe: str):
+    """torchao's own recipe, emulated: the reference, built without tessera's helpers."""
+    from torchao.float8 import Float8LinearConfig
+
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
 
 
 def _forward_backward(layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
@@ -74,7 +80,7 @@ def test_tensorwise_layer_matches_torchao_and_the_fp8_cast_reference():
     by_hand.weight.data.copy_(plain.get_submodule("layers.0.feed_forward.up_proj").weight)
     from torchao.float8 import convert_to_float8_training
 
-    reference = convert_to_float8_training(nn.Sequential(by_hand), config=float8_config("tensorwise", True, False))[0]
+    reference = convert_to_float8_training(nn.Sequential(by_hand), config=_torchao_float8("tensorwise"))[0]
     got, want = _forward_backward(layer, x, go), _forward_backward(reference, x, go)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -99,13 +105,17 @@ def test_rowwise_and_mxfp8_layers_match_torchao(recipe):
     layer, x, go = _layer_and_inputs(converted, name)
     reference = nn.Sequential(copy.deepcopy(plain.get_submodule(name)))
     if recipe == "mxfp8":
+        from torchao.prototype.moe_training.config import (
+            MXFP8TrainingOpConfig,
+            MXFP8TrainingRecipe,
+        )
         from torchao.quantization import quantize_
 
-        quantize_(reference, mxfp8_config(emulate=True))
+        quantize_(reference, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL))
     else:
         from torchao.float8 import convert_to_float8_training
 
-        convert_to_float8_training(reference, config=float8_config(recipe, True, False))
+        convert_to_float8_training(reference, config=_torchao_float8(recipe))
     got, want = _forward_backward(layer, x, go), _forward_backward(reference[0], x, go)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
