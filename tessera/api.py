@@ -12,6 +12,7 @@ from tessera.validate import config_from_dict
 from tessera.data.tokenizer import Tokenizer
 from tessera.model import build_model
 from tessera.hf.weights import is_hf_dir, load_hf
+from tessera.quantize.schemes import load_quantized_hf, quantization_config
 from tessera.train.checkpoint import CHECKPOINT_DIR, Checkpointer, CheckpointError, latest_checkpoint, read_meta
 
 
@@ -35,8 +36,8 @@ def load(path: str | Path) -> nn.Module:
     Decoders take ``forward(input_ids)``, encoders ``forward(input_ids)`` (masked-LM logits) and
     encoder-decoders ``forward(input_ids, decoder_input_ids)``; all return logits.
     """
-    if is_hf_dir(path):
-        return load_hf(path)
+    if is_hf_dir(path):  # a torchao-quantized one (tessera convert quantize) stays quantized
+        return load_quantized_hf(path) if quantization_config(path) else load_hf(path)
     return _load_checkpoint(find_checkpoint(path))
 
 
@@ -50,7 +51,10 @@ def _load_checkpoint(ckpt: Path) -> nn.Module:
 
 def load_with_tokenizer(path: str | Path) -> tuple[nn.Module, Tokenizer]:
     """Model (eval mode, CPU) of a tessera run or checkpoint and the tokenizer the run trained with
-    (``tokenizer.json`` or ``tokenizer.model`` in the run directory, see :meth:`Tokenizer.save`)."""
+    (``tokenizer.json`` or ``tokenizer.model`` in the run directory, see :meth:`Tokenizer.save`); or
+    the model and tokenizer of an HF directory that holds one (an export of a run)."""
+    if is_hf_dir(path):
+        return load(path), Tokenizer(Path(path))
     ckpt = find_checkpoint(path)
     model = _load_checkpoint(ckpt)
     return model, Tokenizer(ckpt.parent.parent)

@@ -594,6 +594,7 @@ def _add_convert(sub: Subparsers) -> None:
     cons.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
     cons.add_argument("out_dir", help="directory to write model.safetensors (and config.toml) into")
     _add_deepspeed_import(actions)
+    _add_quantize(actions)
     gqa = actions.add_parser(
         "gqa",
         help="pool KV heads (MHA -> GQA/MQA, Ainslie et al. 2023) into a new run to up-train",
@@ -607,6 +608,24 @@ def _add_convert(sub: Subparsers) -> None:
     gqa.add_argument(
         "--uptrain-fraction", type=float, default=0.05, help="the new run's train.steps as a share of the source's"
     )
+
+
+def _add_quantize(actions: argparse._SubParsersAction) -> None:
+    """`tessera convert quantize`: its arguments."""
+    qnt = actions.add_parser(
+        "quantize",
+        help="tessera run -> torchao weight-quantized HF directory (transformers TorchAoConfig; tessera loads it)",
+        allow_abbrev=False,
+    )
+    qnt.add_argument("run", help="run directory (newest checkpoint) or checkpoint directory")
+    qnt.add_argument("out_dir", help="HF model directory to write (quantized safetensors, config, tokenizer)")
+    qnt.add_argument(
+        "--scheme",
+        required=True,
+        choices=("int8-weight", "int4-weight", "fp8"),
+        help="int8 per-row, int4 per-group (torchao IntxWeightOnlyConfig, runs on CPU) or fp8 e4m3 per-row weights",
+    )
+    qnt.add_argument("--group-size", type=int, default=32, help="int4-weight: input columns per scale (default 32)")
 
 
 def _add_deepspeed_import(actions: argparse._SubParsersAction) -> None:
@@ -633,6 +652,12 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         convert_gqa(args.run, args.kv_heads, args.out, args.uptrain_fraction, args.batches, overrides, print)
         return 0
     _no_overrides("convert", overrides)
+    if args.convert_command == "quantize":
+        from tessera.quantize.convert import quantize_run
+
+        out = quantize_run(args.run, args.out_dir, args.scheme, args.group_size)
+        print(f"quantized {args.run} -> {out} ({args.scheme})")
+        return 0
     from tessera.hf.convert import consolidate, deepspeed_import, hf_export, hf_import, init_from_command
 
     if args.convert_command == "deepspeed-import":

@@ -18,6 +18,7 @@ from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
 from tessera.evaluate.loop import DownstreamEval
+from tessera.parallel.fp8 import check_fp8_device
 from tessera.plan.stages import describe_stages
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.async_checkpoint import build_checkpointer
@@ -107,6 +108,7 @@ class Trainer:
         self.run_dir = Path(config.train.run_dir)
         self.init_source = check_init_from(config)  # train.init_from: checked before any process group starts
         self.device = resolve_device(config.train.device)
+        check_fp8_device(config.train.fp8, self.device)
         self.dtype = DTYPES[config.train.dtype]
         self.parallel = setup_parallel(config, self.device)
         self.device = self.parallel.device
