@@ -6,8 +6,8 @@ a permutation seeded by ``(seed, e)`` afterwards. Step ``s`` takes the global ba
 ``batch_size * dp_size`` stream entries starting at ``consumed``; rank ``r`` gets the ``r``-th
 slice (with ``chunks`` pipeline micro-batches, the ``r``-th slice of each of the ``chunks`` parts of
 the global batch, so that pipeline micro-batch ``j`` of every rank together is the global batch's
-``j``-th part, as gradient accumulation would split it). Batches may straddle passes, so across ranks every sample of a pass is used exactly once
-and the position is just ``consumed``: resuming on any data-parallel size continues at the same
+``j``-th part, as gradient accumulation would split it). Batches may straddle passes, so across
+ranks every sample of a pass is used exactly once and the position is just ``consumed``: resuming on any data-parallel size continues at the same
 stream entry, with nothing repeated or skipped.
 
 Every batch is a pure function of its stream position, so the prefetch thread computes the
