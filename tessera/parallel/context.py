@@ -138,8 +138,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, method: str = 
     for module in model.modules():
         if isinstance(module, Stack):
             module.sequence_split = split
-        if isinstance(module, MoE):
-            module.token_group = tokens
+        if isinstance(module, MoE):  # parallelize widens batch_group to the dp x cp ranks when dp > 1
+            module.token_group = module.batch_group = tokens
 
 
 def cp_token_group(cp_mesh: DeviceMesh) -> TokenGroup:
