@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.model import MoELog
 from tessera.train.trainer import Trainer
 

@@ -15,7 +15,7 @@ import json
 import pytest
 from conftest import assert_runs_match, step_records, torchrun, write_tiny_recipe
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.train.trainer import train
 
 STEPS = 4
