@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from tessera.validate import load_config
 from tessera.model import MoELog
 from tessera.train.trainer import Trainer
+from tessera.validate import load_config
 
 SIZES = {
     "tiny": ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.moe.experts=4",

@@ -15,8 +15,8 @@ import json
 import pytest
 from conftest import assert_runs_match, step_records, torchrun, write_tiny_recipe
 
-from tessera.validate import load_config
 from tessera.train.trainer import train
+from tessera.validate import load_config
 
 STEPS = 4
 BASE = [
