@@ -22,7 +22,7 @@ BASE = ["train.steps=5", "train.batch_size=8", "log.every=1", "optim.schedule=co
 
 
 ZERO2 = ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"]
-MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.z_loss_coef=0.001"]
+MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.z_loss_coef=0.001", "model.moe.aux_loss_scope=micro"]
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from tessera.model.blocks import block_containers
 from tessera.parallel.activation import apply_activation_checkpointing, apply_compile, compile_enabled
 from tessera.parallel.context import apply_context_parallel
 from tessera.parallel.dims import ParallelDims
-from tessera.parallel.expert import apply_expert_parallel
+from tessera.parallel.expert import apply_expert_parallel, apply_global_batch_group
 from tessera.parallel.fp8 import convert_float8, convert_mxfp8
 from tessera.parallel.fsdp import apply_ddp, apply_fsdp
 from tessera.parallel.grads import clip_grad_norm
@@ -43,6 +43,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
     cp_mesh = dims.submesh("cp")
     if cp_mesh is not None:  # attention over the sequence split across the cp ranks (no parameters of its own)
         apply_context_parallel(model, cp_mesh, p.cp_method)
+    batch_mesh = dims.submesh("dp_cp") or dims.submesh("dp")
+    if batch_mesh is not None and batch_mesh.size() > 1:  # MoE's global scope: the whole global micro-batch
+        apply_global_batch_group(model, batch_mesh)
     apply_activation_checkpointing(block_containers(model), p.activation_checkpoint, p.ac_every)
     if compile_enabled(p, device_type):
         apply_compile(block_containers(model))
