@@ -340,11 +340,28 @@ def _toml_table(name: str, values: dict[str, Any]) -> list[str]:
     return lines
 
 
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string that ``tomllib`` reads back equal: any Unicode stays as it is (emoji
+    included) except the quote, the backslash and the control characters TOML forbids raw (DEL among them)."""
+    out = []
+    for char in text:
+        if char in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[char])
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # TOML basic strings take any Unicode (emoji included)
+        return toml_string(value)
     if isinstance(value, float):
         return repr(value)
     return str(value)
@@ -426,6 +443,7 @@ def _is_table(hint: Any) -> bool:
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Convert ``value`` (from TOML or a CLI string) to the field type ``hint``, or fail clearly."""
+    _check_text(key, value, hint)
     origin = typing.get_origin(hint)
     if origin is Literal:
         choices = typing.get_args(hint)
@@ -472,6 +490,20 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return value
         raise ConfigError(f"{key} must be a string, got {value!r}")
     raise TypeError(f"unsupported field type {hint} for {key}")
+
+
+def _check_text(key: str, value: Any, hint: Any) -> None:
+    """A string value is UTF-8 text (a command line of other bytes arrives as lone surrogates) and, for a number,
+    ASCII: ``int``/``float`` would read fullwidth or Arabic-Indic digits as a number nobody typed."""
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{key} is not UTF-8 text ({ascii(value)}); give the value as UTF-8") from None
+    if hint in (int, float) and not value.isascii():
+        kind = "an integer" if hint is int else "a number"
+        raise ConfigError(f"{key} must be {kind} in ASCII digits, got {value!r}")
 
 
 def _set(config: JobConfig, dotted: str, value: Any) -> None:
@@ -696,6 +728,11 @@ def layer_heads(m: ModelConfig) -> list[int]:
     return [int(c) for c in spec.split(",")] if spec else [m.n_heads] * m.n_layers
 
 
+def _is_count(text: str) -> bool:
+    """``text`` (spaces aside) in ASCII digits only: ``str.isdigit`` also takes superscripts, which ``int`` refuses."""
+    return text.strip().isascii() and text.strip().isdigit()
+
+
 def _validate_heads_per_layer(m: ModelConfig) -> None:
     """Per-layer head counts: whole GQA groups of the standard attention of a decoder or encoder."""
     spec = m.attention.heads_per_layer
@@ -704,7 +741,7 @@ def _validate_heads_per_layer(m: ModelConfig) -> None:
     key = f"model.attention.heads_per_layer={m.attention.heads_per_layer!r}"
     counts = spec.split(",")
     _require(
-        all(c.strip().isdigit() for c in counts) and len(counts) == m.n_layers,
+        all(_is_count(c) for c in counts) and len(counts) == m.n_layers,
         f"{key} must be {m.n_layers} comma-separated head counts, one per layer (model.n_layers)",
     )
     group = m.n_heads // (m.n_kv_heads or m.n_heads)

@@ -9,13 +9,12 @@ from pathlib import Path
 import torch
 
 from tessera.config import ConfigError, JobConfig, resolved_objective, span_count, validate
-from tessera.data.tokenizer import copy_tokenizer_files
 from tessera.model import build_model
 from tessera.model.hf import load_state, read_hf, save_hf
 from tessera.status import RunLock
 from tessera.train.checkpoint import Checkpointer, CheckpointError
 from tessera.train.ds_checkpoint import MOMENTS
-from tessera.train.rundir import remove_run_outputs
+from tessera.train.rundir import carry_run_files, remove_run_outputs
 
 
 def _job_for(cfg, run_dir: Path) -> JobConfig:
@@ -72,7 +71,7 @@ def hf_import(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False) 
 
 def _write_imported(out_dir: Path, hf_dir: Path, job: JobConfig, model: torch.nn.Module, family: str) -> Path:
     (out_dir / "config.toml").write_text(job.to_toml(), encoding="utf-8")
-    copy_tokenizer_files(hf_dir, out_dir)  # the run keeps the source model's tokenizer
+    carry_run_files(hf_dir, out_dir)  # the run keeps the source model's tokenizer
     extra = {
         "config": job.to_dict(),
         "model": job.to_dict()["model"],
@@ -120,13 +119,20 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path) -> Path:
     return out / "model.safetensors"
 
 
+def _carry_near(path: Path, out_dir: Path) -> None:
+    """The tokenizer an HF Trainer saved beside its DeepSpeed checkpoint (the folder or the one above it)."""
+    for folder in (path, path.parent):
+        if carry_run_files(folder, out_dir):
+            return
+
+
 def _hf_config_near(path: Path) -> dict | None:
     """The config.json of an HF Trainer + DeepSpeed checkpoint (in the global_stepN folder or next to it)."""
-    import json
+    from tessera.model.hf import read_hf_config
 
     for folder in (path, path.parent):
         if (folder / "config.json").is_file():
-            return json.loads((folder / "config.json").read_text())
+            return read_hf_config(folder)
     return None
 
 
@@ -195,6 +201,7 @@ def deepspeed_import(ds_path: str | Path, out_dir: str | Path, config: str | Non
             entry.update(step=torch.tensor(float(state.step)), **shaped)
     set_state_dict(model, optimizer, model_state_dict=model.state_dict(), optim_state_dict=optim_sd)
     (out_dir / "config.toml").write_text(job.to_toml(), encoding="utf-8")
+    _carry_near(find_deepspeed_checkpoint(ds_path), out_dir)
     scheduler = build_scheduler(optimizer, job.optim, job.train.steps)
     scheduler.last_epoch = state.global_steps  # training continues the schedule (tessera train OUT_DIR)
     extra = {
