@@ -13,7 +13,8 @@ from typing import Any, TextIO
 import torch
 
 from tessera.config import ConfigError, JobConfig, LogConfig
-from tessera.status import RunLock, read_records
+from tessera.train.lock import RunLock
+from tessera.train.status import read_records
 
 
 def _human(n: float) -> str:

@@ -1,4 +1,4 @@
-"""``tessera convert``: HF model directory <-> tessera checkpoint (the model-level mapping is model/hf.py), and
+"""``tessera convert``: HF model directory <-> tessera checkpoint (the model-level mapping is hf/weights.py), and
 DeepSpeed checkpoints -> tessera run (the DeepSpeed reading is train/ds_checkpoint.py)."""
 
 from __future__ import annotations
@@ -8,10 +8,12 @@ from pathlib import Path
 
 import torch
 
-from tessera.config import ConfigError, JobConfig, resolved_objective, span_count, validate
+from tessera.config import ConfigError, JobConfig, resolved_objective
+from tessera.data.objectives import span_count
+from tessera.validate import validate
 from tessera.model import build_model
-from tessera.model.hf import load_state, read_hf, save_hf
-from tessera.status import RunLock
+from tessera.hf.weights import load_state, read_hf, save_hf
+from tessera.train.lock import RunLock
 from tessera.train.checkpoint import Checkpointer, CheckpointError
 from tessera.train.ds_checkpoint import MOMENTS
 from tessera.train.rundir import carry_run_files, remove_run_outputs
@@ -84,7 +86,7 @@ def hf_export(checkpoint: str | Path, out_dir: str | Path, family: str | None = 
     """Write the model of a tessera run or checkpoint directory as an HF model directory (weights, config,
     tokenizer, generation config, model card); returns the family."""
     from tessera.api import find_checkpoint, load
-    from tessera.hf_dir import complete_hf_dir
+    from tessera.hf.export import complete_hf_dir
     from tessera.model import count_parameters
 
     ckpt = find_checkpoint(checkpoint)
@@ -128,7 +130,7 @@ def _carry_near(path: Path, out_dir: Path) -> None:
 
 def _hf_config_near(path: Path) -> dict | None:
     """The config.json of an HF Trainer + DeepSpeed checkpoint (in the global_stepN folder or next to it)."""
-    from tessera.model.hf import read_hf_config
+    from tessera.hf.weights import read_hf_config
 
     for folder in (path, path.parent):
         if (folder / "config.json").is_file():
@@ -139,8 +141,8 @@ def _hf_config_near(path: Path) -> dict | None:
 def _ds_model_and_job(ds_path: Path, state, config: str | None, out_dir: Path):
     """(JobConfig, tessera weights, tessera moments, source) for a DeepSpeed state: tessera-named with a
     recipe, or HF-named next to its config.json."""
-    from tessera.config import load_config
-    from tessera.model.hf import state_from_hf
+    from tessera.validate import load_config
+    from tessera.hf.weights import state_from_hf
 
     if config is not None:
         return load_config(config, [f"train.run_dir={out_dir}"]), state.weights, state.moments, "tessera"

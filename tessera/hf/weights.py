@@ -18,10 +18,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tessera.config import ConfigError, ModelConfig, model_config, validate_model
+from tessera.config import ConfigError, ModelConfig, model_config
+from tessera.validate import validate_model
 from tessera.model.block import layer_kind
 from tessera.model.ffn import ffn_hidden_size
-from tessera.model.hf_families import FAMILIES, HFConversionError, Rule
+from tessera.hf.families import FAMILIES, HFConversionError, Rule
 from tessera.model.moe import is_moe_layer
 
 __all__ = ["FAMILIES", "HFConversionError", "detect_family", "is_hf_dir", "load_hf", "read_hf", "save_hf"]
@@ -155,12 +156,24 @@ def _to_hf_tensors(rules: list[Rule], ours: dict[str, torch.Tensor]) -> dict[str
 _OUTPUT_KEYS = ("lm_head.weight", "cls.predictions.decoder.weight")
 
 
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    """The config.json of ``folder`` as a dict, or one HFConversionError naming it (not UTF-8, not JSON, no object)."""
+    file = Path(folder) / "config.json"
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFConversionError(f"'{file}' is not a JSON text ({str(err)[:120]}); fix or re-download it") from None
+    if not isinstance(data, dict):
+        raise HFConversionError(f"'{file}' must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
     """(ModelConfig, tessera state dict, family) of an HF model directory."""
     path = Path(path)
     if not is_hf_dir(path):
         raise HFConversionError(f"'{path}' is not an HF model directory (no config.json with a model_type)")
-    hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    hf_config = read_hf_config(path)
     check_hf_shapes(hf_config, path)
     return state_from_hf(hf_config, _read_tensors(path), path / "config.json")
 
