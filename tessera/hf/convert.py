@@ -52,13 +52,14 @@ def hf_import(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False) 
 
     A non-empty ``out_dir`` is refused unless ``overwrite`` (then what an earlier run wrote there is deleted).
     """
-    hf_dir, out_dir = Path(hf_dir), output_dir(out_dir, "output directory")
-    if any(out_dir.iterdir()) and not overwrite:
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(
             f"'{out_dir}' is not empty (an existing run?); importing would replace its config and checkpoints. "
             "Give a new directory, or pass --overwrite to delete that run first"
         )
-    cfg, state, family = read_hf(hf_dir)
+    cfg, state, family = read_hf(hf_dir)  # every check of the HF directory before anything is created
+    out_dir = output_dir(out_dir, "output directory")
     job = _job_for(cfg, out_dir)
     model = build_model(cfg)
     load_state(model, state)
