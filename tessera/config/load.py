@@ -47,6 +47,28 @@ def _check_text(key: str, value: Any, hint: Any) -> None:
         raise ConfigError(f"{key} must be {kind} in ASCII digits, got {value!r}")
 
 
+def _integer(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ConfigError(f"{key} must be an integer, got {value!r}")
+
+
+def _in_int64(key: str, value: int) -> int:
+    """Every integer key fits int64: a larger one overflows torch, numpy and float arithmetic later."""
+    if not -(2**63) <= value < 2**63:
+        raise ConfigError(f"{key} = {value} is out of range; integers must lie in [-2**63, 2**63)")
+    return value
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Convert ``value`` (from TOML or a CLI string) to the field type ``hint``, or fail clearly."""
     _check_text(key, value, hint)
@@ -70,18 +92,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{key} must be true or false, got {value!r}")
     if hint is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return _in_int64(key, _integer(key, value))
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
