@@ -8,11 +8,17 @@ from typing import Any
 from torch import nn
 
 from tessera.config import ConfigError
-from tessera.validate import config_from_dict
 from tessera.data.tokenizer import Tokenizer
-from tessera.model import build_model
 from tessera.hf.weights import is_hf_dir, load_hf
-from tessera.train.checkpoint import CHECKPOINT_DIR, Checkpointer, CheckpointError, latest_checkpoint, read_meta
+from tessera.model import build_model
+from tessera.train.checkpoint import (
+    CHECKPOINT_DIR,
+    Checkpointer,
+    CheckpointError,
+    latest_checkpoint,
+    read_meta,
+)
+from tessera.validate import config_from_dict
 
 
 def find_checkpoint(path: str | Path) -> Path:

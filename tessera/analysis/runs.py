@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from tessera.config import ConfigError, JobConfig, ModelConfig, parse_overrides
-from tessera.validate import apply_overrides, config_from_dict
 from tessera.data.objectives import Objective
 from tessera.train.checkpoint import Checkpointer, CheckpointError, read_meta
 from tessera.train.rundir import carry_run_files
+from tessera.validate import apply_overrides, config_from_dict
 
 Batch = tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor, torch.Tensor | None]
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
+
+import tomllib
 
 from tessera.config.job import SECTIONS, JobConfig
 from tessera.config.model import ModelConfig
@@ -41,7 +42,7 @@ def _check_text(key: str, value: Any, hint: Any) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise ConfigError(f"{key} is not UTF-8 text ({ascii(value)}); give the value as UTF-8") from None
+        raise ConfigError(f"{key} is not UTF-8 text ({value!a}); give the value as UTF-8") from None
     if hint in (int, float) and not value.isascii():
         kind = "an integer" if hint is int else "a number"
         raise ConfigError(f"{key} must be {kind} in ASCII digits, got {value!r}")

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.data.sources import DataError, Document, corpus_hash, iter_documents, no_documents
+from tessera.data.sources import (
+    DataError,
+    Document,
+    corpus_hash,
+    iter_documents,
+    no_documents,
+)
 from tessera.data.tokenizer import Tokenizer, train_or_load_tokenizer
 
 CHUNK_DOCS = 256  # documents per tokenization task
@@ -39,7 +45,10 @@ def indexed_dataset_classes():
     """megatron-core's ``(IndexedDataset, IndexedDatasetBuilder)``, imported quietly on first use."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-        from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+        from megatron.core.datasets.indexed_dataset import (
+            IndexedDataset,
+            IndexedDatasetBuilder,
+        )
 
     return IndexedDataset, IndexedDatasetBuilder
 

@@ -10,13 +10,13 @@ import torch
 
 from tessera.config import ConfigError, JobConfig, resolved_objective
 from tessera.data.objectives import span_count
-from tessera.validate import validate
-from tessera.model import build_model
 from tessera.hf.weights import load_state, read_hf, save_hf
-from tessera.train.lock import RunLock
+from tessera.model import build_model
 from tessera.train.checkpoint import Checkpointer, CheckpointError
 from tessera.train.ds_checkpoint import MOMENTS
+from tessera.train.lock import RunLock
 from tessera.train.rundir import carry_run_files, remove_run_outputs
+from tessera.validate import validate
 
 
 def _job_for(cfg, run_dir: Path) -> JobConfig:
@@ -142,8 +142,8 @@ def _hf_config_near(path: Path) -> dict | None:
 def _ds_model_and_job(ds_path: Path, state, config: str | None, out_dir: Path):
     """(JobConfig, tessera weights, tessera moments, source) for a DeepSpeed state: tessera-named with a
     recipe, or HF-named next to its config.json."""
-    from tessera.validate import load_config
     from tessera.hf.weights import state_from_hf
+    from tessera.validate import load_config
 
     if config is not None:
         return load_config(config, [f"train.run_dir={out_dir}"]), state.weights, state.moments, "tessera"

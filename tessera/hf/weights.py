@@ -19,11 +19,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig, model_config
-from tessera.validate import validate_model
+from tessera.hf.families import FAMILIES, HFConversionError, Rule
 from tessera.model.block import layer_kind
 from tessera.model.ffn import ffn_hidden_size
-from tessera.hf.families import FAMILIES, HFConversionError, Rule
 from tessera.model.moe import is_moe_layer
+from tessera.validate import validate_model
 
 __all__ = ["FAMILIES", "HFConversionError", "detect_family", "is_hf_dir", "load_hf", "read_hf", "save_hf"]
 
@@ -92,7 +92,7 @@ def check_hf_shapes(hf_config: dict[str, Any], path: Path) -> None:
     is allocated."""
     from tessera.model import build_model
 
-    cfg, state, family = state_from_hf(dict(hf_config), _read_tensors(path, meta=True), path / "config.json")
+    cfg, state, _ = state_from_hf(dict(hf_config), _read_tensors(path, meta=True), path / "config.json")
     with torch.device("meta"):
         expected = build_model(cfg).state_dict()
     for key, tensor in state.items():

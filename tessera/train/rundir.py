@@ -21,13 +21,13 @@ from typing import Any
 from tessera.config import ConfigError, JobConfig
 from tessera.data.tokenizer import copy_tokenizer_files
 from tessera.parallel.env import dist_env
-from tessera.train.lock import RunLock
 from tessera.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
     latest_checkpoint,
     read_meta,
 )
+from tessera.train.lock import RunLock
 from tessera.train.metrics import json_safe, read_metrics
 from tessera.train.preemption import PREEMPTION_MARKER
 

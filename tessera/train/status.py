@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from tessera.errors import ConfigError
 from tessera.train.lock import Holder, _read_json, duration, run_holder

@@ -8,19 +8,19 @@ imports. A generative test (Hypothesis, derandomized, bounded) sends hostile val
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
+from conftest import REPO, TINY_OVERRIDES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, TINY_OVERRIDES
 from tessera.cli import main
-from tessera.validate import load_config
 from tessera.config.docs import sections
 from tessera.config.job import toml_string
 from tessera.train.trainer import train
+from tessera.validate import load_config
 
 
 def fails_with(argv: list[str], capsys, *fragments: str) -> str:
