@@ -8,12 +8,12 @@ from typing import Any
 from torch import nn
 
 from tessera.config import ConfigError
-from tessera.validate import config_from_dict
 from tessera.data.tokenizer import Tokenizer
-from tessera.model import build_model
 from tessera.hf.weights import is_hf_dir, load_hf
+from tessera.model import build_model
 from tessera.quantize.schemes import load_quantized_hf, quantization_config
 from tessera.train.checkpoint import CHECKPOINT_DIR, Checkpointer, CheckpointError, latest_checkpoint, read_meta
+from tessera.validate import config_from_dict
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -65,6 +65,9 @@ def load_draft(draft: str, model: nn.Module) -> Any:
     checkpoint or HF directory of a smaller decoder with the same vocabulary."""
     from tessera.model.speculative import ModelDraft, MTPDraft
 
+    if model.cfg.arch != "decoder":
+        raise ConfigError(f"--draft speculates for a decoder; this model is {model.cfg.arch!r}; drop --draft")
+    _refuse_mamba(model, "the model")
     if draft == "mtp":
         if getattr(model, "mtp", None) is None:
             raise ConfigError("--draft mtp needs a model trained with model.mtp_depth > 0; this one has none")
@@ -75,7 +78,43 @@ def load_draft(draft: str, model: nn.Module) -> Any:
             f"--draft {draft} must be a decoder with the model's vocabulary ({model.cfg.vocab_size} tokens), got "
             f"{small.cfg.arch} with {small.cfg.vocab_size}; train the draft with the same tokenizer"
         )
+    _refuse_mamba(small, f"--draft {draft}")
     return ModelDraft(small)
+
+
+def _refuse_mamba(model: nn.Module, what: str) -> None:
+    if "M" in model.cfg.layer_pattern:
+        raise ConfigError(
+            f"speculative decoding rewinds caches, but {what} has Mamba layers (model.layer_pattern="
+            f"{model.cfg.layer_pattern!r}), whose state cannot rewind; drop --draft or use an attention-only model"
+        )
+
+
+def check_draft_fits(draft: str, drafter: Any, model: nn.Module, total: int, draft_tokens: int) -> None:
+    """Refuse, before decoding, a draft that cannot propose what is asked: more tokens than the MTP modules
+    predict, or a draft model whose context is shorter than the ``total`` positions the decoding reaches."""
+    if draft == "mtp":
+        depth = model.cfg.mtp_depth
+        if draft_tokens > depth:
+            raise ConfigError(
+                f"--draft mtp proposes at most model.mtp_depth={depth} tokens per round, asked --draft-tokens "
+                f"{draft_tokens}; lower --draft-tokens"
+            )
+        return
+    context = drafter.model.cfg.max_seq_len
+    if context < total:
+        raise ConfigError(
+            f"--draft {draft} has a context of {context} tokens (its model.max_seq_len) but this decoding reaches "
+            f"{total} (prompt + --max-new-tokens); lower --max-new-tokens or use a draft with a longer context"
+        )
+
+
+def _check_generative(model: nn.Module, path: str | Path) -> None:
+    if model.cfg.arch == "encoder":
+        raise ConfigError(
+            f"'{path}' is an encoder (masked LM); it fills in masked tokens and does not generate text. "
+            "tessera generate needs a decoder or encoder-decoder run"
+        )
 
 
 def generate_text(
@@ -106,6 +145,7 @@ def generate_text(
     if draft_tokens < 1:
         raise ConfigError(f"--draft-tokens must be >= 1, got {draft_tokens}")
     model, tokenizer = load_with_tokenizer(path)
+    _check_generative(model, path)
     ids = torch.tensor([tokenizer.prompt_ids(prompt)])
     if ids.shape[1] >= model.cfg.max_seq_len:
         raise ConfigError(
@@ -117,8 +157,10 @@ def generate_text(
     lines = []
     if draft:
         sampler = Sampler(temperature, top_k, top_p, gen)
+        drafter = load_draft(draft, model)
+        check_draft_fits(draft, drafter, model, min(ids.shape[1] + max_new_tokens, model.cfg.max_seq_len), draft_tokens)
         out, stats = speculative_generate(
-            model, load_draft(draft, model), ids, max_new_tokens, draft_tokens, sampler, tokenizer.eos_id, kv_cache
+            model, drafter, ids, max_new_tokens, draft_tokens, sampler, tokenizer.eos_id, kv_cache
         )
         lines.append(
             f"speculative decoding ({draft}, {draft_tokens} draft tokens): {stats.accepted}/{stats.proposed} drafts "

@@ -36,7 +36,9 @@ def check_engine(p: ParallelConfig, t: TrainConfig) -> None:
         path = Path(p.deepspeed.config)
         require(path.is_file(), f"parallel.deepspeed.config='{path}' does not exist; give the path of a ds.json")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"parallel.deepspeed.config='{path}' is not UTF-8 text (byte {err.start})") from None
         except json.JSONDecodeError as err:
             raise ConfigError(f"parallel.deepspeed.config='{path}' is not valid JSON ({err})") from None
         require(isinstance(data, dict), f"parallel.deepspeed.config='{path}' must hold a JSON object")

@@ -15,6 +15,7 @@ import torch
 
 from tessera.config import ConfigError, JobConfig, LogConfig
 from tessera.train.lock import RunLock
+from tessera.train.status import read_records
 
 
 def _human(n: float) -> str:
@@ -405,17 +406,8 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl (a line torn by a crash mid-write is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "step" in record:
-            records.append(record)
-    return records
+    """All records of a run's metrics.jsonl (a torn, undecodable or foreign line is skipped)."""
+    return read_records(run_dir)
 
 
 def plot_loss_curve(run_dir: str | Path) -> Path:

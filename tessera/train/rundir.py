@@ -19,14 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import ConfigError, JobConfig
+from tessera.data.tokenizer import copy_tokenizer_files
 from tessera.parallel.env import dist_env
-from tessera.train.lock import RunLock
 from tessera.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
     latest_checkpoint,
     read_meta,
 )
+from tessera.train.lock import RunLock
 from tessera.train.metrics import json_safe, read_metrics
 from tessera.train.preemption import PREEMPTION_MARKER
 
@@ -48,6 +49,13 @@ RUN_OUTPUTS = (
 # Keys a resumed run cannot change: the saved data position only means something for the same samples.
 FIXED_ON_RESUME = {"train.seq_len": "the sequence length", "train.seed": "the data order"}
 NOT_COMPARED = ("train.run_dir", "train.resume", "train.overwrite", "train.init_from")
+
+
+def carry_run_files(source_dir: str | Path, out_dir: str | Path) -> list[Path]:
+    """Copy what a run derived from ``source_dir`` (a run or an HF directory) needs of it besides weights and
+    config, so ``generate``, ``hf-export`` and ``train`` work on the new run: every tokenizer file
+    (SentencePiece, HF fast tokenizer and its configs). Every derived-run writer calls this one function."""
+    return copy_tokenizer_files(source_dir, out_dir)
 
 
 def make_run_dir(run_dir: Path) -> None:
