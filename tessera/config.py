@@ -250,6 +250,10 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"  # NaN/inf loss or grad norm: stop before the update, or skip it
     max_nonfinite_skips: int = 5  # on_nonfinite=skip: stop after this many skipped steps in a row
     hang_timeout_s: float = 1800.0  # no step, eval or save completes this long: dump stacks to RUN/hang/, exit; 0 off
+    on_spike: Literal["off", "warn", "rollback"] = "off"  # loss/grad-norm spike: log it, or restore + skip its data
+    spike_window: int = 50  # on_spike: steps in the robust window (median + k * MAD) a step is judged against
+    spike_threshold: float = 6.0  # on_spike: k, the robust standard deviations above the median that make a spike
+    max_rollbacks: int = 3  # on_spike=rollback: stop (exit 2) when more rollbacks than this are needed
     fused_loss: bool = True  # head + cross-entropy in chunks: no whole (tokens x vocab) logits (torch engine)
     loss_chunk_tokens: int = 0  # tokens per chunk of the fused head + loss; 0 = 64 MiB of fp32 logits per chunk
     mtp_loss_weight: float = 0.3  # with model.mtp_depth: the loss adds this times the mean of the depths' losses
@@ -947,6 +951,17 @@ def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _require(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32) (numpy and megatron seeds), got {t.seed}")
     _require(t.max_nonfinite_skips >= 1, f"train.max_nonfinite_skips must be >= 1, got {t.max_nonfinite_skips}")
     _require(t.hang_timeout_s >= 0, f"train.hang_timeout_s must be >= 0 (0 = no watchdog), got {t.hang_timeout_s}")
+    _validate_spike(t)
+
+
+def _validate_spike(t: TrainConfig) -> None:
+    _require(5 <= t.spike_window <= 100_000, f"train.spike_window must be in [5, 100000] steps, got {t.spike_window}")
+    _require(
+        1.0 <= t.spike_threshold <= 100.0,
+        f"train.spike_threshold must be in [1, 100] (robust standard deviations; 6 is a good start), got "
+        f"{t.spike_threshold}",
+    )
+    _require(t.max_rollbacks >= 1, f"train.max_rollbacks must be >= 1, got {t.max_rollbacks}")
 
 
 def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:
@@ -1078,5 +1093,10 @@ def _validate_output(config: JobConfig) -> None:
     _require(c.every > 0, f"checkpoint.every must be positive, got {c.every}")
     _require(c.every_minutes >= 0, f"checkpoint.every_minutes must be >= 0 (0 = off), got {c.every_minutes}")
     _require(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
+    _require(
+        config.train.on_spike != "rollback" or c.enabled,
+        "train.on_spike=rollback restores a checkpoint but checkpoint.enabled=false; enable checkpoints or set "
+        "train.on_spike=warn",
+    )
     _require(log.every > 0, f"log.every must be positive, got {log.every}")
     _require(log.peak_flops >= 0, f"log.peak_flops must be >= 0, got {log.peak_flops}")

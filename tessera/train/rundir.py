@@ -145,9 +145,17 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 
 
 def write_summary(
-    run_dir: Path, steps: int, seconds: float, final_loss: float | None, continued: bool, param_sumsq: Any = None
+    run_dir: Path,
+    steps: int,
+    seconds: float,
+    final_loss: float | None,
+    continued: bool,
+    param_sumsq: Any = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write summary.json; a run that continued an earlier one adds to its summary instead of replacing it."""
+    """Write summary.json; a run that continued an earlier one adds to its summary instead of replacing it.
+
+    ``extra``: more keys (spike rollbacks, goodput); a list continues the earlier session's list."""
     path = run_dir / SUMMARY
     previous: dict[str, Any] = {}
     if continued and path.is_file():
@@ -164,6 +172,9 @@ def write_summary(
         "final_loss": final_loss,
         "param_sumsq": param_sumsq,
     }
+    for key, value in (extra or {}).items():
+        earlier = previous.get(key)
+        summary[key] = earlier + value if isinstance(value, list) and isinstance(earlier, list) else value
     write_text_atomic(path, json.dumps(json_safe(summary), indent=1))
 
 

@@ -6,7 +6,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,8 @@ from tessera.train.optim import build_optimizer, build_scheduler, check_optimize
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.qk_clip import QKClip
 from tessera.train.save_schedule import SaveSchedule
+from tessera.train.faults import Faults
+from tessera.train.spike import SpikeGuard
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
 from tessera.parallel.grads import clip_grads, global_grad_norm
@@ -142,6 +144,8 @@ class Trainer:
             self.device, config.log.peak_flops, cache_dir(config.data.cache_dir), self.parallel.env.local_world_size
         )
         self.nonfinite = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
+        self.spikes = SpikeGuard.for_train(config.train)  # train.on_spike (train/spike.py)
+        self.faults = Faults.from_env()  # the resilience tests' injected faults; none unless $TESSERA_FAULTS
 
     def close(self) -> None:
         """Release the run directory (the end of :meth:`fit` does it; so does the end of the process)."""
@@ -317,7 +321,10 @@ class Trainer:
 
     def _micro_batch(self) -> MicroBatch:
         """The next micro-batch through the objective (on the host: no device syncs), then on the device."""
-        parts = self.parallel.split_batch(*self.objective(self.data.train.next_batch()))  # cp: this rank's slice
+        loader = self.data.train  # a fault belongs to the data: the step an uninterrupted run reads it at
+        at_step = loader.consumed // (loader.global_batch * self.config.train.grad_accum) + 1
+        batch = self.faults.corrupt(at_step, loader.next_batch(), self.config.model.vocab_size)
+        parts = self.parallel.split_batch(*self.objective(batch))  # cp: this rank's slice
         return on_device(parts, self.device)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
@@ -380,6 +387,7 @@ class Trainer:
         self.nonfinite.allows_update(self.step + 1, loss, 0.0, lr)
         grad_norm = self.engine.step()
         self.nonfinite.allows_update(self.step + 1, loss, grad_norm, lr)
+        self.spikes.judge(self.step + 1, loss, grad_norm)  # a rollback restores the checkpoint over the update
         moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe}
 
@@ -387,7 +395,7 @@ class Trainer:
         """Clip and apply the step's update unless ``train.on_nonfinite`` forbids it (host floats: no sync)."""
         # With fp16 the grad scaler itself skips steps whose gradients overflowed; only the loss is judged.
         norm = 0.0 if self.scaler.is_enabled() else grad_norm
-        if self.nonfinite.allows_update(self.step + 1, loss, norm, lr):
+        if self.nonfinite.allows_update(self.step + 1, loss, norm, lr) and self.spikes.judge(self.step + 1, loss, norm):
             clip_grads(self.model.parameters(), self.config.optim.grad_clip, grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -511,6 +519,8 @@ class Trainer:
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
             metrics = self.train_step()
+            if self._handle_spike(logger, result, window):
+                continue  # rolled back to a checkpoint: self.step is its step
             self.step += 1
             watchdog.kick(self.step)
             window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
@@ -535,6 +545,34 @@ class Trainer:
                 self._announce(preemption.record(self.step, checkpoint))
                 result.preempted = preemption.reason
                 return
+
+    def _handle_spike(self, logger: MetricsLogger, result: TrainResult, window: StepWindow) -> bool:
+        """Log this step's spike (``train.on_spike``); on rollback restore the newest checkpoint, keep the data
+        position after the spiking batch (skipping the batches since the checkpoint) and return True."""
+        for spike in self.spikes.take_new():
+            logger.log({"step": spike.step, "spike": asdict(spike)})
+            logger.print(f"spike: {spike.describe()} (train.on_spike=warn: trained on)")
+        if self.spikes.pending is None:
+            return False
+        spike = self.spikes.pending
+        self.checkpointer.wait()
+        target = latest_checkpoint(self.run_dir)
+        if target is None:
+            logger.log(self.spikes.no_checkpoint())
+            logger.print(f"spike: no checkpoint before step {spike.step} to roll back to; its update was dropped")
+            return False
+        position = self.data.train.state_dict()
+        self.restore(target)
+        skipped = (self.data.train.state_dict()["consumed"], position["consumed"])
+        self.data.train.load_state_dict(position)
+        logger.log(self.spikes.rolled_back(self.step, skipped))
+        window.flush()  # the steps since the checkpoint are trained again
+        del result.losses[max(0, len(result.losses) - (spike.step - 1 - self.step)) :]
+        logger.print(
+            f"spike: rolled back to {target} (step {self.step}); skipped samples {skipped[0]}..{skipped[1]} "
+            f"of the data stream ({spike.step - self.step} batches, the spiking one included)"
+        )
+        return True
 
     def _note_compile(self, logger: MetricsLogger, seconds: float) -> None:
         """With compiled blocks, print once the first step's extra seconds over the second: its compile time."""
@@ -604,7 +642,10 @@ class Trainer:
             return
         final_loss = result.losses[-1] if result.losses else None
         # param_sumsq: per tensor, layout-independent: the parity tests' final check
-        write_summary(self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq)
+        extra = {"spikes": self.spikes.events}
+        write_summary(
+            self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq, extra
+        )
         vals = list(result.val_losses.values())
         trend = f"val loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
         logger.print(f"done: step {self.step} in {result.seconds:.1f}s {trend}; outputs in {self.run_dir}")
