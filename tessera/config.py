@@ -300,6 +300,7 @@ class LogConfig:
     """Console, metrics.jsonl, TensorBoard, Weights & Biases and the loss plot."""
 
     every: int = 10  # steps per logged record (loss and grad norm are means over them)
+    straggler_ratio: float = 1.5  # flag a rank whose own time in a phase is this times its peers' median; 0 off
     progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a terminal, else lines
     tensorboard: bool = True  # TensorBoard events in RUN_DIR/tensorboard
     plot: bool = True  # draw RUN_DIR/loss_curve.png at the end
@@ -1099,4 +1100,8 @@ def _validate_output(config: JobConfig) -> None:
         "train.on_spike=warn",
     )
     _require(log.every > 0, f"log.every must be positive, got {log.every}")
+    _require(
+        log.straggler_ratio == 0 or 1.0 < log.straggler_ratio <= 100.0,
+        f"log.straggler_ratio must be 0 (off) or in (1, 100], got {log.straggler_ratio}",
+    )
     _require(log.peak_flops >= 0, f"log.peak_flops must be >= 0, got {log.peak_flops}")

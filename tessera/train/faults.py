@@ -6,10 +6,10 @@ A comma-separated list of ``KIND@WHERE`` items; nothing is injected when the var
   (1-based; the fault follows the data, so a rollback that skips them never sees it) get random
   tokens with every label set to the rarest-looking id (the last of the vocabulary), a batch no
   real corpus produces: the loss and gradient norm jump (tests of ``train.on_spike``).
-- ``slow_forward@RANK:SECONDS``: global rank RANK sleeps SECONDS inside every forward
-  (tests of straggler detection).
-- ``hang@RANK:STEP``: global rank RANK stops before the gradient all-reduce of step STEP and
-  sleeps for an hour (tests of the hang report: the others wait in a collective).
+- ``slow_forward@RANK:SECONDS``: global rank RANK computes (spins) SECONDS of CPU time at the
+  start of every forward, as a slower device would (tests of straggler detection).
+- ``hang@RANK:STEP``: global rank RANK stops at the start of step STEP and sleeps for an hour
+  (tests of the hang report: its peers wait in the step's first collective).
 """
 
 from __future__ import annotations
@@ -60,12 +60,20 @@ class Faults:
         bad[:, 1::2] = vocab_size - 1
         return dataclasses.replace(batch, tokens=bad)
 
-    def slow_down(self, rank: int) -> None:
-        """Sleep in this rank's forward when it is the listed slow one."""
+    def attach(self, model: torch.nn.Module, rank: int) -> None:
+        """Make this rank's forward slow when it is the listed slow one."""
         if rank in self.slow_forward:
-            time.sleep(self.slow_forward[rank])
+            seconds = self.slow_forward[rank]
+            model.register_forward_pre_hook(lambda *_: _spin(seconds))
 
     def maybe_hang(self, rank: int, step: int) -> None:
         """Stop this rank for an hour at ``step`` when listed (its peers then wait in a collective)."""
         if self.hang.get(rank) == step:
             time.sleep(3600)
+
+
+def _spin(seconds: float) -> None:
+    """Busy CPU work for ``seconds`` of this process's CPU time."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass

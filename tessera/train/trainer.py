@@ -34,6 +34,7 @@ from tessera.train.qk_clip import QKClip
 from tessera.train.save_schedule import SaveSchedule
 from tessera.train.faults import Faults
 from tessera.train.spike import SpikeGuard
+from tessera.train.straggler import StragglerDetector, describe as describe_straggler
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
 from tessera.parallel.grads import clip_grads, global_grad_norm
@@ -146,6 +147,12 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
         self.spikes = SpikeGuard.for_train(config.train)  # train.on_spike (train/spike.py)
         self.faults = Faults.from_env()  # the resilience tests' injected faults; none unless $TESSERA_FAULTS
+        env = self.parallel.env
+        self.stragglers = StragglerDetector(
+            self.run_dir, config.log.straggler_ratio, config.log.every, env.rank, env.world_size, self.device
+        )
+        self.stragglers.attach(self.model, self.optimizer)  # per-rank phase times (train/straggler.py)
+        self.faults.attach(self.model, env.rank)
 
     def close(self) -> None:
         """Release the run directory (the end of :meth:`fit` does it; so does the end of the process)."""
@@ -518,11 +525,14 @@ class Trainer:
         self.model.train()
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
+            self.faults.maybe_hang(self.parallel.env.rank, self.step + 1)
+            self.stragglers.start_step()
             metrics = self.train_step()
             if self._handle_spike(logger, result, window):
                 continue  # rolled back to a checkpoint: self.step is its step
             self.step += 1
             watchdog.kick(self.step)
+            self._check_stragglers(logger)
             window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
             self._note_compile(logger, time.perf_counter() - t0)
             result.losses.append(metrics["loss"])
@@ -545,6 +555,14 @@ class Trainer:
                 self._announce(preemption.record(self.step, checkpoint))
                 result.preempted = preemption.reason
                 return
+
+    def _check_stragglers(self, logger: MetricsLogger) -> None:
+        """At the end of a logging window: compare the ranks' phase times (a collective), log a new straggler."""
+        every, steps = self.config.log.every, self.config.train.steps
+        record = self.stragglers.end_step(self.step, self.step % every == 0 or self.step == steps)
+        if record is not None:
+            logger.log(record)
+            logger.print(describe_straggler(record["straggler"]))
 
     def _handle_spike(self, logger: MetricsLogger, result: TrainResult, window: StepWindow) -> bool:
         """Log this step's spike (``train.on_spike``); on rollback restore the newest checkpoint, keep the data
