@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, write_tiny_recipe
+
 from tessera.parallel.collective_log import describe_hang
 from tessera.status import run_status
 from tessera.train.metrics import read_metrics
@@ -48,7 +48,7 @@ def test_a_slowed_forward_is_flagged_and_a_hang_names_the_rank_behind(tmp_path, 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_FAULTS": f"slow_forward@1:0.05,hang@1:{HANG_STEP}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tessera",
            "train", str(recipe)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300, check=False)
     assert result.returncode != 0
     flags = [r for r in read_metrics(run) if "straggler" in r]
     assert flags and flags[0]["straggler"]["rank"] == 1 and flags[0]["straggler"]["phase"] == "forward", flags

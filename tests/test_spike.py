@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import REPO
 from test_user_errors import fails_with
+
 from tessera.cli import main  # noqa: F401  (fails_with runs it)
 from tessera.train.metrics import read_metrics
 from tessera.train.spike import SpikeError, SpikeGuard, robust_threshold
