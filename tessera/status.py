@@ -24,6 +24,7 @@ from typing import Any, ClassVar, TextIO
 import tomllib
 
 from tessera.config import ConfigError
+from tessera.train.goodput import status_line as goodput_line
 from tessera.train.straggler import status_table as straggler_table
 
 LOCK_NAME = "run.lock"
@@ -308,4 +309,4 @@ def run_status(run_dir: str | Path) -> str:
         speed = f"{per_step:.2f} s/step, {tokens_per_step / per_step:,.0f} tokens/s"
         eta = f"; ETA {duration(per_step * (total - step))}" if holder is not None and step < total else ""
         lines.append(("speed", speed + eta))
-    return "\n".join([f"{name:<12} {value}" for name, value in lines] + straggler_table(run_dir))
+    return "\n".join([f"{name:<12} {value}" for name, value in lines] + goodput_line(run_dir) + straggler_table(run_dir))

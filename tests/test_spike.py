@@ -77,6 +77,7 @@ def test_a_corrupted_batch_is_warned_about_or_rolled_back_and_skipped(tiny_confi
     batch = 4  # train.batch_size (global)
     assert event["restored_step"] == 10 and event["skipped_samples"] == [10 * batch, CORRUPT_STEP * batch]
     assert summary["steps"] == 20 and len(rolled.losses) == 20
+    assert summary["goodput"]["seconds"]["rollback"] > 0  # the restore and the 2 discarded steps
     assert rolled.losses[:10] == clean.losses[:10]  # identical up to the checkpoint it went back to
     assert max(rolled.losses[10:]) < spike["value"] if spike["metric"] == "loss" else True
     records = read_metrics(tmp_path / "rollback")

@@ -25,7 +25,7 @@ from tessera.train.distill import Distillation, load_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
-from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
+from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve, read_metrics
 from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.mtp_loss import MTPLoss
 from tessera.train.optim import build_optimizer, build_scheduler, check_optimizer_unchanged, keep_config_hyperparameters
@@ -33,6 +33,7 @@ from tessera.train.preemption import PreemptionGuard
 from tessera.train.qk_clip import QKClip
 from tessera.train.save_schedule import SaveSchedule
 from tessera.train.faults import Faults
+from tessera.train.goodput import Goodput
 from tessera.train.spike import SpikeGuard
 from tessera.train.straggler import StragglerDetector, describe as describe_straggler
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
@@ -98,6 +99,7 @@ class Trainer:
 
     def __init__(self, config: JobConfig) -> None:
         self.config = config
+        self.goodput = Goodput(config.train.run_dir, False, time.time())  # enabled on rank 0 in _open_logger
         self.run_dir = Path(config.train.run_dir)
         self.device = resolve_device(config.train.device)
         self.dtype = DTYPES[config.train.dtype]
@@ -261,7 +263,11 @@ class Trainer:
         return describe_changes(changes, path)
 
     def save(self) -> Path:
-        """Checkpoint the current step."""
+        """Checkpoint the current step (the loop's stall counts against goodput)."""
+        with self.goodput.timed("checkpoint"):
+            return self._save()
+
+    def _save(self) -> Path:
         extra = {
             "scheduler": self.scheduler.state_dict(),
             "loader": self.data.train.state_dict(),
@@ -497,6 +503,8 @@ class Trainer:
         cfg = self.config
         if self.parallel.is_main:
             self._write_run_files()
+            self.goodput.enabled = True
+            self.goodput.begin(self.step, read_metrics(self.run_dir))  # the earlier session's records, untruncated
             truncate_metrics(self.run_dir, self.step)
         return MetricsLogger.for_job(cfg, enabled=self.parallel.is_main)
 
@@ -534,6 +542,7 @@ class Trainer:
             watchdog.kick(self.step)
             self._check_stragglers(logger)
             window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
+            self.goodput.step(self.step, time.perf_counter() - t0)
             self._note_compile(logger, time.perf_counter() - t0)
             result.losses.append(metrics["loss"])
             if self._should_eval():  # logged records hold the logging window's means (StepWindow)
@@ -557,12 +566,15 @@ class Trainer:
                 return
 
     def _check_stragglers(self, logger: MetricsLogger) -> None:
-        """At the end of a logging window: compare the ranks' phase times (a collective), log a new straggler."""
+        """At the end of a logging window: compare the ranks' phase times (a collective), log a new straggler;
+        refresh the goodput file."""
         every, steps = self.config.log.every, self.config.train.steps
         record = self.stragglers.end_step(self.step, self.step % every == 0 or self.step == steps)
         if record is not None:
             logger.log(record)
             logger.print(describe_straggler(record["straggler"]))
+        if self.step % every == 0:
+            self.goodput.write()  # RUN/goodput.json for tessera status
 
     def _handle_spike(self, logger: MetricsLogger, result: TrainResult, window: StepWindow) -> bool:
         """Log this step's spike (``train.on_spike``); on rollback restore the newest checkpoint, keep the data
@@ -580,7 +592,9 @@ class Trainer:
             logger.print(f"spike: no checkpoint before step {spike.step} to roll back to; its update was dropped")
             return False
         position = self.data.train.state_dict()
-        self.restore(target)
+        with self.goodput.timed("rollback"):
+            self.restore(target)
+        self.goodput.discard(self.step)
         skipped = (self.data.train.state_dict()["consumed"], position["consumed"])
         self.data.train.load_state_dict(position)
         logger.log(self.spikes.rolled_back(self.step, skipped))
@@ -613,7 +627,8 @@ class Trainer:
         return record
 
     def _log_eval(self, logger: MetricsLogger, record: dict[str, Any]) -> float:
-        val = self.evaluate()
+        with self.goodput.timed("eval"):
+            val = self.evaluate()
         logger.log({**record, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
         return val
 
@@ -660,7 +675,8 @@ class Trainer:
             return
         final_loss = result.losses[-1] if result.losses else None
         # param_sumsq: per tensor, layout-independent: the parity tests' final check
-        extra = {"spikes": self.spikes.events}
+        self.goodput.write()
+        extra = {"spikes": self.spikes.events, "goodput": self.goodput.totals()}
         write_summary(
             self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq, extra
         )
