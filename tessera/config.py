@@ -254,6 +254,7 @@ class TrainConfig:
     spike_window: int = 50  # on_spike: steps in the robust window (median + k * MAD) a step is judged against
     spike_threshold: float = 6.0  # on_spike: k, the robust standard deviations above the median that make a spike
     max_rollbacks: int = 3  # on_spike=rollback: stop (exit 2) when more rollbacks than this are needed
+    elastic_world: int = 0  # processes the batch is set for; fewer (elastic restart) raise grad_accum to keep it; 0 off
     fused_loss: bool = True  # head + cross-entropy in chunks: no whole (tokens x vocab) logits (torch engine)
     loss_chunk_tokens: int = 0  # tokens per chunk of the fused head + loss; 0 = 64 MiB of fp32 logits per chunk
     mtp_loss_weight: float = 0.3  # with model.mtp_depth: the loss adds this times the mean of the depths' losses
@@ -963,6 +964,7 @@ def _validate_spike(t: TrainConfig) -> None:
         f"{t.spike_threshold}",
     )
     _require(t.max_rollbacks >= 1, f"train.max_rollbacks must be >= 1, got {t.max_rollbacks}")
+    _require(t.elastic_world >= 0, f"train.elastic_world must be >= 0 (0 = not elastic), got {t.elastic_world}")
 
 
 def _validate_optim(o: OptimConfig, t: TrainConfig) -> None:

@@ -32,6 +32,7 @@ from tessera.train.optim import build_optimizer, build_scheduler, check_optimize
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.qk_clip import QKClip
 from tessera.train.save_schedule import SaveSchedule
+from tessera.train.elastic import resize as elastic_resize
 from tessera.train.faults import Faults
 from tessera.train.goodput import Goodput
 from tessera.train.spike import SpikeGuard
@@ -41,6 +42,7 @@ from tessera.train.rundir import resolved_config_text, truncate_metrics, write_s
 from tessera.parallel.grads import clip_grads, global_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.parallel.activation import compile_enabled, use_inductor_cache
+from tessera.parallel.env import dist_env
 from tessera.parallel.init import shard_seeds
 from tessera.parallel.scaler import build_grad_scaler
 from tessera.train.distributed import add_replicated, local_value, scalar, setup_parallel, teardown_parallel
@@ -98,6 +100,7 @@ class Trainer:
     """Owns the model, optimizer, data and sinks of one run; ``fit()`` trains it."""
 
     def __init__(self, config: JobConfig) -> None:
+        config, self.elastic_banner = elastic_resize(config, dist_env().world_size)  # train.elastic_world
         self.config = config
         self.goodput = Goodput(config.train.run_dir, False, time.time())  # enabled on rank 0 in _open_logger
         self.run_dir = Path(config.train.run_dir)
@@ -476,6 +479,7 @@ class Trainer:
             changes = self.restore(self.resume_from) if self.resume_from is not None else ""
             logger = self._open_logger()
             logger.print(self._banner())
+            self._announce(self.elastic_banner)  # train.elastic_world: one line whatever log.progress says
             if changes:
                 logger.print(changes)
             result = TrainResult(self.run_dir, self.config.train.steps)
@@ -519,7 +523,7 @@ class Trainer:
 
     def _announce(self, message: str) -> None:
         """A line the user must see whatever ``log.progress`` says (rank 0)."""
-        if self.parallel.is_main:
+        if self.parallel.is_main and message:
             print(message, flush=True)
 
     def _loop(
