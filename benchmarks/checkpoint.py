@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _config(args: argparse.Namespace):
-    from tessera.config import load_config
+    from tessera.validate import load_config
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     keys = [

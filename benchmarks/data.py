@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.data.pipeline import build_data, build_tokenizer
 from tessera.data.prepare import write_indexed_dataset
 from tessera.data.sources import load_corpus

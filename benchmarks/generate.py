@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from tessera.api import find_checkpoint, load, load_draft
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.data.pipeline import build_data
 from tessera.model import generate
 from tessera.model.cache import cache_footprint
@@ -85,7 +85,7 @@ def _timed(fn: Callable[[], int]) -> float:
 def _hf_model(run: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from tessera.convert import hf_export
+    from tessera.hf.convert import hf_export
 
     out = tempfile.mkdtemp(prefix="tessera_hf_")
     hf_export(run, out)

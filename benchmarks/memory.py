@@ -83,7 +83,7 @@ DIM, HEADS, VOCAB, SEQ, BATCH = 256, 8, 4096, 64, 4
 
 
 def _config(overrides: list[str]):
-    from tessera.config import load_config
+    from tessera.validate import load_config
 
     return load_config(None, ["model.tie_embeddings=false", "train.dtype=bf16", *overrides])
 
@@ -418,7 +418,7 @@ PART4 = [
 
 
 def part4() -> None:
-    from tessera.config import load_config
+    from tessera.validate import load_config
     from tessera.plan.activations import tessera_precision
     from tessera.plan.layouts import layout_of
     from tessera.plan.measure import measure_layout

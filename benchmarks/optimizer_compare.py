@@ -1,7 +1,7 @@
 """AdamW vs Muon on a recipe (the smoke job by default): a short learning-rate sweep, then final validation loss.
 
 Each configuration is one ``tessera train`` of the same recipe, steps, data and seed; only the
-optimizer keys differ. With ``optim.muon_scale = "rms"`` Muon's matrices take the same learning
+optimizer keys differ. With ``optim.muon.scale = "rms"`` Muon's matrices take the same learning
 rate as AdamW's (Moonlight's rule), so one ``lr`` sweeps both. Prints per run the final and best
 validation loss and the median tokens/s of the logging windows; runs go one after another, so
 tokens/s is only comparable on an otherwise idle machine.

@@ -39,7 +39,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from tessera.config import JobConfig, load_config
+from tessera.config import JobConfig
+from tessera.validate import load_config
 from tessera.layout import MULTI_STAGE_SCHEDULES as MULTI_STAGE
 from tessera.parallel.pipeline import SCHEDULES
 

@@ -79,7 +79,7 @@ def _autocast(dtype: str, device: str) -> contextlib.AbstractContextManager:
 
 def tessera_trainer(args: argparse.Namespace, workdir: Path, extra: tuple[str, ...] = ()) -> Step:
     """The full Trainer step (real data loader over the stdlib corpus, tokenizer of 512 tokens)."""
-    from tessera.config import load_config
+    from tessera.validate import load_config
     from tessera.data.pipeline import build_data
     from tessera.train.trainer import Trainer
 
@@ -137,7 +137,7 @@ def _loop(model: torch.nn.Module, batches: list[torch.Tensor], dtype: str, logit
 
 def tessera_bare(args: argparse.Namespace, workdir: Path) -> Step:
     """tessera's model in a hand-written loop."""
-    from tessera.config import load_config
+    from tessera.validate import load_config
     from tessera.model import build_model
 
     torch.manual_seed(0)
@@ -313,7 +313,7 @@ def main() -> None:
 def _print_mfu(args: argparse.Namespace, medians: dict[str, float]) -> None:
     """Model FLOPs utilization of each contender: tokens/s x training FLOPs per token (as ``tessera train``
     counts them: 6 x matmul parameters + attention) over ``--peak-tflops``."""
-    from tessera.config import load_config
+    from tessera.validate import load_config
     from tessera.model import build_model, count_parameters
     from tessera.train.flops import flops_per_token
 

@@ -7,10 +7,11 @@ from typing import Any
 
 from torch import nn
 
-from tessera.config import ConfigError, config_from_dict
+from tessera.config import ConfigError
+from tessera.validate import config_from_dict
 from tessera.data.tokenizer import Tokenizer
 from tessera.model import build_model
-from tessera.model.hf import is_hf_dir, load_hf
+from tessera.hf.weights import is_hf_dir, load_hf
 from tessera.train.checkpoint import CHECKPOINT_DIR, Checkpointer, CheckpointError, latest_checkpoint, read_meta
 
 

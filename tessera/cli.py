@@ -12,7 +12,8 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 
-from tessera.config import ConfigError, load_config
+from tessera.errors import ConfigError, UserError
+from tessera.validate import load_config
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
 Subparsers = argparse._SubParsersAction
@@ -27,14 +28,6 @@ UPTRAIN_HELP = (
     "overrides after the flags change it (optim.lr=1e-3 train.steps=40), [model] excepted. Then: tessera train "
     "OUT/config.toml."
 )
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from tessera.data.sources import DataError
-    from tessera.launcher.common import LaunchError
-    from tessera.train.checkpoint import CheckpointError
-
-    return (ConfigError, DataError, CheckpointError, LaunchError)
 
 
 def _command(sub: Subparsers, name: str, handler: Handler, help: str, **kwargs) -> argparse.ArgumentParser:
@@ -68,11 +61,11 @@ def _add_train(sub: Subparsers) -> None:
 def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     config = load_config(args.config, overrides)
     if args.print_config:
-        from tessera.configdoc import commented_toml
+        from tessera.config.docs import commented_toml
 
         print(commented_toml(config), end="")
         return 0
-    from tessera.status import claim_run
+    from tessera.train.rundir import claim_run
     from tessera.train.metrics import check_sinks
     from tessera.train.preemption import stop_exit_code
     from tessera.train.trainer import train_and_exit
@@ -99,7 +92,7 @@ def _add_config(sub: Subparsers) -> None:
 
 def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     _no_overrides("config", overrides)
-    from tessera.configdoc import keys_table
+    from tessera.config.docs import keys_table
 
     print(keys_table(args.section))
     return 0
@@ -117,7 +110,7 @@ def _add_status(sub: Subparsers) -> None:
 
 def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
     _no_overrides("status", overrides)
-    from tessera.status import run_status
+    from tessera.train.status import run_status
 
     print(run_status(args.run_dir))
     return 0
@@ -560,7 +553,7 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         convert_gqa(args.run, args.kv_heads, args.out, args.uptrain_fraction, args.batches, overrides, print)
         return 0
     _no_overrides("convert", overrides)
-    from tessera.convert import consolidate, deepspeed_import, hf_export, hf_import
+    from tessera.hf.convert import consolidate, deepspeed_import, hf_export, hf_import
 
     if args.convert_command == "deepspeed-import":
         print(f"imported {args.ds_checkpoint} -> {deepspeed_import(args.ds_checkpoint, args.out_dir, args.config)}")
@@ -731,7 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _unknown_flags(parser, extra)
         return args.handler(args, extra)
-    except _user_errors() as err:
+    except UserError as err:
         print(f"tessera: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # the machine's refusal (disk full, permissions), not a tessera bug: one line

@@ -38,7 +38,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "tp": "offload with tensor parallelism is not supported",
         "pp": "offload is not validated with pipeline stages yet",
         "ep": "offload is not validated with expert parallelism yet",
-        "deepspeed": "the DeepSpeed engine offloads with parallel.offload_optimizer / parallel.offload_params",
+        "deepspeed": "the DeepSpeed engine offloads with parallel.deepspeed.offload_optimizer / offload_params",
     },
     "meta init": {
         "deepspeed": "the DeepSpeed engine partitions a built model; set parallel.meta_init=false",
@@ -168,7 +168,7 @@ def job_features(config: Any) -> set[str]:
         features.add("latent attention")
     if m.mtp_depth:
         features.add("multi-token prediction")
-    if config.train.distill_from:
+    if config.train.distill.teacher:
         features.add("distillation")
     return features
 

@@ -7,13 +7,9 @@ known (the launcher and each training process), so a bad layout fails before any
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tessera.compat import incompatibilities
+from tessera.config import JobConfig, ModelConfig, ParallelConfig, layer_heads
 from tessera.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tessera.config import JobConfig, ModelConfig, ParallelConfig
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
 
@@ -61,29 +57,6 @@ def stage_layer_counts(n_layers: int, n_stages: int, layers_per_stage: str = "")
     if layers_per_stage:
         return [int(c) for c in layers_per_stage.split(",")]
     return [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]
-
-
-def stage_split(config: JobConfig) -> str:
-    """``parallel.layers_per_stage`` as block counts: "cost" resolved for this model and sequence length,
-    an explicit list as given, "" (balanced by count) as is."""
-    p = config.parallel
-    if p.layers_per_stage != COST_SPLIT:
-        return p.layers_per_stage
-    from tessera.plan.shapes import cost_split, model_shape  # the planner's shapes import this module
-
-    return cost_split(model_shape(config.model), config.train.seq_len, p.pp * virtual_stages(p))
-
-
-def describe_stages(config: JobConfig) -> str:
-    """One line for the banner: the pipeline's ranks, stages, blocks per stage and how they were chosen."""
-    p = config.parallel
-    n_stages = p.pp * virtual_stages(p)
-    counts = stage_layer_counts(pipeline_blocks(config.model), n_stages, stage_split(config))
-    how = {"": "even counts", COST_SPLIT: "balanced FLOPs, head on the last"}.get(p.layers_per_stage, "given")
-    return (
-        f"pipeline: {p.pp} ranks x {n_stages // p.pp} stages, blocks per stage {','.join(map(str, counts))} "
-        f"({how}; parallel.layers_per_stage), {p.pp_schedule}, {microbatches(p)} micro-batches"
-    )
 
 
 def cost_balanced_counts(block_costs: list[float], last_stage_extra: float, n_stages: int) -> list[int]:
@@ -215,8 +188,6 @@ def _check_context_parallel(config: JobConfig) -> None:
 
 def _check_layer_heads(m: ModelConfig, tp: int) -> None:
     """Every layer's query and KV heads split evenly over tp ranks (``model.attention.heads_per_layer``)."""
-    from tessera.config import layer_heads  # tessera.config imports this module
-
     if not m.attention.heads_per_layer:
         return
     kv = m.n_kv_heads or m.n_heads

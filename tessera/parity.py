@@ -18,7 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.config import SECTIONS, ConfigError, load_config
+from tessera.config import SECTIONS, ConfigError
+from tessera.validate import load_config
 
 _QUIET = [
     "log.every=1",

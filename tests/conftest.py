@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.config import JobConfig, load_config
+from tessera.config import JobConfig
+from tessera.validate import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ import sys
 import torch
 from distexit import run_and_exit
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.train.distributed import teardown_parallel
 from tessera.train.trainer import Trainer
 

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.parallel.muon import _plan, newton_schulz, orthogonalize, shard_indices
 from tessera.train.distributed import teardown_parallel
 from tessera.train.trainer import train

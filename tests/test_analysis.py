@@ -14,9 +14,10 @@ from tessera.analysis.importance import head_importance
 from tessera.analysis.inspect import Recording, record_decoder
 from tessera.analysis.prune import plan_global, prune_heads, prune_model
 from tessera.analysis.runs import count_kv_bytes, validation_loss
-from tessera.config import ConfigError, load_config, model_config, validate_model
+from tessera.config import ConfigError, model_config
+from tessera.validate import load_config, validate_model
 from tessera.model import build_model
-from tessera.model.hf import HFConversionError, save_hf
+from tessera.hf.weights import HFConversionError, save_hf
 from tessera.model.mla import LatentAttention
 
 V = 64

@@ -101,7 +101,7 @@ KILL_DURING_ASYNC_WRITE = textwrap.dedent(
     """
     import os, signal, sys
     import torch.distributed.checkpoint as dcp
-    from tessera.config import load_config
+    from tessera.validate import load_config
     from tessera.train.trainer import train
 
     original = dcp.FileSystemWriter.write_data

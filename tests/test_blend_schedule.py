@@ -7,7 +7,8 @@ import json
 import pytest
 from test_blend import EOD, write_megatron_dataset
 
-from tessera.config import ConfigError, load_config
+from tessera.config import ConfigError
+from tessera.validate import load_config
 from tessera.data.loader import SequenceLoader
 from tessera.data.mixture import Phase, overall_weights, parse_blend_schedule
 from tessera.data.pipeline import BLEND_PHASES

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from conftest import run_cli
 from tessera.api import load
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.model import build_model
 from tessera.train import checkpoint as checkpoint_module
 from tessera.train.checkpoint import CheckpointError, Checkpointer

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, write_tiny_recipe
 
 from tessera.parallel.collective_log import describe_hang
-from tessera.status import run_status
+from tessera.train.status import run_status
 from tessera.train.metrics import read_metrics
 from tessera.train.straggler import StragglerDetector
 

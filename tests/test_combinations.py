@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.train.trainer import train
 
 from conftest import assert_runs_match, torchrun, write_tiny_recipe

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tessera.cli import main
-from tessera.config import ConfigError, JobConfig, config_from_dict, load_config, parse_overrides
+from tessera.config import ConfigError, JobConfig, config_from_data, parse_overrides, read_config
+from tessera.validate import config_from_dict, load_config
 
 from conftest import REPO, run_cli
 
@@ -126,7 +127,7 @@ def test_loading_a_config_imports_no_model_or_parallel_code():
     import sys
 
     code = (
-        "import sys; from tessera.config import load_config; load_config('configs/smoke.toml', []); "
+        "import sys; from tessera.config import read_config; read_config('configs/smoke.toml', []); "
         "bad = [m for m in sys.modules if m.startswith(('tessera.parallel', 'tessera.model', "
         "'torch.distributed.pipelining'))]; assert not bad, bad"
     )
@@ -138,3 +139,20 @@ def test_non_bmp_strings_round_trip_through_the_resolved_toml(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(config.to_toml(), encoding="utf-8")
     assert load_config(path).train.sample_prompt == "def 🦄(x):"
+
+
+def test_the_muon_distill_and_deepspeed_sections_take_their_old_flat_keys():
+    old = read_config(None, ["optim.muon_lr=0.02", "train.distill_alpha=0.25", "parallel.zero_stage=3"])
+    new = read_config(None, ["optim.muon.lr=0.02", "train.distill.alpha=0.25", "parallel.deepspeed.zero_stage=3"])
+    assert old == new
+    assert (new.optim.muon.lr, new.train.distill.alpha, new.parallel.deepspeed.zero_stage) == (0.02, 0.25, 3)
+    assert "[optim.muon]\nlr = 0.02" in new.to_toml() and "[parallel.deepspeed]\nzero_stage = 3" in new.to_toml()
+    data = {"train": {"distill_from": "runs/teacher"}, "parallel": {"deepspeed_config": "ds.json"}}
+    assert config_from_data(data).train.distill.teacher == "runs/teacher"
+    assert config_from_data(data).parallel.deepspeed.config == "ds.json"
+
+
+def test_every_user_error_kind_shares_the_base_the_cli_catches():
+    from tessera.errors import CheckpointError, DataError, LaunchError, UserError
+
+    assert all(issubclass(kind, UserError) for kind in (ConfigError, DataError, CheckpointError, LaunchError))

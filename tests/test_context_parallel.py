@@ -30,7 +30,8 @@ import random
 import pytest
 import torch
 
-from tessera.config import ConfigError, load_config
+from tessera.config import ConfigError
+from tessera.validate import load_config
 from tessera.parallel.context import zigzag_index
 from tessera.train.trainer import train
 

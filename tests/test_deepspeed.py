@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.config import ConfigError, load_config
+from tessera.config import ConfigError
+from tessera.validate import load_config
 from tessera.parallel.deepspeed import deepspeed_config, generated_config
 from tessera.train.trainer import train
 
@@ -62,7 +63,7 @@ def _resume(tmp_path: Path, run: str, step: int) -> str:
 
 def test_generated_config_follows_tessera_keys(tiny_config):
     config = tiny_config(*DS, "train.batch_size=8", "train.grad_accum=3", "optim.grad_clip=0.5", "train.dtype=bf16")
-    config.parallel.zero_stage, config.parallel.offload_optimizer = 3, "cpu"
+    config.parallel.deepspeed.zero_stage, config.parallel.deepspeed.offload_optimizer = 3, "cpu"
     ds = generated_config(config, dp=2)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
         24,
@@ -86,7 +87,7 @@ def test_user_ds_json_is_merged_and_contradictions_are_named(tiny_config, tmp_pa
     assert merged["zero_optimization"]["stage3_param_persistence_threshold"] == 0
     assert merged["zero_optimization"]["stage"] == 2  # the generated keys stay
     extra.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    with pytest.raises(ConfigError, match=r"zero_optimization.stage=3 but parallel.zero_stage gives 2"):
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage=3 but parallel.deepspeed.zero_stage gives 2"):
         deepspeed_config(config, dp=1)
     extra.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
     with pytest.raises(ConfigError, match="tessera passes its own"):
@@ -103,8 +104,8 @@ def test_user_ds_json_is_merged_and_contradictions_are_named(tiny_config, tmp_pa
         (["parallel.compile=true"], "compile is not validated with the DeepSpeed engine"),
         (["train.dtype=fp16"], "fp16 with the DeepSpeed engine is not validated"),
         (["train.on_nonfinite=skip"], "cannot hold back a DeepSpeed step"),
-        (["parallel.offload_params=cpu"], "needs parallel.zero_stage=3"),
-        (["parallel.zero_stage=3", "parallel.offload_params=nvme"], "needs parallel.nvme_path"),
+        (["parallel.offload_params=cpu"], "needs parallel.deepspeed.zero_stage=3"),
+        (["parallel.zero_stage=3", "parallel.offload_params=nvme"], "needs parallel.deepspeed.nvme_path"),
         (["parallel.zero_stage=4"], "must be 1, 2 or 3"),
     ],
 )
@@ -115,7 +116,7 @@ def test_deepspeed_refusals_are_one_line(tiny_config, overrides, message):
 
 
 def test_deepspeed_keys_need_the_deepspeed_engine(tiny_config):
-    with pytest.raises(ConfigError, match="parallel.offload_optimizer needs parallel.engine='deepspeed'"):
+    with pytest.raises(ConfigError, match="parallel.deepspeed.offload_optimizer needs parallel.engine='deepspeed'"):
         tiny_config("parallel.offload_optimizer=cpu")
 
 
@@ -258,9 +259,9 @@ def test_import_of_hf_named_universal_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
     from tessera.config import model_config
-    from tessera.convert import deepspeed_import
+    from tessera.hf.convert import deepspeed_import
     from tessera.model import build_model
-    from tessera.model.hf import save_hf
+    from tessera.hf.weights import save_hf
 
     torch.manual_seed(0)
     model = build_model(model_config(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64))

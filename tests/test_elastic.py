@@ -9,7 +9,7 @@ import pytest
 from conftest import run_cli
 from test_launch import losses, write_config
 from test_user_errors import fails_with
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.launcher.torchrun import torchrun_command
 from tessera.train.checkpoint import list_checkpoints
 from tessera.train.elastic import resize

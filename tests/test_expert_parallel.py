@@ -21,7 +21,7 @@ import shutil
 import pytest
 from conftest import assert_losses_close, assert_runs_match, torchrun, write_tiny_recipe
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.train.metrics import read_metrics
 from tessera.train.trainer import train
 

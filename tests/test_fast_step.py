@@ -18,7 +18,7 @@ from conftest import assert_runs_match, torchrun
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.parallel.activation import compile_enabled
 from tessera.train.loss import IGNORE_INDEX, linear_cross_entropy, lm_loss
 from tessera.train.trainer import Trainer, train

@@ -20,7 +20,8 @@ import pytest
 from conftest import REPO, TINY_OVERRIDES, run_cli
 
 from tessera.cli import build_parser, main
-from tessera.config import ConfigError, JobConfig, load_config
+from tessera.config import ConfigError, JobConfig
+from tessera.validate import load_config
 
 # ---------------------------------------------------------------- help of every command
 
@@ -204,7 +205,7 @@ def test_status_of_a_finished_run(finished_run):
 
 HOLD = """
 import sys, time
-from tessera.status import RunLock
+from tessera.train.lock import RunLock
 lock = RunLock(sys.argv[1]).acquire()
 lock.heartbeat(4)
 print("held", flush=True)
@@ -234,7 +235,7 @@ def held_run(finished_run, tmp_path):
 
 
 def test_status_while_running_names_the_holder_and_an_eta(held_run):
-    from tessera.status import run_status
+    from tessera.train.status import run_status
 
     run_dir, pid = held_run
     lines = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in run_status(run_dir).splitlines())
@@ -260,7 +261,9 @@ def test_a_running_training_keeps_slurm_and_train_away_from_its_run_dir(held_run
 
 
 def test_tessera_train_holds_the_run_from_its_start_and_the_logger_joins_that_hold(tmp_path):
-    from tessera.status import claim_run, run_holder, run_status
+    from tessera.train.lock import run_holder
+    from tessera.train.rundir import claim_run
+    from tessera.train.status import run_status
     from tessera.train.metrics import MetricsLogger
 
     run_dir = tmp_path / "claimed"
@@ -278,7 +281,7 @@ def test_tessera_train_holds_the_run_from_its_start_and_the_logger_joins_that_ho
 
 
 def test_a_fresh_heartbeat_from_another_host_counts_as_running_for_slurm_only(tiny_config, tmp_path):
-    from tessera.status import LOCK_NAME, refuse_if_running
+    from tessera.train.lock import LOCK_NAME, refuse_if_running
 
     run_dir = tmp_path / "remote"
     run_dir.mkdir()
@@ -368,7 +371,7 @@ class _Job:
 
 
 def test_key_docs_come_from_the_source_comments_and_recurse_into_sub_sections():
-    from tessera.configdoc import sections
+    from tessera.config.docs import sections
 
     docs = sections(_Job)
     assert [s.name for s in docs] == ["outer", "outer.inner"] and docs[1].doc == "Inner knobs."
@@ -393,7 +396,7 @@ def _leaf_keys(cls: type, prefix: str) -> list[str]:
 
 
 def test_config_keys_lists_every_key_and_each_is_a_real_override():
-    from tessera.configdoc import keys_table, sections, toml_value
+    from tessera.config.docs import keys_table, sections, toml_value
 
     table = keys_table()
     every = _leaf_keys(JobConfig, "")
@@ -411,7 +414,7 @@ def test_config_keys_lists_every_key_and_each_is_a_real_override():
 
 
 def test_the_readme_example_of_config_keys_is_the_real_output():
-    from tessera.configdoc import keys_table
+    from tessera.config.docs import keys_table
 
     readme = (REPO / "README.md").read_text()
     shown = re.search(r"\$ tessera config keys (\S+)\n(.*?)\n```", readme, re.S)

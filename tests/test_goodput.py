@@ -6,7 +6,7 @@ import json
 import shutil
 import time
 
-from tessera.status import run_status
+from tessera.train.status import run_status
 from tessera.train.checkpoint import list_checkpoints
 from tessera.train.trainer import train
 

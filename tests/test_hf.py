@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import tessera
 from tessera.config import MoEConfig, model_config
 from tessera.model import build_model, generate, generate_seq2seq
-from tessera.model.hf import HFConversionError, save_hf
+from tessera.hf.weights import HFConversionError, save_hf
 
 from conftest import run_cli
 
@@ -283,7 +283,7 @@ def test_t5_export_refuses_scaling_that_transformers_4_cannot_read(tmp_path):
 
 
 def test_small_vocabularies_are_refused_only_where_a_tokenizer_is_trained(tmp_path):
-    from tessera.config import validate_model
+    from tessera.validate import validate_model
     from tessera.data.sources import DataError, Document
     from tessera.data.tokenizer import train_tokenizer
 

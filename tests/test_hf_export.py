@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from tessera.api import load_with_tokenizer
-from tessera.convert import hf_export
+from tessera.hf.convert import hf_export
 from tessera.model import generate
 from tessera.train.trainer import train
 

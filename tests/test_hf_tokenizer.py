@@ -19,8 +19,8 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tessera.api import load_with_tokenizer
-from tessera.config import load_config
-from tessera.convert import hf_export, hf_import
+from tessera.validate import load_config
+from tessera.hf.convert import hf_export, hf_import
 from tessera.data.dataset import open_indexed
 from tessera.data.pipeline import build_data, check_vocab
 from tessera.data.prepare import prepare_source, write_indexed_dataset

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY_OVERRIDES, run_cli
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.cli import main
 from tessera.launcher.common import LaunchError, check_world_size, parse_endpoint
 from tessera.launcher.torchrun import accelerate_command, accelerate_config, make_spec, torchrun_command

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.train.trainer import train
 
 from conftest import assert_runs_match, run_cli, write_tiny_recipe

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.config import ConfigError, ModelConfig, model_config, validate_model
+from tessera.config import ConfigError, ModelConfig, model_config
+from tessera.validate import validate_model
 from tessera.model import build_model, generate
 from tessera.model.attention import linear_attention
 from tessera.model.ffn import FeedForward, ffn_hidden_size
@@ -264,7 +265,7 @@ def test_generate_works_for_zoo_decoders():
     ],
 )
 def test_zoo_config_errors_name_the_key(overrides, key):
-    from tessera.config import load_config
+    from tessera.validate import load_config
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("(", r"\(")):
         load_config(None, overrides)

@@ -78,7 +78,7 @@ def test_training_logs_each_depths_loss(tiny_config):
 @pytest.mark.slow
 def test_mtp_under_fsdp_ddp_tp_and_pp_matches_one_process(tmp_path, cache_dir):
     recipe = write_tiny_recipe(tmp_path / "base.toml", cache_dir, *BASE)
-    from tessera.config import load_config
+    from tessera.validate import load_config
 
     reference = train(load_config(recipe, [f"train.run_dir={tmp_path}/ref"])).run_dir
     variants = {
@@ -108,7 +108,7 @@ def test_layouts_without_mtp_refuse_it_at_config_time(tiny_config, layout):
 def test_deepseek_v3_checkpoints_carry_the_mtp_modules(tmp_path):
     from safetensors.torch import load_file
 
-    from tessera.model.hf import load_hf, save_hf
+    from tessera.hf.weights import load_hf, save_hf
 
     cfg = model_config(
         vocab_size=64,

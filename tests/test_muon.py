@@ -9,7 +9,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tessera.config import ConfigError, OptimConfig, load_config, model_config
+from tessera.config import ConfigError, MuonConfig, OptimConfig, model_config
+from tessera.validate import load_config
 from tessera.model import build_model
 from tessera.model.attention import _allowed
 from tessera.parallel.muon import NS_COEFFICIENTS, newton_schulz, shard_indices
@@ -66,7 +67,7 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest():
     assert "layers.0.attention.q_proj.weight" in muon and "layers.1.attention.o_proj.weight" in muon
     assert "layers.0.moe.experts.up_proj" in muon and "layers.0.moe.router.weight" in muon
     assert not muon & {"tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.attention.q_proj.bias"}
-    groups = build_optimizer(model, OptimConfig(name="muon", muon_lr=0.02, lr=1e-3)).param_groups
+    groups = build_optimizer(model, OptimConfig(name="muon", muon=MuonConfig(lr=0.02), lr=1e-3)).param_groups
     assert [g["muon"] for g in groups] == [True, False, False] and groups[0]["lr"] == 0.02 and groups[1]["lr"] == 1e-3
     assert {names[id(p)] for p in groups[0]["params"]} == muon
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
@@ -79,7 +80,7 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest():
 def test_update_equals_torch_muon_and_adamw(scale, torch_rule, nesterov):
     """Three steps of tessera's Muon+AdamW against torch.optim.Muon on the matrices and AdamW on the rest."""
     model, twin = _model(), _model()
-    cfg = OptimConfig(name="muon", lr=1e-2, muon_lr=0.05, muon_scale=scale, muon_nesterov=nesterov, muon_momentum=0.9)
+    cfg = OptimConfig(name="muon", lr=1e-2, muon=MuonConfig(lr=0.05, scale=scale, nesterov=nesterov, momentum=0.9))
     ours = build_optimizer(model, cfg)
     matrices = muon_parameters(twin)
     rest = parameter_groups(twin, cfg.weight_decay)
@@ -197,8 +198,8 @@ def _max_logits(q, k, scale, ctx) -> torch.Tensor:
     [
         (["optim.qk_clip_threshold=50", "model.attention.qk_norm=true"], "qk_norm would undo"),
         (["optim.qk_clip_threshold=50", "model.attention.kernel=linear"], "needs softmax attention logits"),
-        (["optim.muon_ns_steps=0"], r"optim.muon_ns_steps must be in \[1, 99\]"),
-        (["optim.muon_momentum=1.0"], r"optim.muon_momentum must be in \[0, 1\)"),
+        (["optim.muon_ns_steps=0"], r"optim.muon.ns_steps must be in \[1, 99\]"),
+        (["optim.muon_momentum=1.0"], r"optim.muon.momentum must be in \[0, 1\)"),
         (["optim.name=lion"], "optim.name"),
         (["optim.name=muon", "parallel.engine=deepspeed"], "optim.name='muon' needs parallel.engine='torch'"),
         (["optim.state_dtype=bf16", "parallel.engine=deepspeed"], "optim.state_dtype='bf16' needs parallel.engine"),

@@ -18,7 +18,7 @@ import shutil
 import pytest
 from conftest import assert_runs_match, step_records, torchrun, write_tiny_recipe
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.train.checkpoint import SafeFileSystemReader
 from tessera.train.trainer import train
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tessera.config import model_config, span_count
+from tessera.config import model_config
+from tessera.data.objectives import span_count
 from tessera.data.objectives import IGNORE, Objective, causal_lm, masked_lm, span_corruption
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tessera.config import ConfigError, OptimConfig, model_config
+from tessera.config import ConfigError, MuonConfig, OptimConfig, model_config
 from tessera.model import build_model
 from tessera.train.optim import (
     adamw_kernel,
@@ -77,7 +77,7 @@ def _adamw_runs(implementation: str, scaler: bool, name: str = "adamw") -> list[
     torch.manual_seed(0)
     model = build_model(model_config(vocab_size=300, dim=32, n_layers=2, n_heads=2, tie_embeddings=False))
     # Newton-Schulz in fp32: in bf16 it would amplify the kernels' last-bit differences past 1e-6
-    cfg = OptimConfig(name=name, lr=1e-2, implementation=implementation, muon_ns_dtype="fp32")
+    cfg = OptimConfig(name=name, lr=1e-2, implementation=implementation, muon=MuonConfig(ns_dtype="fp32"))
     opt = build_optimizer(model, cfg)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=scaler)
     gen = torch.Generator().manual_seed(1)

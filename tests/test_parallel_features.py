@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tessera.api import load
-from tessera.config import ConfigError, load_config
+from tessera.config import ConfigError
+from tessera.validate import load_config
 from tessera.compat import render_markdown
 from tessera.train.distributed import setup_parallel
 from tessera.model import build_model

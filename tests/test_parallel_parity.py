@@ -42,7 +42,7 @@ def base_recipe(tmp_path_factory, cache_dir):
 @pytest.fixture(scope="module")
 def references(base_recipe, tmp_path_factory):
     """Single-process run directories: dense, and MoE with 1, 2 and 4 accumulated micro-batches."""
-    from tessera.config import load_config
+    from tessera.validate import load_config
 
     out = tmp_path_factory.mktemp("refs")
     refs = {"dense": train(load_config(base_recipe, [f"train.run_dir={out}/dense"])).run_dir}

@@ -9,9 +9,11 @@ import re
 import pytest
 import torch
 
-from tessera.config import ConfigError, load_config
+from tessera.config import ConfigError
+from tessera.validate import load_config
 from tessera.model import build_model
-from tessera.layout import cost_balanced_counts, describe_stages, local_stage_ids, stage_layer_counts, stage_split
+from tessera.layout import cost_balanced_counts, local_stage_ids, stage_layer_counts
+from tessera.plan.stages import describe_stages, stage_split
 from tessera.parallel.pipeline import _stage_keys, split_model
 
 from conftest import TINY_OVERRIDES

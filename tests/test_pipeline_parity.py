@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tessera.api import load
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.train.metrics import read_metrics
 from tessera.train.trainer import train
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tessera.cli import main
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.layout import check_layout
 from tessera.plan import estimate, gpu, model_shape, plan
 from tessera.plan.layouts import Layout

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from tessera.config import ModelConfig, load_config
+from tessera.config import ModelConfig
+from tessera.validate import load_config
 from tessera.model import build_model, count_parameters
 from tessera.model.moe import MoELog
 from tessera.plan.activations import Precision, korthikanti_block, korthikanti_table2, tessera_block, tessera_precision

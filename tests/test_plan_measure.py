@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.plan.layouts import layout_of
 from tessera.plan.measure import StepSpec, measure_layout, training_memory
 from tessera.plan.memory import estimate_memory
@@ -119,7 +119,7 @@ import json, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
 torch.set_num_threads(1)
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.model import build_model
 from tessera.parallel import ParallelDims, parallelize, uses_fsdp
 from tessera.parallel.env import init_distributed

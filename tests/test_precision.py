@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.train.trainer import Trainer, train
 
 from conftest import step_records, torchrun, write_tiny_recipe

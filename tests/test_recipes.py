@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.model import build_model, count_parameters
 from tessera.train.trainer import train
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tessera.api import load
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.train.trainer import train
 
 from conftest import assert_runs_match, run_cli, torchrun, write_tiny_recipe

@@ -52,7 +52,7 @@ KILL_DURING_SAVE = textwrap.dedent(
     """
     import os, signal, sys
     import torch.distributed.checkpoint as dcp
-    from tessera.config import load_config
+    from tessera.validate import load_config
     from tessera.train.trainer import train
 
     original = dcp.FileSystemWriter.finish

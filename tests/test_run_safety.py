@@ -22,7 +22,7 @@ from conftest import REPO, TINY_OVERRIDES, write_tiny_recipe
 from test_preempt import PREEMPT_OVERRIDES, metrics, wait_for_steps
 from tessera.cli import main
 from tessera.config import ConfigError
-from tessera.convert import hf_export, hf_import
+from tessera.hf.convert import hf_export, hf_import
 from tessera.train import trainer as trainer_module
 from tessera.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
 from tessera.train.guard import HANG_EXIT_CODE, NonFiniteError
@@ -49,7 +49,7 @@ def names(run_dir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, cache_dir) -> Path:
     """A finished 4-step tiny run (checkpoint at step 4); tests work on copies of it."""
-    from tessera.config import load_config
+    from tessera.validate import load_config
 
     run = tmp_path_factory.mktemp("finished") / "run"
     train(load_config(None, [*TINY_OVERRIDES, "train.steps=4", f"train.run_dir={run}", f"data.cache_dir={cache_dir}"]))
@@ -62,7 +62,7 @@ def run_copy(finished, tmp_path) -> Path:
     return tmp_path / "run"
 
 
-HOLD_LOCK = "import sys, time; from tessera.status import RunLock; "
+HOLD_LOCK = "import sys, time; from tessera.train.lock import RunLock; "
 HOLD_LOCK += "RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(600)"
 
 
@@ -255,7 +255,7 @@ def test_the_hang_watchdog_dumps_stacks_and_exits(tmp_path):
 HANG_RUN = textwrap.dedent(
     """
     import sys, time
-    from tessera.config import load_config
+    from tessera.validate import load_config
     from tessera.train import trainer
 
     original = trainer.Trainer.train_step

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.config import ConfigError, load_config
+from tessera.config import ConfigError
+from tessera.validate import load_config
 
 from conftest import torchrun
 

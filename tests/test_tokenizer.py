@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.data.pipeline import build_tokenizer
 from tessera.data.sources import Document, load_corpus
 from tessera.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer

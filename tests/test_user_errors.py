@@ -29,7 +29,7 @@ def fails_with(argv: list[str], capsys, *fragments: str, code: int = 2) -> str:
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, cache_dir) -> Path:
     """A finished 4-step tiny run (checkpoint, tokenizer, config) shared by the read-only cases below."""
-    from tessera.config import load_config
+    from tessera.validate import load_config
 
     run = tmp_path_factory.mktemp("trained") / "run"
     train(load_config(None, [*TINY_OVERRIDES, "train.steps=4", f"train.run_dir={run}", f"data.cache_dir={cache_dir}"]))

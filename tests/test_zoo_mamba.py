@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.config import ConfigError, model_config, validate_model
+from tessera.config import ConfigError, model_config
+from tessera.validate import validate_model
 from tessera.model import build_model, generate
 from tessera.model.generate import cache_footprint
 from tessera.model.mamba import prefix_scan, selective_scan, ssd_scan

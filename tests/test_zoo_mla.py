@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.config import ConfigError, model_config, validate_model
+from tessera.config import ConfigError, model_config
+from tessera.validate import validate_model
 from tessera.model import build_model
 from tessera.model.generate import cache_footprint
 from tessera.model.mla import LatentAttention, LatentCache

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from tessera.config import ConfigError, load_config
+from tessera.config import ConfigError
+from tessera.validate import load_config
 from tessera.train.trainer import train
 
 from conftest import assert_runs_match, torchrun, write_tiny_recipe

@@ -178,7 +178,7 @@ def draw_module(name: str, maps: torch.Tensor, heads: list[int], tokens: Tokens,
 def load_for_inspection(path: str | Path) -> tuple[nn.Module, Codec, Path]:
     """The model (eval, CPU) of a run, checkpoint or HF directory, its tokenizer, and the directory they belong to."""
     from tessera.api import find_checkpoint, load
-    from tessera.model.hf import is_hf_dir
+    from tessera.hf.weights import is_hf_dir
 
     model = load(path)
     model_dir = Path(path) if is_hf_dir(path) else find_checkpoint(path).parent.parent

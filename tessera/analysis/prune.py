@@ -37,7 +37,8 @@ from tessera.analysis.runs import (
     validation_loss,
     write_run,
 )
-from tessera.config import ConfigError, ModelConfig, validate_model
+from tessera.config import ConfigError, ModelConfig
+from tessera.validate import validate_model
 from tessera.model import build_model, count_parameters
 
 

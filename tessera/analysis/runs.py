@@ -20,14 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.config import (
-    ConfigError,
-    JobConfig,
-    ModelConfig,
-    apply_overrides,
-    config_from_dict,
-    parse_overrides,
-)
+from tessera.config import ConfigError, JobConfig, ModelConfig, parse_overrides
+from tessera.validate import apply_overrides, config_from_dict
 from tessera.data.objectives import Objective
 from tessera.train.checkpoint import Checkpointer, CheckpointError, read_meta
 
@@ -48,7 +42,7 @@ class SourceRun:
 def load_run(path: str | Path) -> SourceRun:
     """The run (or checkpoint) at ``path`` with its model in eval mode on CPU."""
     from tessera.api import find_checkpoint
-    from tessera.model.hf import is_hf_dir
+    from tessera.hf.weights import is_hf_dir
 
     if is_hf_dir(path):
         raise CheckpointError(f"'{path}' is an HF directory; import it first: tessera convert hf-import {path} RUN_DIR")

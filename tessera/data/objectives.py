@@ -14,9 +14,15 @@ from typing import Any, Protocol
 
 import torch
 
-from tessera.config import ModelConfig, resolved_objective, span_count
+from tessera.config import ModelConfig, resolved_objective
 
 IGNORE = -100
+
+
+def span_count(length: int, density: float, mean_span: float) -> int:
+    """How many noise spans T5 span corruption cuts into ``length`` tokens (one sentinel each)."""
+    noise = min(max(round(length * density), 1), length - 1)
+    return max(round(noise / mean_span), 1)
 
 
 class _Batch(Protocol):

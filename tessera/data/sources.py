@@ -24,9 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class DataError(ValueError):
-    """A user-caused data problem (missing file, empty corpus, bad index); one line with the fix."""
+from tessera.errors import DataError
 
 
 @dataclass(frozen=True)

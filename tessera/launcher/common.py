@@ -7,12 +7,9 @@ import re
 from dataclasses import dataclass
 
 from tessera.config import ConfigError, JobConfig
+from tessera.errors import LaunchError
 from tessera.layout import check_layout
 from tessera.parallel.dims import ParallelDims
-
-
-class LaunchError(ValueError):
-    """A launch request that cannot work; its message is one line saying what to change."""
 
 
 # torchrun's agents share one TCPStore with the workers by default, and a restarted worker group

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from tessera.config import JobConfig, load_config
+from tessera.config import JobConfig
+from tessera.validate import load_config
 from tessera.launcher.common import TORCHRUN_ENV, LaunchError, check_world_size, train_args
 from tessera.plan import warn_if_unfit
-from tessera.status import refuse_if_running
+from tessera.train.lock import refuse_if_running
 from tessera.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_MARKER
 
 SCRIPT_NAME = "job.sbatch"

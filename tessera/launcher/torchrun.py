@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from tessera.config import ConfigError, JobConfig, load_config
+from tessera.config import JobConfig
+from tessera.errors import ConfigError
+from tessera.validate import load_config
 from tessera.launcher.common import (
     TORCHRUN_ENV,
     Endpoint,

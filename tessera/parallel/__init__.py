@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tessera.config import JobConfig
-from tessera.parallel.blocks import block_containers
+from tessera.model.blocks import block_containers
 from tessera.parallel.activation import apply_activation_checkpointing, apply_compile, compile_enabled
 from tessera.parallel.context import apply_context_parallel
 from tessera.parallel.dims import ParallelDims

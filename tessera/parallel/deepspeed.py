@@ -1,7 +1,7 @@
 """The DeepSpeed engine: ZeRO-1/2/3 data parallelism with CPU and NVMe offload, configured from tessera's keys.
 
 The DeepSpeed config is generated from the job (batch, accumulation, clipping, precision, ZeRO
-stage, offload); an expert's ``parallel.deepspeed_config`` ds.json is merged into it, and any key
+stage, offload); an expert's ``parallel.deepspeed.config`` ds.json is merged into it, and any key
 that contradicts a generated one is refused in one line. tessera's own AdamW parameter groups
 and LR schedule are DeepSpeed's client optimizer and scheduler (``DeepSpeedCPUAdam`` when the
 optimizer is offloaded). Full (unpartitioned) fp32 weights and Adam moments are read and written
@@ -32,11 +32,11 @@ _SOURCES = {
     "train_micro_batch_size_per_gpu": "train.batch_size / data-parallel ranks",
     "gradient_accumulation_steps": "train.grad_accum",
     "gradient_clipping": "optim.grad_clip",
-    "zero_optimization.stage": "parallel.zero_stage",
-    "zero_optimization.offload_optimizer.device": "parallel.offload_optimizer",
-    "zero_optimization.offload_optimizer.nvme_path": "parallel.nvme_path",
-    "zero_optimization.offload_param.device": "parallel.offload_params",
-    "zero_optimization.offload_param.nvme_path": "parallel.nvme_path",
+    "zero_optimization.stage": "parallel.deepspeed.zero_stage",
+    "zero_optimization.offload_optimizer.device": "parallel.deepspeed.offload_optimizer",
+    "zero_optimization.offload_optimizer.nvme_path": "parallel.deepspeed.nvme_path",
+    "zero_optimization.offload_param.device": "parallel.deepspeed.offload_params",
+    "zero_optimization.offload_param.nvme_path": "parallel.deepspeed.nvme_path",
     "bf16.enabled": "train.dtype",
     "fp16.enabled": "train.dtype",
 }
@@ -63,9 +63,9 @@ def generated_config(config: JobConfig, dp: int, device_type: str = "cpu") -> di
         )
     pin = device_type == "cuda"
     zero = {
-        "stage": p.zero_stage,
-        "offload_optimizer": _offload(p.offload_optimizer, p.nvme_path, pin),
-        "offload_param": _offload(p.offload_params, p.nvme_path, pin),
+        "stage": p.deepspeed.zero_stage,
+        "offload_optimizer": _offload(p.deepspeed.offload_optimizer, p.deepspeed.nvme_path, pin),
+        "offload_param": _offload(p.deepspeed.offload_params, p.deepspeed.nvme_path, pin),
     }
     return {
         "train_batch_size": t.batch_size * t.grad_accum,
@@ -102,12 +102,12 @@ def _merge(ours: dict[str, Any], theirs: dict[str, Any], where: str, prefix: str
 
 
 def deepspeed_config(config: JobConfig, dp: int, device_type: str = "cpu") -> dict[str, Any]:
-    """:func:`generated_config` with ``parallel.deepspeed_config`` merged in (contradictions refused)."""
+    """:func:`generated_config` with ``parallel.deepspeed.config`` merged in (contradictions refused)."""
     ours = generated_config(config, dp, device_type)
-    path = config.parallel.deepspeed_config
+    path = config.parallel.deepspeed.config
     if not path:
         return ours
-    return _merge(ours, json.loads(Path(path).read_text()), f"parallel.deepspeed_config='{path}'")
+    return _merge(ours, json.loads(Path(path).read_text()), f"parallel.deepspeed.config='{path}'")
 
 
 def cpu_adam(groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:

@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from tessera.parallel.blocks import block_containers
+from tessera.model.blocks import block_containers
 from tessera.parallel.expert import shard_experts
 
 

@@ -46,12 +46,12 @@ from tessera.layout import (
     microbatches,
     pipeline_blocks,
     stage_layer_counts,
-    stage_split,
     virtual_stages,
 )
 from tessera.model import MoELog, build_model, moe_loss
 from tessera.model.mtp import MTPLog, mtp_losses, mtp_token_counts
 from tessera.model.transformer import OutputFn
+from tessera.plan.stages import stage_split
 from tessera.parallel.shared import (
     SharedParameter,
     find_shared,

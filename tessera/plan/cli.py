@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tessera.config import load_config
+from tessera.validate import load_config
 from tessera.errors import ConfigError
 from tessera.plan.gpus import gpu
 from tessera.plan.layouts import apply_layout

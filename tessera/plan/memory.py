@@ -208,7 +208,7 @@ class OptimizerState:
 
     name: str = "adamw"  # "adamw", or "muon" (Muon's momentum on hidden matrices, AdamW's moments on the rest)
     state_bytes: int = 4  # fp32 4, bf16 2
-    ns_bytes: int = 2  # Muon's Newton-Schulz dtype (optim.muon_ns_dtype)
+    ns_bytes: int = 2  # Muon's Newton-Schulz dtype (optim.muon.ns_dtype)
     kernel: str = "default"  # torch's AdamW kernel (optim.implementation): fused, foreach, for-loop, default
 
     @property

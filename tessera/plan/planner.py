@@ -64,7 +64,7 @@ def job_setting(config: JobConfig, layout: Layout, device: str = "cuda") -> Sett
 
     train, optim = config.train, config.optim
     staged_encoder_decoder = layout.pp > 1 and config.model.arch == "encoder_decoder"
-    fused = train.fused_loss and config.parallel.engine == "torch" and not train.distill_from
+    fused = train.fused_loss and config.parallel.engine == "torch" and not train.distill.teacher
     fused = fused and not staged_encoder_decoder
     return Setting(
         tessera_precision(train.dtype, layout.fsdp),
@@ -75,7 +75,7 @@ def job_setting(config: JobConfig, layout: Layout, device: str = "cuda") -> Sett
         OptimizerState(
             optim.name,
             2 if optim.state_dtype == "bf16" else 4,
-            2 if optim.muon_ns_dtype == "bf16" else 4,
+            2 if optim.muon.ns_dtype == "bf16" else 4,
             "fused" if optim.implementation == "auto" else optim.implementation,  # auto: fused on CPU and CUDA
         ),
     )

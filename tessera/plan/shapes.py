@@ -22,6 +22,10 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.layout import cost_balanced_counts
+from tessera.model import build_model
+from tessera.model.blocks import block_containers, muon_parameters
+from tessera.model.ffn import GATED, ffn_hidden_size
+from tessera.model.mla import LatentAttention
 
 _TP_SHARDED = tuple(f"{a}.{p}_proj" for a in ("attention", "cross_attention") for p in "qkvo") + ("feed_forward.",)
 
@@ -112,9 +116,6 @@ def cost_split(shape: ModelShape, seq_len: int, n_stages: int) -> str:
 
 
 def _classify(block: nn.Module, layer: int) -> BlockParams:
-    from tessera.model.mla import LatentAttention
-    from tessera.train.optim import muon_parameters
-
     muon = {id(p) for p in muon_parameters(block)}
     counts = [0, 0, 0]  # tp, replicated, experts
     matrices = [0, 0, 0]
@@ -146,9 +147,6 @@ def one_period(cfg: ModelConfig) -> ModelConfig:
 
 def model_shape(cfg: ModelConfig) -> ModelShape:
     """Count ``cfg``'s parameters on a meta build of one period of its blocks, then repeat it for all blocks."""
-    from tessera.model import build_model
-    from tessera.parallel.blocks import block_containers
-
     small = one_period(cfg)
     with torch.device("meta"):
         model = build_model(small)
@@ -170,8 +168,6 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
 
 
 def _shape(cfg: ModelConfig, blocks: tuple[BlockParams, ...], embedding: int, head: int) -> ModelShape:
-    from tessera.model.ffn import GATED, ffn_hidden_size
-
     dense = ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
     experts = cfg.moe.experts
     expert_hidden = cfg.moe.ffn_hidden or dense

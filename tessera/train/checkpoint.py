@@ -33,13 +33,11 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from tessera.errors import CheckpointError
+
 CHECKPOINT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or does not fit the model."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):

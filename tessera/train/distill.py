@@ -1,4 +1,4 @@
-"""Knowledge distillation (``train.distill_from``): the loss mixes cross-entropy with the KL divergence
+"""Knowledge distillation (``train.distill.teacher``): the loss mixes cross-entropy with the KL divergence
 from a teacher's to the student's temperature-softened next-token distributions (Hinton et al. 2015):
 
     loss = (1 - alpha) * CE(student, labels) + alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T))
@@ -47,13 +47,13 @@ def load_teacher(path: str, vocab_size: int, tokenizer: Path, device: torch.devi
     teacher = load(ckpt)
     if teacher.cfg.arch != "decoder" or teacher.cfg.vocab_size != vocab_size:
         raise ConfigError(
-            f"train.distill_from={path!r} is a {teacher.cfg.arch} with a vocabulary of {teacher.cfg.vocab_size}; the "
+            f"train.distill.teacher={path!r} is a {teacher.cfg.arch} with a vocabulary of {teacher.cfg.vocab_size}; the "
             f"student needs a decoder with its own {vocab_size} tokens (train both with the same tokenizer)"
         )
     theirs = ckpt.parent.parent / "tokenizer.model"
     if theirs.is_file() and not filecmp.cmp(theirs, tokenizer, shallow=False):
         raise ConfigError(
-            f"train.distill_from={path!r} was trained with another tokenizer ({theirs}); use the same data.tokenizer"
+            f"train.distill.teacher={path!r} was trained with another tokenizer ({theirs}); use the same data.tokenizer"
         )
     return teacher.to(device).eval().requires_grad_(False)
 

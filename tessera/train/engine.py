@@ -36,7 +36,7 @@ class DeepSpeedEngine:
 
     def __init__(self, config: JobConfig, model: nn.Module, parallel: ParallelContext) -> None:
         o = config.optim
-        if config.parallel.offload_optimizer == "none":
+        if config.parallel.deepspeed.offload_optimizer == "none":
             self.optimizer = build_optimizer(model, o, fused_ok=False)  # DeepSpeed's wrapper: torch's default kernel
         else:
             groups = parameter_groups(model, o.weight_decay)

@@ -13,7 +13,7 @@ from typing import Any, TextIO
 import torch
 
 from tessera.config import ConfigError, JobConfig, LogConfig
-from tessera.status import RunLock
+from tessera.train.lock import RunLock
 
 
 def _human(n: float) -> str:

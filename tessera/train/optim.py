@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from tessera.config import ConfigError, OptimConfig
-from tessera.model.moe import Experts
+from tessera.model.blocks import muon_parameters
 from tessera.train.checkpoint import CheckpointError
 from tessera.train.muon import MuonAdamW
 
@@ -34,27 +34,6 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The hidden matrices Muon updates: every nn.Linear weight but the output head's, and MoE expert stacks."""
-    head = getattr(model, "output", None)
-    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    found, seen = [], set()
-    for module in model.modules():
-        if module is head:
-            continue
-        if isinstance(module, nn.Linear):
-            params = [module.weight]
-        elif isinstance(module, Experts):
-            params = [p for p in module.parameters(recurse=False) if p.ndim == 3]
-        else:
-            continue
-        for p in params:
-            if p.requires_grad and id(p) not in seen and id(p) not in embeddings:
-                seen.add(id(p))
-                found.append(p)
-    return found
-
-
 def muon_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """Muon's matrices in one group, then :func:`parameter_groups` of the rest (AdamW)."""
     matrices = muon_parameters(model)
@@ -62,7 +41,7 @@ def muon_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     rest = parameter_groups(model, cfg.weight_decay)
     for group in rest:
         group["params"] = [p for p in group["params"] if id(p) not in ids]
-    muon = {"params": matrices, "muon": True, "lr": cfg.muon_lr or cfg.lr, "weight_decay": cfg.weight_decay}
+    muon = {"params": matrices, "muon": True, "lr": cfg.muon.lr or cfg.lr, "weight_decay": cfg.weight_decay}
     return [muon, *rest]
 
 
@@ -112,11 +91,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, fused_ok: bool = True) -
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        momentum=cfg.muon_momentum,
-        nesterov=cfg.muon_nesterov,
-        ns_steps=cfg.muon_ns_steps,
-        scale=cfg.muon_scale,
-        ns_dtype=DTYPES[cfg.muon_ns_dtype],
+        momentum=cfg.muon.momentum,
+        nesterov=cfg.muon.nesterov,
+        ns_steps=cfg.muon.ns_steps,
+        scale=cfg.muon.scale,
+        ns_dtype=DTYPES[cfg.muon.ns_dtype],
         state_dtype=DTYPES[cfg.state_dtype],
         adamw_kernel=adamw_kernel([p for g in groups for p in g["params"]], cfg.implementation),
     )

@@ -1,7 +1,7 @@
 """The run directory's integrity: one training at a time, no silent overwrite, a consistent history.
 
 A run directory belongs to one training run. The rank that writes (rank 0) holds the run's
-:class:`tessera.status.RunLock` (an exclusive ``flock`` on ``RUN/run.lock``, dropped by the kernel
+:class:`tessera.train.lock.RunLock` (an exclusive ``flock`` on ``RUN/run.lock``, dropped by the kernel
 when the process ends, however it ends) for as long as it trains. A fresh start
 (``train.resume=none``, or a checkpoint of another run) is refused where checkpoints already
 exist, unless ``train.overwrite=true`` first deletes what an earlier run wrote.
@@ -9,15 +9,18 @@ exist, unless ``train.overwrite=true`` first deletes what an earlier run wrote.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from tessera.config import ConfigError, JobConfig
-from tessera.status import RunLock
+from tessera.parallel.env import dist_env
+from tessera.train.lock import RunLock
 from tessera.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
@@ -219,3 +222,16 @@ def describe_changes(changes: dict[str, tuple[Any, Any]], path: Path) -> str:
         return ""
     listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
     return f"resuming {path.name} with {len(changes)} changed key(s), each taking effect from the next step: {listed}"
+
+
+@contextlib.contextmanager
+def claim_run(run_dir: str | Path) -> Iterator[None]:
+    """Hold ``run_dir`` for a training from its first moment (rank 0 only; a ConfigError if it is taken)."""
+    if dist_env().rank != 0:
+        yield
+        return
+    lock = RunLock(run_dir).acquire()
+    try:
+        yield
+    finally:
+        lock.release()

@@ -32,11 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-PHASES = ("data", "forward", "backward", "optimizer", "other")
-COMPUTE = PHASES[:4]  # the phases a rank can be slow in (others only wait in them)
+from tessera.train.straggler_table import COMPUTE, PHASES, TABLE
+
 FLAG_WINDOWS = 3  # consecutive windows a rank must be slowest in before it is flagged
 MIN_EXCESS_S = 0.005  # a phase's own time must exceed the peers' by this much too (timer noise)
-TABLE = "stragglers.json"
 
 
 @dataclass
@@ -149,22 +148,3 @@ def describe(flag: dict[str, Any], windows: int = FLAG_WINDOWS) -> str:
         f"straggler: rank {flag['rank']} is slower in {flag['phase']} ({1e3 * flag['seconds']:.1f} ms per step vs "
         f"{1e3 * flag['others_median_s']:.1f} ms median of the other ranks, {windows} logging windows in a row)"
     )
-
-
-def status_table(run_dir: str | Path) -> list[str]:
-    """``tessera status``'s per-rank table from ``RUN/stragglers.json`` (no lines when absent)."""
-    path = Path(run_dir) / TABLE
-    if not path.is_file():
-        return []
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
-        return []
-    cols = ("step_s", *COMPUTE, "collectives")
-    lines = [f"per-rank ms per step at step {data['step']} (own work per phase; collectives = time waited)"]
-    lines.append("  rank " + " ".join(f"{c:>11}" for c in cols))
-    flagged = {int(k): v for k, v in data.get("flagged", {}).items()}
-    for rank, entry in enumerate(data["ranks"]):
-        mark = f"  <- straggler ({flagged[rank]})" if rank in flagged else ""
-        lines.append(f"  {rank:>4} " + " ".join(f"{1e3 * entry[c]:>11.1f}" for c in cols) + mark)
-    return lines

@@ -17,7 +17,7 @@ from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
-from tessera.layout import describe_stages
+from tessera.plan.stages import describe_stages
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.async_checkpoint import build_checkpointer
 from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_meta
@@ -123,7 +123,7 @@ class Trainer:
         self.model = self._build_model()
         self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
-        self.mtp_loss, self.distill = self._build_extra_losses()  # train.mtp_loss_weight, train.distill_from
+        self.mtp_loss, self.distill = self._build_extra_losses()  # train.mtp_loss_weight, train.distill.teacher
         self.engine = build_engine(config, self.model, self.parallel)  # DeepSpeed (train/engine.py), or None: torch
         if self.engine is None:
             self.optimizer = build_optimizer(self.model, config.optim)
@@ -181,9 +181,9 @@ class Trainer:
         if cfg.model.mtp_depth and self.pipeline is None:  # a pipeline adds the MTP term on its last stage itself
             mtp = MTPLoss(cfg.model.mtp_depth, cfg.train.mtp_loss_weight, lm_loss, cfg.train.label_smoothing)
         distill = None
-        if cfg.train.distill_from:
-            teacher = load_teacher(cfg.train.distill_from, cfg.model.vocab_size, self.data.tokenizer.path, self.device)
-            distill = Distillation(teacher, cfg.train.distill_temperature, cfg.train.distill_alpha, self._autocast)
+        if cfg.train.distill.teacher:
+            teacher = load_teacher(cfg.train.distill.teacher, cfg.model.vocab_size, self.data.tokenizer.path, self.device)
+            distill = Distillation(teacher, cfg.train.distill.temperature, cfg.train.distill.alpha, self._autocast)
         return mtp, distill
 
     def _extra_metrics(self) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""A run's state at a glance (``tessera status RUN``) and the lock that says a process holds a run.
+"""The lock that says a process holds a run directory.
 
 While a training runs, its rank 0 holds ``RUN_DIR/run.lock``: an exclusive ``flock`` on the file
 (released by the kernel when the process dies, however it dies) whose JSON content names the
@@ -10,22 +10,16 @@ shared filesystem may not carry locks) is recognised by a heartbeat younger than
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
-import tomllib
-
-from tessera.config import ConfigError
-from tessera.train.goodput import status_line as goodput_line
-from tessera.train.straggler import status_table as straggler_table
+from tessera.errors import ConfigError
 
 LOCK_NAME = "run.lock"
 HEARTBEAT_STALE_S = 600.0  # a remote holder silent this long is presumed gone
@@ -136,21 +130,6 @@ def _unusable_run_dir(run_dir: Path, err: OSError) -> str:
     return f"train.run_dir '{run_dir}' is not writable ({err.strerror}); choose a writable train.run_dir"
 
 
-@contextlib.contextmanager
-def claim_run(run_dir: str | Path) -> Iterator[None]:
-    """Hold ``run_dir`` for a training from its first moment (rank 0 only; a ConfigError if it is taken)."""
-    from tessera.parallel.env import dist_env  # the one module that reads torchrun's environment
-
-    if dist_env().rank != 0:
-        yield
-        return
-    lock = RunLock(run_dir).acquire()
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -216,97 +195,3 @@ def refuse_if_running(run_dir: str | Path, what: str, trust_heartbeat: bool = Fa
         raise ConfigError(in_use_message(Path(run_dir), holder, what))
 
 
-# ---------------------------------------------------------------- tessera status
-
-
-def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl records, skipping a line that is still being written."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
-
-
-def _run_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "config.toml"
-    if not path.is_file():
-        raise ConfigError(
-            f"'{run_dir}' is not a tessera run directory (no config.toml); give train.run_dir of a run, e.g. runs/smoke"
-        )
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"'{path}' is not valid TOML: {err}") from None
-
-
-def _latest_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "meta.json").is_file())
-    return (done[-1], int(done[-1].name.removeprefix("step_"))) if done else None
-
-
-def _seconds_per_step(records: list[dict[str, Any]], since: float, tokens_per_step: int) -> float | None:
-    """Wall seconds per step over the recent records of this session (evaluation included)."""
-    timed = [r for r in records if "loss" in r and r.get("time", 0) >= since][-20:]
-    if len(timed) >= 2 and timed[-1]["step"] > timed[0]["step"]:
-        return (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
-    last = next((r for r in reversed(records) if r.get("tokens_per_s")), None)
-    return tokens_per_step / last["tokens_per_s"] if last else None
-
-
-def _state_line(run_dir: Path, holder: Holder | None, step: int, total: int) -> str:
-    if holder is not None:
-        return "running: " + holder.describe()
-    preempted = _read_json(run_dir / "preempted.json")  # the trainer's marker: signal, step, checkpoint
-    if preempted:
-        return (
-            f"stopped by {preempted.get('signal', 'a signal')} at step {preempted.get('step', '?')} "
-            "after a checkpoint; "
-            f"`tessera train {run_dir / 'config.toml'}` continues it"
-        )
-    if step >= total:
-        return "finished"
-    return f"not running (stopped at step {step} of {total}); `tessera train {run_dir / 'config.toml'}` continues it"
-
-
-def run_status(run_dir: str | Path) -> str:
-    """The report ``tessera status`` prints; safe to call while the run is training."""
-    run_dir = Path(run_dir)
-    holder = run_holder(run_dir)
-    if holder is not None and not (run_dir / "config.toml").is_file():
-        return f"{'run':<12} {run_dir}\n{'state':<12} starting (preparing data and model): {holder.describe()}"
-    train = _run_config(run_dir).get("train", {})
-    total = int(train.get("steps", 0))
-    tokens_per_step = int(train.get("batch_size", 0)) * int(train.get("grad_accum", 1)) * int(train.get("seq_len", 0))
-    records = read_records(run_dir)
-    trained = [r for r in records if "loss" in r]
-    checkpoint = _latest_checkpoint(run_dir)
-    step = max([r["step"] for r in records] + [holder.step if holder else 0, checkpoint[1] if checkpoint else 0])
-    vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    lines = [
-        ("run", str(run_dir)),
-        ("state", _state_line(run_dir, holder, step, total)),
-        ("step", f"{step:,} / {total:,} ({100 * step / max(total, 1):.0f}%)"),
-        ("tokens seen", f"{step * tokens_per_step:,}"),
-    ]
-    if trained:
-        lines.append(
-            ("train loss", f"{trained[-1]['loss']:.4f} at step {trained[-1]['step']} (mean of its logging window)")
-        )
-    if vals:
-        best = min(vals, key=lambda v: v[1])
-        lines.append(
-            ("val loss", f"last {vals[-1][1]:.4f} at step {vals[-1][0]}; best {best[1]:.4f} at step {best[0]}")
-        )
-    lines.append(("checkpoint", f"{checkpoint[0]} (step {checkpoint[1]})" if checkpoint else "none yet"))
-    per_step = _seconds_per_step(records, holder.started if holder else 0.0, tokens_per_step) if trained else None
-    if per_step:
-        speed = f"{per_step:.2f} s/step, {tokens_per_step / per_step:,.0f} tokens/s"
-        eta = f"; ETA {duration(per_step * (total - step))}" if holder is not None and step < total else ""
-        lines.append(("speed", speed + eta))
-    return "\n".join([f"{name:<12} {value}" for name, value in lines] + goodput_line(run_dir) + straggler_table(run_dir))

@@ -1,4 +1,4 @@
-"""``tessera convert``: HF model directory <-> tessera checkpoint (the model-level mapping is model/hf.py), and
+"""``tessera convert``: HF model directory <-> tessera checkpoint (the model-level mapping is hf/weights.py), and
 DeepSpeed checkpoints -> tessera run (the DeepSpeed reading is train/ds_checkpoint.py)."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ from pathlib import Path
 
 import torch
 
-from tessera.config import ConfigError, JobConfig, resolved_objective, span_count, validate
+from tessera.config import ConfigError, JobConfig, resolved_objective
+from tessera.data.objectives import span_count
+from tessera.validate import validate
 from tessera.data.tokenizer import copy_tokenizer_files
 from tessera.model import build_model
-from tessera.model.hf import load_state, read_hf, save_hf
-from tessera.status import RunLock
+from tessera.hf.weights import load_state, read_hf, save_hf
+from tessera.train.lock import RunLock
 from tessera.train.checkpoint import Checkpointer, CheckpointError
 from tessera.train.ds_checkpoint import MOMENTS
 from tessera.train.rundir import remove_run_outputs
@@ -85,7 +87,7 @@ def hf_export(checkpoint: str | Path, out_dir: str | Path, family: str | None = 
     """Write the model of a tessera run or checkpoint directory as an HF model directory (weights, config,
     tokenizer, generation config, model card); returns the family."""
     from tessera.api import find_checkpoint, load
-    from tessera.hf_dir import complete_hf_dir
+    from tessera.hf.export import complete_hf_dir
     from tessera.model import count_parameters
 
     ckpt = find_checkpoint(checkpoint)
@@ -133,8 +135,8 @@ def _hf_config_near(path: Path) -> dict | None:
 def _ds_model_and_job(ds_path: Path, state, config: str | None, out_dir: Path):
     """(JobConfig, tessera weights, tessera moments, source) for a DeepSpeed state: tessera-named with a
     recipe, or HF-named next to its config.json."""
-    from tessera.config import load_config
-    from tessera.model.hf import state_from_hf
+    from tessera.validate import load_config
+    from tessera.hf.weights import state_from_hf
 
     if config is not None:
         return load_config(config, [f"train.run_dir={out_dir}"]), state.weights, state.moments, "tessera"

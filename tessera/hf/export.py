@@ -1,6 +1,6 @@
 """The rest of an exported HF model directory: tokenizer files, generation_config.json, a model card.
 
-``model/hf.py`` writes the weights and config.json; this adds what ``AutoTokenizer`` and
+``hf/weights.py`` writes the weights and config.json; this adds what ``AutoTokenizer`` and
 ``generate`` need and a README.md that says how the model was trained (from the checkpoint's
 config and the run's metrics.jsonl).
 

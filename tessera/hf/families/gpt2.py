@@ -5,14 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.model.hf_families.common import (
-    Family,
-    Rule,
-    copy,
-    fail,
-    ffn_hidden,
-    norm,
-)
+from tessera.hf.families.common import Family, Rule, copy, fail, ffn_hidden, norm
 
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 

@@ -18,10 +18,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tessera.config import ConfigError, ModelConfig, model_config, validate_model
+from tessera.config import ConfigError, ModelConfig, model_config
+from tessera.validate import validate_model
 from tessera.model.block import layer_kind
 from tessera.model.ffn import ffn_hidden_size
-from tessera.model.hf_families import FAMILIES, HFConversionError, Rule
+from tessera.hf.families import FAMILIES, HFConversionError, Rule
 from tessera.model.moe import is_moe_layer
 
 __all__ = ["FAMILIES", "HFConversionError", "detect_family", "is_hf_dir", "load_hf", "read_hf", "save_hf"]

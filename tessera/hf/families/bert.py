@@ -5,15 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.model.hf_families.common import (
-    Family,
-    Rule,
-    copy,
-    fail,
-    ffn_hidden,
-    linear,
-    norm,
-)
+from tessera.hf.families.common import Family, Rule, copy, fail, ffn_hidden, linear, norm
 
 _BERT_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}
 

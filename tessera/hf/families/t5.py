@@ -5,15 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.model.hf_families.common import (
-    Family,
-    HFConversionError,
-    Rule,
-    copy,
-    fail,
-    ffn_hidden,
-    get,
-)
+from tessera.hf.families.common import Family, HFConversionError, Rule, copy, fail, ffn_hidden, get
 
 
 def _t5_from_hf(hf: dict[str, Any]) -> dict[str, Any]:

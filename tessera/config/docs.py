@@ -22,7 +22,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tessera.config import ConfigError, JobConfig
+from tessera.config.job import JobConfig
+from tessera.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -7,23 +7,8 @@ from typing import Any
 
 from tessera.config import ModelConfig
 from tessera.model.block import layer_kind
-from tessera.model.hf_families.common import (
-    ACT_IN,
-    ACT_OUT,
-    Family,
-    Rule,
-    copy,
-    ends_rules,
-    fail,
-    ffn_hidden,
-    get,
-    linear,
-)
-from tessera.model.hf_families.llama import (
-    attention_rules,
-    dense_ffn_rules,
-    expert_rules,
-)
+from tessera.hf.families.common import ACT_IN, ACT_OUT, Family, Rule, copy, ends_rules, fail, ffn_hidden, get, linear
+from tessera.hf.families.llama import attention_rules, dense_ffn_rules, expert_rules
 from tessera.model.moe import is_moe_layer
 
 _MAX_LEN = 2048  # Mamba has no context limit; tessera's max_seq_len (generation's cap) travels as an extra key

@@ -8,8 +8,8 @@ args, raising :class:`HFConversionError` for any option tessera cannot reproduce
 
 from __future__ import annotations
 
-from tessera.model.hf_families import bert, deepseek, gpt2, llama, mamba, moe, t5
-from tessera.model.hf_families.common import Family, HFConversionError, Rule
+from tessera.hf.families import bert, deepseek, gpt2, llama, mamba, moe, t5
+from tessera.hf.families.common import Family, HFConversionError, Rule
 
 FAMILIES: dict[str, Family] = {
     **llama.FAMILIES,

@@ -1,0 +1,64 @@
+"""JobConfig: the sections together, and the resolved config written back as TOML."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.config.data import DataConfig
+from tessera.config.model import ModelConfig
+from tessera.config.optim import OptimConfig
+from tessera.config.output import CheckpointConfig, LogConfig
+from tessera.config.parallel import ParallelConfig
+from tessera.config.train import TrainConfig
+
+
+@dataclass
+class JobConfig:
+    """A complete tessera job: the sections below, nothing else."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The config as nested plain data (TOML/JSON-ready)."""
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The resolved config as a TOML recipe that :func:`load_config` reads back."""
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines += _toml_table(section, values)
+        return "\n".join(lines)
+
+
+def _toml_table(name: str, values: dict[str, Any]) -> list[str]:
+    """``[name]`` with its scalar keys, then each sub-table as ``[name.sub]``."""
+    lines = [f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items() if not isinstance(v, dict)]
+    lines.append("")
+    for key, sub in values.items():
+        if isinstance(sub, dict):
+            lines += _toml_table(f"{name}.{key}", sub)
+    return lines
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # TOML basic strings take any Unicode (emoji included)
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)
+

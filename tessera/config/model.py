@@ -1,0 +1,166 @@
+"""[model]: the architecture sections (attention, position, MoE, Mamba, latent attention) and what
+their keys mean when read together (per-layer heads, the resolved objective)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+@dataclass
+class AttentionConfig:
+    """[model.attention]: the attention kernel and its options."""
+
+    kernel: Literal["sdpa", "eager", "longformer", "bigbird", "linear", "performer"] = "sdpa"  # eager: fp32 softmax
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2, GPT-2, BERT)
+    o_bias: bool = False  # a bias on o_proj also when model.bias is false (Llama attention_bias)
+    dropout: float = 0.0  # on the attention weights
+    scale: float = 0.0  # softmax scale; 0 means 1/sqrt(head_dim) (T5 uses 1)
+    scale_by_layer: bool = False  # divide the scale by layer index + 1 (GPT-2 scale_attn_by_inverse_layer_idx)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys
+    qk_norm_scope: Literal["head", "all"] = "head"  # qk_norm per head (Qwen3) or over all heads' channels (OLMoE)
+    sliding_window: int = 0  # keys within this many positions (Mistral); the local width for longformer
+    global_tokens: int = 0  # longformer/bigbird: the first positions attend and are attended everywhere
+    block_size: int = 16  # bigbird block
+    random_blocks: int = 1  # bigbird random key blocks per query block
+    performer_features: int = 64  # performer random features
+    heads_per_layer: str = ""  # query heads per layer, e.g. "4,2,4,2" (pruned models); "" = n_heads in every layer
+
+
+@dataclass
+class PositionConfig:
+    """[model.position]: how token positions enter the model."""
+
+    kind: Literal["rope", "learned", "sinusoidal", "t5_bias", "alibi", "none"] = "rope"  # t5_bias/alibi: score biases
+    rope_theta: float = 10000.0  # RoPE base frequency
+    rope_scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"  # context extension of RoPE
+    rope_scaling_factor: float = 1.0  # how many times longer than the original context
+    rope_original_max_len: int = 0  # yarn, llama3: the pre-extension context (0 = max_seq_len / factor)
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by the factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
+    rope_attention_factor: float = 0.0  # yarn: the cos/sin magnitude (0 = 0.1 * ln(factor) + 1)
+    rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
+    rel_buckets: int = 32  # T5 relative-position buckets
+    rel_max_distance: int = 128  # T5: distances beyond this share the last bucket
+
+
+@dataclass
+class MoEConfig:
+    """[model.moe]: mixture-of-experts feed-forward layers (experts = 0 keeps every FFN dense)."""
+
+    experts: int = 0  # 0 = dense FFN everywhere
+    top_k: int = 2  # 1 = switch routing
+    every: int = 1  # MoE on every n-th layer (layer i is MoE when (i + 1) % every == 0)
+    first_dense: int = 0  # the first n layers keep a dense FFN (DeepSeek first_k_dense_replace)
+    # Routing scores and weights: "topk_softmax" renormalizes the softmax over the k chosen experts
+    # (Mixtral), "softmax_topk" keeps their raw softmax probabilities (Switch, OLMoE, Qwen2-MoE without
+    # norm_topk_prob), "sigmoid" scores each expert independently (DeepSeek-V3; see norm_topk).
+    router: Literal["topk_softmax", "softmax_topk", "sigmoid"] = "topk_softmax"  # Mixtral | Switch, OLMoE | DeepSeek-V3
+    norm_topk: bool = True  # sigmoid router: divide the k chosen scores by their sum (HF norm_topk_prob)
+    route_scale: float = 1.0  # multiplies the routing weights (DeepSeek routed_scaling_factor)
+    groups: int = 1  # group-limited routing: experts split into this many groups (DeepSeek-V3 n_group)
+    topk_groups: int = 1  # ... and each token picks experts from its best topk_groups groups only (topk_group)
+    capacity_factor: float = 0.0  # 0 = dropless; else tokens over capacity are dropped
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch / GShard; DeepSeek's alpha)
+    aux_loss_scope: Literal["batch", "sequence"] = "batch"  # balance over the batch (Switch) or per sequence (DeepSeek)
+    z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE)
+    # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k choice
+    # only; after every step bias += bias_update_rate * sign(mean load - expert load). A rate > 0 implies it.
+    expert_bias: bool = False  # a per-expert bias for the top-k choice only (HF e_score_correction_bias)
+    bias_update_rate: float = 0.0  # aux-free balancing: bias += rate * sign(mean - load) per step (V3: 0.001)
+    shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
+    shared_ffn_hidden: int = 0  # hidden width of the shared experts together (0 = shared_experts x ffn_hidden)
+    shared_gate: bool = False  # scale the shared experts' output by sigmoid(w . x) (Qwen2-MoE shared_expert_gate)
+    ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
+    jitter: float = 0.0  # training only: the MoE input times U(1 - jitter, 1 + jitter) (Mixtral router_jitter_noise)
+
+
+@dataclass
+class MambaConfig:
+    """[model.mamba]: the selective state-space mixer of the "M" layers of model.layer_pattern."""
+
+    version: int = 1  # 1 = Mamba (S6, a state per channel), 2 = Mamba-2 (SSD, a scalar decay per head)
+    state: int = 16  # d_state: SSM state size (per channel for Mamba-1, per head for Mamba-2)
+    conv: int = 4  # width of the causal depthwise convolution
+    expand: int = 2  # inner width = expand * dim
+    dt_rank: int = 0  # Mamba-1: rank of the time-step projection (0 = ceil(dim / 16))
+    head_dim: int = 64  # Mamba-2: channels per SSM head (heads = inner width / head_dim)
+    groups: int = 1  # Mamba-2: B/C groups shared by the heads (like grouped-query attention)
+    chunk: int = 64  # the training scan's chunk length (memory vs. parallelism; not the numbers)
+    conv_bias: bool = True  # a bias on the depthwise convolution
+    proj_bias: bool = False  # biases on in_proj and out_proj
+    dt_norm: bool = False  # RMSNorm on the time step, B and C (Jamba)
+    ffn: bool = True  # Mamba layers also get the FFN/MoE sublayer (Jamba); false = the mixer alone (Mamba)
+
+
+@dataclass
+class MLAConfig:
+    """[model.mla]: multi-head latent attention (DeepSeek-V2/V3) in place of standard attention.
+
+    Keys and values are rebuilt from one compressed latent of ``kv_rank`` channels per token plus
+    a ``rope_head_dim`` RoPE key shared by all heads; the KV cache stores only those two.
+    """
+
+    kv_rank: int = 0  # kv_lora_rank; 0 keeps standard attention
+    q_rank: int = 0  # q_lora_rank: low-rank query compression (0 = one full query projection)
+    rope_head_dim: int = 64  # qk_rope_head_dim: the rotated part of each query/key head
+    nope_head_dim: int = 128  # qk_nope_head_dim: the unrotated part of each query/key head
+    v_head_dim: int = 128  # v_head_dim: the width of each value head
+    mscale: float = 0.0  # yarn mscale_all_dim: the softmax scale times (0.1 * mscale * ln(factor) + 1)^2
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the transformer (the zoo picks components from these names)."""
+
+    arch: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"  # causal LM, MLM encoder (BERT), seq2seq (T5)
+    vocab_size: int = 2048  # embedding rows: the tokenizer's vocabulary plus sentinel_tokens
+    dim: int = 128  # hidden size
+    n_layers: int = 4  # transformer blocks (the encoder's, for encoder_decoder)
+    n_decoder_layers: int = 0  # encoder_decoder: decoder depth (0 = n_layers)
+    n_heads: int = 4  # attention (query) heads
+    n_kv_heads: int = 0  # 0 means n_heads (multi-head); 1 is multi-query; else grouped-query
+    head_dim: int = 0  # 0 means dim // n_heads
+    ffn_hidden: int = 0  # 0 derives it from ffn_multiplier and multiple_of
+    ffn_multiplier: float = 0.0  # 0 means 4x for plain FFNs and 8/3x for gated ones
+    multiple_of: int = 32  # a derived ffn_hidden is rounded up to a multiple of this
+    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"  # swiglu/geglu are gated
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # the normalization layer everywhere
+    norm_eps: float = 1e-5  # epsilon of every norm
+    norm_position: Literal["pre", "post"] = "pre"  # post-norm (BERT) has no final norm
+    bias: bool = False  # biases on o_proj and the FFN linears (GPT-2, BERT)
+    ffn_bias: bool = False  # biases on the FFN linears also when bias is false (Llama mlp_bias)
+    embed_norm: bool = False  # a norm right after the embeddings (BERT)
+    type_vocab_size: int = 0  # BERT token-type embeddings (type 0 is added when none are given)
+    output_dim_scale: bool = False  # multiply the final hidden by dim**-0.5 before the head (T5 v1.0)
+    tie_embeddings: bool = False  # the output head shares the token-embedding weight
+    max_seq_len: int = 2048  # longest sequence the position tables and caches allow
+    dropout: float = 0.0  # residual and FFN dropout
+    init_std: float = 0.02  # normal init std (output projections scaled down by depth)
+    objective: Literal["auto", "causal_lm", "masked_lm", "span_corruption"] = "auto"  # auto follows arch
+    mask_prob: float = 0.15  # masked_lm: fraction masked; span_corruption: noise density
+    mean_span_length: float = 3.0  # span_corruption: mean noise-span length
+    sentinel_tokens: int = 0  # ids reserved at the top of the vocab for [MASK] / T5 sentinels
+    # A = attention ([model.attention], latent if [model.mla] is on), G = global attention (A without the
+    # sliding window), M = Mamba ([model.mamba]); "" = all A.
+    layer_pattern: str = ""  # each layer's mixer, one letter per layer, repeated to n_layers (Jamba: "MMMMAMMM")
+    mtp_depth: int = 0  # multi-token prediction modules (DeepSeek-V3): module k also predicts token i + 1 + k
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    position: PositionConfig = field(default_factory=PositionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
+
+
+
+
+def layer_heads(m: ModelConfig) -> list[int]:
+    """Query heads of each layer: ``model.attention.heads_per_layer``, or ``model.n_heads`` everywhere."""
+    spec = m.attention.heads_per_layer
+    return [int(c) for c in spec.split(",")] if spec else [m.n_heads] * m.n_layers
+
+
+def resolved_objective(m: ModelConfig) -> str:
+    """``model.objective`` with "auto" replaced by the arch's natural objective."""
+    if m.objective != "auto":
+        return m.objective
+    return {"decoder": "causal_lm", "encoder": "masked_lm", "encoder_decoder": "span_corruption"}[m.arch]

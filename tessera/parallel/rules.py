@@ -1,0 +1,57 @@
+"""The rules of the engine keys: [parallel.deepspeed] and what DeepSpeed's own optimizer cannot do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tessera.config import OptimConfig, ParallelConfig, TrainConfig
+from tessera.config.checks import require
+from tessera.errors import ConfigError
+
+
+def check_engine(p: ParallelConfig, t: TrainConfig) -> None:
+    """The DeepSpeed keys (the layouts the engine refuses are in the compatibility table)."""
+    require(
+        p.engine == "torch" or t.on_nonfinite == "stop",
+        "train.on_nonfinite=skip cannot hold back a DeepSpeed step (it reduces, clips and updates in one call); "
+        "set train.on_nonfinite=stop or parallel.engine='torch'",
+    )
+    ds = p.deepspeed
+    deepspeed_only = {"offload_optimizer": ds.offload_optimizer != "none", "offload_params": ds.offload_params != "none"}
+    deepspeed_only.update(nvme_path=bool(ds.nvme_path), config=bool(ds.config))
+    for key, used in deepspeed_only.items():
+        require(not used or p.engine == "deepspeed", f"parallel.deepspeed.{key} needs parallel.engine='deepspeed'")
+    require(ds.zero_stage in (1, 2, 3), f"parallel.deepspeed.zero_stage must be 1, 2 or 3, got {ds.zero_stage}")
+    require(
+        ds.offload_params == "none" or ds.zero_stage == 3,
+        f"parallel.deepspeed.offload_params={ds.offload_params!r} needs parallel.deepspeed.zero_stage=3 "
+        "(only ZeRO-3 partitions parameters)",
+    )
+    require(
+        "nvme" not in (p.deepspeed.offload_optimizer, p.deepspeed.offload_params) or bool(p.deepspeed.nvme_path),
+        "nvme offload needs parallel.deepspeed.nvme_path = a directory on a fast local disk",
+    )
+    if p.deepspeed.config:
+        path = Path(p.deepspeed.config)
+        require(path.is_file(), f"parallel.deepspeed.config='{path}' does not exist; give the path of a ds.json")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"parallel.deepspeed.config='{path}' is not valid JSON ({err})") from None
+        require(isinstance(data, dict), f"parallel.deepspeed.config='{path}' must hold a JSON object")
+
+
+def check_engine_optimizer(p: ParallelConfig, o: OptimConfig) -> None:
+    """DeepSpeed runs its own AdamW: tessera's Muon, bf16 state and QK-clip live in the torch engine."""
+    if p.engine != "deepspeed":
+        return
+    used_keys = {"name": o.name != "adamw", "state_dtype": o.state_dtype != "fp32"}
+    used_keys["implementation"] = o.implementation != "auto"
+    for key, used in used_keys.items():
+        require(
+            not used, f"optim.{key}={getattr(o, key)!r} needs parallel.engine='torch' (DeepSpeed runs its own AdamW)"
+        )
+    require(
+        o.qk_clip_threshold == 0, "optim.qk_clip_threshold needs parallel.engine='torch'; set it to 0 for DeepSpeed"
+    )
