@@ -29,7 +29,8 @@ STEPS = 5
 BASE = [
     f"train.steps={STEPS}", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0",
     "checkpoint.enabled=false", "model.tie_embeddings=false", "model.moe.experts=4", "model.moe.top_k=2",
-    "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001",
+    "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001", "model.moe.aux_loss_scope=micro",
+    "model.moe.capacity_scope=micro",  # per-rank balance and capacity; the global scope: tests/integration
 ]
 MOE = {
     "top2": [],

@@ -20,7 +20,10 @@ from conftest import assert_runs_match, torchrun, write_tiny_recipe
 
 STEPS = 5
 BASE = [f"train.steps={STEPS}", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0", "checkpoint.enabled=false"]
-MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001"]
+MOE = [  # the per-rank ("micro") scope; the global scope: tests/integration/test_moe_global_parity.py
+    "model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001",
+    "model.moe.aux_loss_scope=micro",
+]
 
 # name -> (processes, parallel overrides, data-parallel degree, activation checkpointing mode when on)
 LAYOUTS = {

@@ -31,6 +31,7 @@ class TrainConfig:
     eval_every: int = 100  # 0 disables periodic evaluation (a final one still runs)
     eval_batches: int = 8  # global batches of the validation split per evaluation
     resume: str = "auto"  # auto | none | path to a checkpoint directory
+    init_from: str = ""  # weights only from an HF model dir, tessera run/checkpoint or DeepSpeed checkpoint ("" = off)
     sample_prompt: str = "def "  # prompt of the sample generated at the end of training
     sample_tokens: int = 64  # tokens generated at the end of training; 0 disables
     threads: int = 0  # torch threads per process; 0 = $OMP_NUM_THREADS, else cores / local processes
@@ -46,4 +47,5 @@ class TrainConfig:
     fused_loss: bool = True  # head + cross-entropy in chunks: no whole (tokens x vocab) logits (torch engine)
     loss_chunk_tokens: int = 0  # tokens per chunk of the fused head + loss; 0 = 64 MiB of fp32 logits per chunk
     mtp_loss_weight: float = 0.3  # with model.mtp_depth: the loss adds this times the mean of the depths' losses
+    fp8: Literal["off", "tensorwise", "rowwise", "mxfp8"] = "off"  # torchao fp8 training of block linears; CPU emulates
     distill: DistillConfig = field(default_factory=DistillConfig)

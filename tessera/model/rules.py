@@ -84,7 +84,7 @@ def _validate_heads_per_layer(m: ModelConfig) -> None:
     key = f"model.attention.heads_per_layer={m.attention.heads_per_layer!r}"
     counts = spec.split(",")
     require(
-        all(c.strip().isdigit() for c in counts) and len(counts) == m.n_layers,
+        all(c.strip().isascii() and c.strip().isdigit() for c in counts) and len(counts) == m.n_layers,
         f"{key} must be {m.n_layers} comma-separated head counts, one per layer (model.n_layers)",
     )
     group = m.n_heads // (m.n_kv_heads or m.n_heads)

@@ -54,10 +54,6 @@ def check_optim(o: OptimConfig, t: TrainConfig) -> None:
         0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0, f"optim.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}"
     )
     require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
-    require(
-        o.warmup_steps <= t.steps,
-        f"optim.warmup_steps={o.warmup_steps} is longer than train.steps={t.steps}; shorten the warmup or train longer",
-    )
     require(0.0 < o.decay_fraction <= 1.0, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
     require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
     require(o.eps > 0, f"optim.eps must be positive (AdamW divides by sqrt(v) + eps), got {o.eps}")
@@ -92,6 +88,7 @@ def check_output(config: JobConfig) -> None:
     require(c.every > 0, f"checkpoint.every must be positive, got {c.every}")
     require(c.every_minutes >= 0, f"checkpoint.every_minutes must be >= 0 (0 = off), got {c.every_minutes}")
     require(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
+    require(c.hf_every >= 0, f"checkpoint.hf_every must be >= 0 (0 = off), got {c.hf_every}")
     require(log.every > 0, f"log.every must be positive, got {log.every}")
     require(
         log.straggler_ratio == 0 or 1.0 < log.straggler_ratio <= 100.0,

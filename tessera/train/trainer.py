@@ -12,11 +12,13 @@ from typing import Any
 
 import torch
 
-from tessera.config import ConfigError, JobConfig
+from tessera.config import ConfigError, JobConfig, eval_task_names
 from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
+from tessera.evaluate.loop import DownstreamEval
+from tessera.parallel.fp8 import check_fp8_device
 from tessera.plan.stages import describe_stages
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.async_checkpoint import build_checkpointer
@@ -24,11 +26,19 @@ from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_me
 from tessera.train.distill import Distillation, load_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
+from tessera.train.hf_every import HFExports
+from tessera.train.init_from import check_init_from, check_source, is_weights_only, open_source
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve, read_metrics
 from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.mtp_loss import MTPLoss
-from tessera.train.optim import build_optimizer, build_scheduler, check_optimizer_unchanged, keep_config_hyperparameters
+from tessera.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    check_optimizer_unchanged,
+    keep_config_hyperparameters,
+    warmup_notice,
+)
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.qk_clip import QKClip
 from tessera.train.save_schedule import SaveSchedule
@@ -104,7 +114,9 @@ class Trainer:
         self.config = config
         self.goodput = Goodput(config.train.run_dir, False, time.time())  # enabled on rank 0 in _open_logger
         self.run_dir = Path(config.train.run_dir)
+        self.init_source = check_init_from(config)  # train.init_from: checked before any process group starts
         self.device = resolve_device(config.train.device)
+        check_fp8_device(config.train.fp8, self.device)
         self.dtype = DTYPES[config.train.dtype]
         self.parallel = setup_parallel(config, self.device)
         self.device = self.parallel.device
@@ -119,6 +131,7 @@ class Trainer:
     def _build(self, config: JobConfig) -> None:
         self.parallel.barrier()  # rank 0 has locked (and with train.overwrite, emptied) the run directory
         self.resume_from = resolve_resume(config)
+        self._weights_only_resume()
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
         self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
@@ -140,6 +153,7 @@ class Trainer:
                 "with collectives); set checkpoint.async=false"
             )
         self.checkpointer = build_checkpointer(self.run_dir, c.keep_last, self.parallel.is_main, c.async_save)
+        self.hf_exports = HFExports(self.run_dir, c.hf_every, self.parallel.is_main)  # checkpoint.hf_every
         self.save_schedule = SaveSchedule(c.every, c.every_minutes, config.train.steps, c.enabled, self.device)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
@@ -158,6 +172,17 @@ class Trainer:
         )
         self.stragglers.attach(self.model, self.optimizer)  # per-rank phase times (train/straggler.py)
         self.faults.attach(self.model, env.rank)
+        self.downstream = self._build_downstream()  # [eval] tasks, or None
+
+    def _weights_only_resume(self) -> None:
+        """A ``convert hf-import`` checkpoint holds weights only: start from it (or init_from) instead of resuming."""
+        if self.resume_from is None or not is_weights_only(read_meta(self.resume_from)):
+            return
+        cfg = self.config
+        cfg.train.init_from = cfg.train.init_from or str(self.resume_from)
+        self.init_source = open_source(cfg.train.init_from, cfg.model)
+        check_source(self.init_source, cfg.model)
+        self.resume_from = None
 
     def close(self) -> None:
         """Release the run directory (the end of :meth:`fit` does it; so does the end of the process)."""
@@ -219,7 +244,18 @@ class Trainer:
                 root.to_empty(device=self.device)
             with torch.no_grad():
                 model.init_weights(shard_seeds(cfg.train.seed))
-        return model.to(self.device)
+        model = model.to(self.device)
+        if self.init_source is not None and self.resume_from is None:
+            self.init_source.load_into(model)  # each rank reads the blocks of the tensors it holds
+        return model
+
+    def _build_downstream(self) -> DownstreamEval | None:
+        """The ``[eval]`` downstream tasks over the live model (None when no task is named)."""
+        if not eval_task_names(self.config.eval):
+            return None
+        dp = (self.parallel.dp_rank, self.parallel.dp_size, self.parallel.sum_over_dp)
+        cache = cache_dir(self.config.data.cache_dir)
+        return DownstreamEval(self.config, self.model, self.data.tokenizer, self.device, dp, cache, self._autocast)
 
     def _write_run_files(self) -> None:
         write_text_atomic(self.run_dir / "config.toml", resolved_config_text(self.config))
@@ -277,6 +313,7 @@ class Trainer:
             "model": self.config.to_dict()["model"],
             "config": self.config.to_dict(),
         }
+        self.hf_exports.wait()  # the save's pruning must not delete a checkpoint an HF export still reads
         if self.engine is not None:
             return self.engine.save(self.checkpointer, self.step, extra)
         return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
@@ -493,6 +530,7 @@ class Trainer:
             finally:
                 try:
                     self.checkpointer.wait()  # checkpoint.async: the last save is complete before the run ends
+                    self.hf_exports.wait()  # checkpoint.hf_every: so is the last HF export
                 finally:  # a failed background write raises: the signal handlers still go back
                     preemption.uninstall()
                     logger.close()
@@ -533,7 +571,7 @@ class Trainer:
         cfg = self.config
         window = StepWindow(self.flops_per_token, self.peak * self.parallel.env.world_size)
         if self.step == 0 and self.data.val is not None and len(self.data.val) > 0:
-            result.val_losses[0] = self._log_eval(logger, {"step": 0})
+            result.val_losses[0] = self._log_eval(logger, {"step": 0}, tasks=self.config.eval.every > 0)
         self.model.train()
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
@@ -549,16 +587,21 @@ class Trainer:
             self.goodput.step(self.step, time.perf_counter() - t0)
             self._note_compile(logger, time.perf_counter() - t0)
             result.losses.append(metrics["loss"])
+            tasks = self.downstream is not None and self.downstream.due(self.step)
             if self._should_eval():  # logged records hold the logging window's means (StepWindow)
-                result.val_losses[self.step] = self._log_eval(logger, self._record(window))
+                result.val_losses[self.step] = self._log_eval(logger, self._record(window), tasks)
+                watchdog.kick(self.step)
+            elif tasks:
+                logger.log({**self._record(window), **self.downstream.run()})
                 watchdog.kick(self.step)
             elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
                 logger.log(self._record(window))
             if line := self.data.log_blend_phase(self.step, self.run_dir if self.parallel.is_main else None):
                 logger.print(line)  # data.blend_schedule: the realized mix of the phase that just ended
             saved = self._should_save()
-            if saved:
-                self.save()
+            if saved or self.hf_exports.due(self.step):
+                self._save_and_export()
+                saved = True
                 watchdog.kick(self.step)
             if self.step < cfg.train.steps and preemption.stop_requested(self.device):
                 if not saved:
@@ -610,6 +653,14 @@ class Trainer:
         )
         return True
 
+    def _save_and_export(self) -> None:
+        """This step's checkpoint and, when ``checkpoint.hf_every`` is due, its HF export started in the background."""
+        path = self.save()
+        if not self.hf_exports.due(self.step):
+            return
+        self.checkpointer.wait()  # checkpoint.async: the export reads the complete checkpoint
+        self.hf_exports.start(path if path is not None else latest_checkpoint(self.run_dir), self.step)
+
     def _note_compile(self, logger: MetricsLogger, seconds: float) -> None:
         """With compiled blocks, print once the first step's extra seconds over the second: its compile time."""
         if not self.compiled or self.first_step_s < 0:
@@ -630,10 +681,11 @@ class Trainer:
             record["skipped_steps"] = self.nonfinite.skipped
         return record
 
-    def _log_eval(self, logger: MetricsLogger, record: dict[str, Any]) -> float:
+    def _log_eval(self, logger: MetricsLogger, record: dict[str, Any], tasks: bool = False) -> float:
         with self.goodput.timed("eval"):
             val = self.evaluate()
-        logger.log({**record, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+            scores = self.downstream.run() if tasks and self.downstream is not None else {}
+        logger.log({**record, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **scores})
         return val
 
     def _banner(self) -> str:
@@ -653,8 +705,21 @@ class Trainer:
             f"tessera: {self.threads.describe()}, {peak} ({self.peak_source})",
         ]
         extra = [busy_hint(self.threads.threads) if self.device.type == "cpu" else "", realized_mix(self.data.train)]
+        extra += [warmup_notice(self.config.optim, self.config.train.steps), self.data.notice]
         extra.append(describe_stages(self.config) if self.pipeline is not None else "")
+        extra.append(self._init_line())
         return "\n".join(lines + [f"tessera: {line}" for line in extra if line])
+
+    def _init_line(self) -> str:
+        """Where the weights came from (train.init_from), or why init_from is not used."""
+        init_from = self.config.train.init_from
+        if init_from and self.resume_from is not None:
+            return f"train.init_from={init_from} ignored: the run resumes from its own checkpoint {self.resume_from}"
+        if self.init_source is None:
+            return ""
+        return (
+            f"weights from {self.init_source.describe()}; optimizer, schedule, data position and step start fresh"
+        )
 
     def _finish(self, result: TrainResult, logger: MetricsLogger) -> None:
         cfg = self.config
@@ -682,7 +747,8 @@ class Trainer:
         self.goodput.write()
         extra = {"spikes": self.spikes.events, "goodput": self.goodput.totals()}
         write_summary(
-            self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq, extra
+            self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq,
+            init_from=cfg.train.init_from, extra=extra,
         )
         vals = list(result.val_losses.values())
         trend = f"val loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
