@@ -134,7 +134,12 @@ def _add_launch(sub: Subparsers) -> None:
         epilog=OVERRIDES_HELP,
     )
     launch.add_argument("config", help="TOML recipe; overrides follow as for train")
-    launch.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    launch.add_argument(
+        "--nnodes",
+        default="1",
+        help="number of nodes (default 1), or MIN:MAX for an elastic job that continues on fewer nodes "
+        "(grad_accum rises to keep the global batch)",
+    )
     launch.add_argument(
         "--nproc-per-node", type=int, default=0, help="processes per node (default: the GPU count, or up to 4 on CPU)"
     )

@@ -23,6 +23,7 @@ class LogConfig:
     """Console, metrics.jsonl, TensorBoard, Weights & Biases and the loss plot."""
 
     every: int = 10  # steps per logged record (loss and grad norm are means over them)
+    straggler_ratio: float = 1.5  # flag a rank whose own time in a phase is this times its peers' median; 0 off
     progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a terminal, else lines
     tensorboard: bool = True  # TensorBoard events in RUN_DIR/tensorboard
     plot: bool = True  # draw RUN_DIR/loss_curve.png at the end

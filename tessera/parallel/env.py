@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tessera.parallel.collective_log import enable_flight_recorder
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -45,6 +47,7 @@ def init_distributed(device_type: str) -> DistEnv:
     if env.is_distributed and not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(env.local_rank)
+        enable_flight_recorder()  # each rank's last collectives, for the hang report
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return env
 

@@ -164,8 +164,11 @@ def write_summary(
     continued: bool,
     param_sumsq: Any = None,
     init_from: str = "",
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write summary.json; a run that continued an earlier one adds to its summary instead of replacing it."""
+    """Write summary.json; a run that continued an earlier one adds to its summary instead of replacing it.
+
+    ``extra``: more keys (spike rollbacks, goodput); a list continues the earlier session's list."""
     path = run_dir / SUMMARY
     previous: dict[str, Any] = {}
     if continued and path.is_file():
@@ -184,6 +187,9 @@ def write_summary(
     }
     if init_from:  # train.init_from: where the run's first weights came from
         summary["init_from"] = init_from
+    for key, value in (extra or {}).items():
+        earlier = previous.get(key)
+        summary[key] = earlier + value if isinstance(value, list) and isinstance(earlier, list) else value
     write_text_atomic(path, json.dumps(json_safe(summary), indent=1))
 
 

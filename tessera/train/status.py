@@ -9,7 +9,9 @@ from typing import Any
 import tomllib
 
 from tessera.errors import ConfigError
+from tessera.train.goodput import status_line as goodput_line
 from tessera.train.lock import Holder, _read_json, duration, run_holder
+from tessera.train.straggler_table import status_table as straggler_table
 
 
 def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -129,4 +131,4 @@ def run_status(run_dir: str | Path) -> str:
         speed = f"{per_step:.2f} s/step, {tokens_per_step / per_step:,.0f} tokens/s"
         eta = f"; ETA {duration(per_step * (total - step))}" if holder is not None and step < total else ""
         lines.append(("speed", speed + eta))
-    return "\n".join(f"{name:<12} {value}" for name, value in lines)
+    return "\n".join([f"{name:<12} {value}" for name, value in lines] + goodput_line(run_dir) + straggler_table(run_dir))

@@ -6,7 +6,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from tessera.threads import apply_threads, busy_hint
 from tessera.train.hf_every import HFExports
 from tessera.train.init_from import check_init_from, check_source, is_weights_only, open_source
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
-from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
+from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve, read_metrics
 from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.mtp_loss import MTPLoss
 from tessera.train.optim import (
@@ -42,11 +42,17 @@ from tessera.train.optim import (
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.qk_clip import QKClip
 from tessera.train.save_schedule import SaveSchedule
+from tessera.train.elastic import resize as elastic_resize
+from tessera.train.faults import Faults
+from tessera.train.goodput import Goodput
+from tessera.train.spike import SpikeGuard
+from tessera.train.straggler import StragglerDetector, describe as describe_straggler
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
 from tessera.parallel.grads import clip_grads, global_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.parallel.activation import compile_enabled, use_inductor_cache
+from tessera.parallel.env import dist_env
 from tessera.parallel.init import shard_seeds
 from tessera.parallel.scaler import build_grad_scaler
 from tessera.train.distributed import add_replicated, local_value, scalar, setup_parallel, teardown_parallel
@@ -104,7 +110,9 @@ class Trainer:
     """Owns the model, optimizer, data and sinks of one run; ``fit()`` trains it."""
 
     def __init__(self, config: JobConfig) -> None:
+        config, self.elastic_banner = elastic_resize(config, dist_env().world_size)  # train.elastic_world
         self.config = config
+        self.goodput = Goodput(config.train.run_dir, False, time.time())  # enabled on rank 0 in _open_logger
         self.run_dir = Path(config.train.run_dir)
         self.init_source = check_init_from(config)  # train.init_from: checked before any process group starts
         self.device = resolve_device(config.train.device)
@@ -156,6 +164,14 @@ class Trainer:
             self.device, config.log.peak_flops, cache_dir(config.data.cache_dir), self.parallel.env.local_world_size
         )
         self.nonfinite = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
+        self.spikes = SpikeGuard.for_train(config.train)  # train.on_spike (train/spike.py)
+        self.faults = Faults.from_env()  # the resilience tests' injected faults; none unless $TESSERA_FAULTS
+        env = self.parallel.env
+        self.stragglers = StragglerDetector(
+            self.run_dir, config.log.straggler_ratio, config.log.every, env.rank, env.world_size, self.device
+        )
+        self.stragglers.attach(self.model, self.optimizer)  # per-rank phase times (train/straggler.py)
+        self.faults.attach(self.model, env.rank)
         self.downstream = self._build_downstream()  # [eval] tasks, or None
 
     def _weights_only_resume(self) -> None:
@@ -286,7 +302,11 @@ class Trainer:
         return describe_changes(changes, path)
 
     def save(self) -> Path:
-        """Checkpoint the current step."""
+        """Checkpoint the current step (the loop's stall counts against goodput)."""
+        with self.goodput.timed("checkpoint"):
+            return self._save()
+
+    def _save(self) -> Path:
         extra = {
             "scheduler": self.scheduler.state_dict(),
             "loader": self.data.train.state_dict(),
@@ -354,7 +374,10 @@ class Trainer:
 
     def _micro_batch(self) -> MicroBatch:
         """The next micro-batch through the objective (on the host: no device syncs), then on the device."""
-        parts = self.parallel.split_batch(*self.objective(self.data.train.next_batch()))  # cp: this rank's slice
+        loader = self.data.train  # a fault belongs to the data: the step an uninterrupted run reads it at
+        at_step = loader.consumed // (loader.global_batch * self.config.train.grad_accum) + 1
+        batch = self.faults.corrupt(at_step, loader.next_batch(), self.config.model.vocab_size)
+        parts = self.parallel.split_batch(*self.objective(batch))  # cp: this rank's slice
         return on_device(parts, self.device)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
@@ -417,6 +440,7 @@ class Trainer:
         self.nonfinite.allows_update(self.step + 1, loss, 0.0, lr)
         grad_norm = self.engine.step()
         self.nonfinite.allows_update(self.step + 1, loss, grad_norm, lr)
+        self.spikes.judge(self.step + 1, loss, grad_norm)  # a rollback restores the checkpoint over the update
         moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe}
 
@@ -424,7 +448,7 @@ class Trainer:
         """Clip and apply the step's update unless ``train.on_nonfinite`` forbids it (host floats: no sync)."""
         # With fp16 the grad scaler itself skips steps whose gradients overflowed; only the loss is judged.
         norm = 0.0 if self.scaler.is_enabled() else grad_norm
-        if self.nonfinite.allows_update(self.step + 1, loss, norm, lr):
+        if self.nonfinite.allows_update(self.step + 1, loss, norm, lr) and self.spikes.judge(self.step + 1, loss, norm):
             clip_grads(self.model.parameters(), self.config.optim.grad_clip, grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -492,6 +516,7 @@ class Trainer:
             changes = self.restore(self.resume_from) if self.resume_from is not None else ""
             logger = self._open_logger()
             logger.print(self._banner())
+            self._announce(self.elastic_banner)  # train.elastic_world: one line whatever log.progress says
             if changes:
                 logger.print(changes)
             result = TrainResult(self.run_dir, self.config.train.steps)
@@ -520,6 +545,8 @@ class Trainer:
         cfg = self.config
         if self.parallel.is_main:
             self._write_run_files()
+            self.goodput.enabled = True
+            self.goodput.begin(self.step, read_metrics(self.run_dir))  # the earlier session's records, untruncated
             truncate_metrics(self.run_dir, self.step)
         return MetricsLogger.for_job(cfg, enabled=self.parallel.is_main)
 
@@ -534,7 +561,7 @@ class Trainer:
 
     def _announce(self, message: str) -> None:
         """A line the user must see whatever ``log.progress`` says (rank 0)."""
-        if self.parallel.is_main:
+        if self.parallel.is_main and message:
             print(message, flush=True)
 
     def _loop(
@@ -548,10 +575,16 @@ class Trainer:
         self.model.train()
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
+            self.faults.maybe_hang(self.parallel.env.rank, self.step + 1)
+            self.stragglers.start_step()
             metrics = self.train_step()
+            if self._handle_spike(logger, result, window):
+                continue  # rolled back to a checkpoint: self.step is its step
             self.step += 1
             watchdog.kick(self.step)
+            self._check_stragglers(logger)
             window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
+            self.goodput.step(self.step, time.perf_counter() - t0)
             self._note_compile(logger, time.perf_counter() - t0)
             result.losses.append(metrics["loss"])
             tasks = self.downstream is not None and self.downstream.due(self.step)
@@ -578,6 +611,47 @@ class Trainer:
                 self._announce(preemption.record(self.step, checkpoint))
                 result.preempted = preemption.reason
                 return
+
+    def _check_stragglers(self, logger: MetricsLogger) -> None:
+        """At the end of a logging window: compare the ranks' phase times (a collective), log a new straggler;
+        refresh the goodput file."""
+        every, steps = self.config.log.every, self.config.train.steps
+        record = self.stragglers.end_step(self.step, self.step % every == 0 or self.step == steps)
+        if record is not None:
+            logger.log(record)
+            logger.print(describe_straggler(record["straggler"]))
+        if self.step % every == 0:
+            self.goodput.write()  # RUN/goodput.json for tessera status
+
+    def _handle_spike(self, logger: MetricsLogger, result: TrainResult, window: StepWindow) -> bool:
+        """Log this step's spike (``train.on_spike``); on rollback restore the newest checkpoint, keep the data
+        position after the spiking batch (skipping the batches since the checkpoint) and return True."""
+        for spike in self.spikes.take_new():
+            logger.log({"step": spike.step, "spike": asdict(spike)})
+            logger.print(f"spike: {spike.describe()} (train.on_spike=warn: trained on)")
+        if self.spikes.pending is None:
+            return False
+        spike = self.spikes.pending
+        self.checkpointer.wait()
+        target = latest_checkpoint(self.run_dir)
+        if target is None:
+            logger.log(self.spikes.no_checkpoint())
+            logger.print(f"spike: no checkpoint before step {spike.step} to roll back to; its update was dropped")
+            return False
+        position = self.data.train.state_dict()
+        with self.goodput.timed("rollback"):
+            self.restore(target)
+        self.goodput.discard(self.step)
+        skipped = (self.data.train.state_dict()["consumed"], position["consumed"])
+        self.data.train.load_state_dict(position)
+        logger.log(self.spikes.rolled_back(self.step, skipped))
+        window.flush()  # the steps since the checkpoint are trained again
+        del result.losses[max(0, len(result.losses) - (spike.step - 1 - self.step)) :]
+        logger.print(
+            f"spike: rolled back to {target} (step {self.step}); skipped samples {skipped[0]}..{skipped[1]} "
+            f"of the data stream ({spike.step - self.step} batches, the spiking one included)"
+        )
+        return True
 
     def _save_and_export(self) -> None:
         """This step's checkpoint and, when ``checkpoint.hf_every`` is due, its HF export started in the background."""
@@ -608,8 +682,9 @@ class Trainer:
         return record
 
     def _log_eval(self, logger: MetricsLogger, record: dict[str, Any], tasks: bool = False) -> float:
-        val = self.evaluate()
-        scores = self.downstream.run() if tasks and self.downstream is not None else {}
+        with self.goodput.timed("eval"):
+            val = self.evaluate()
+            scores = self.downstream.run() if tasks and self.downstream is not None else {}
         logger.log({**record, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **scores})
         return val
 
@@ -669,9 +744,11 @@ class Trainer:
             return
         final_loss = result.losses[-1] if result.losses else None
         # param_sumsq: per tensor, layout-independent: the parity tests' final check
+        self.goodput.write()
+        extra = {"spikes": self.spikes.events, "goodput": self.goodput.totals()}
         write_summary(
             self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq,
-            init_from=cfg.train.init_from,
+            init_from=cfg.train.init_from, extra=extra,
         )
         vals = list(result.val_losses.values())
         trend = f"val loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
