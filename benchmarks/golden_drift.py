@@ -21,9 +21,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = [(t, isa) for isa in ("default", "avx2", "avx512") for t in (1, 2)]
 OVERRIDES = [
-    "train.steps=30", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0",
-    "checkpoint.enabled=false", "log.progress=none", "log.tensorboard=false", "log.plot=false",
-    "log.peak_flops=1e12", "log.every=1", "train.dtype=fp32",
+    "train.steps=30",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.sample_tokens=0",
+    "checkpoint.enabled=false",
+    "log.progress=none",
+    "log.tensorboard=false",
+    "log.plot=false",
+    "log.peak_flops=1e12",
+    "log.every=1",
+    "train.dtype=fp32",
 ]
 
 
@@ -36,8 +44,9 @@ def _one_setting(threads: int, out: Path) -> None:
     cache = Path(os.environ["TESSERA_CACHE"])
     for recipe in sorted((REPO / "configs" / "tiny").glob("*.toml")):
         with tempfile.TemporaryDirectory() as run:
-            cfg = load_config(recipe, [*OVERRIDES, f"train.run_dir={run}", f"data.cache_dir={cache}",
-                                       f"train.threads={threads}"])
+            cfg = load_config(
+                recipe, [*OVERRIDES, f"train.run_dir={run}", f"data.cache_dir={cache}", f"train.threads={threads}"]
+            )
             train(cfg)
             records = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
             records = [r for r in records if "loss" in r]

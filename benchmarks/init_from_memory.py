@@ -45,9 +45,16 @@ def save_source(path: Path, dim: int, layers: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=dim, intermediate_size=dim * 11 // 4, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=dim,
+        intermediate_size=dim * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).save_pretrained(str(path))
 
 
@@ -117,8 +124,10 @@ def main() -> None:
     print(f"model {full:.1f} MiB fp32; shard per rank {full / args.ranks:.1f} MiB; largest tensor {largest:.1f} MiB")
     print(f"target per rank: shard + largest = {full / args.ranks + largest:.1f} MiB (+ fixed overhead, subtracted)")
     for mode, values in rounds.items():
-        print(f"{mode:>6}: peak RSS growth per rank, MiB: median {statistics.median(values):.1f}, "
-              f"min {min(values):.1f}, max {max(values):.1f} ({len(values)} rank-loads, {args.rounds} rounds)")
+        print(
+            f"{mode:>6}: peak RSS growth per rank, MiB: median {statistics.median(values):.1f}, "
+            f"min {min(values):.1f}, max {max(values):.1f} ({len(values)} rank-loads, {args.rounds} rounds)"
+        )
     print("(measured on a shared, loaded 2-core machine; RSS growth, not timing, so load barely matters)")
 
 

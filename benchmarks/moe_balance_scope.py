@@ -36,16 +36,47 @@ from tessera.train.trainer import Trainer
 from tessera.validate import load_config
 
 SIZES = {
-    "tiny": ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.moe.experts=4",
-             "model.moe.ffn_hidden=96", "train.seq_len=64", "train.batch_size=16", "model.vocab_size=1024"],
-    "smoke": ["model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.moe.experts=8",
-              "model.moe.ffn_hidden=128", "train.seq_len=128", "train.batch_size=16", "model.vocab_size=2048"],
+    "tiny": [
+        "model.dim=64",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.moe.experts=4",
+        "model.moe.ffn_hidden=96",
+        "train.seq_len=64",
+        "train.batch_size=16",
+        "model.vocab_size=1024",
+    ],
+    "smoke": [
+        "model.dim=128",
+        "model.n_layers=4",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.moe.experts=8",
+        "model.moe.ffn_hidden=128",
+        "train.seq_len=128",
+        "train.batch_size=16",
+        "model.vocab_size=2048",
+    ],
 }
 COMMON = [
-    "model.arch=decoder", "model.activation=swiglu", "model.max_seq_len=128", "model.moe.top_k=2",
-    "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001", "optim.lr=3e-3", "optim.warmup_steps=10",
-    "optim.schedule=cosine", "train.eval_every=0", "train.eval_batches=4", "checkpoint.enabled=false",
-    "log.every=10", "log.progress=none", "log.tensorboard=false", "log.plot=false", "train.sample_tokens=0",
+    "model.arch=decoder",
+    "model.activation=swiglu",
+    "model.max_seq_len=128",
+    "model.moe.top_k=2",
+    "model.moe.aux_loss_coef=0.01",
+    "model.moe.z_loss_coef=0.001",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=10",
+    "optim.schedule=cosine",
+    "train.eval_every=0",
+    "train.eval_batches=4",
+    "checkpoint.enabled=false",
+    "log.every=10",
+    "log.progress=none",
+    "log.tensorboard=false",
+    "log.plot=false",
+    "train.sample_tokens=0",
 ]
 DP = 4
 CHARS_PER_DOMAIN = 1_500_000
@@ -120,18 +151,36 @@ def summarize(result: dict) -> dict:
     entropy = (_entropy_bits(per_expert) * load).sum(-1).mean().item()  # bits (2 domains: 0..1)
     imbalance = (load.max(-1).values * load.shape[-1]).mean().item()
     losses = result["loss"]
-    return {"val_loss": sum(losses.values()) / len(losses), **{f"loss_{d}": v for d, v in losses.items()},
-            "imbalance": imbalance, "domain_entropy_bits": entropy}
+    return {
+        "val_loss": sum(losses.values()) / len(losses),
+        **{f"loss_{d}": v for d, v in losses.items()},
+        "imbalance": imbalance,
+        "domain_entropy_bits": entropy,
+    }
 
 
 def run(size: str, scope: str, steps: int, root: Path, held_out: dict) -> dict:
     batch = int(next(o for o in SIZES[size] if o.startswith("train.batch_size=")).split("=")[1])
-    layout = ["model.moe.aux_loss_scope=global"] if scope == "global" else [
-        "model.moe.aux_loss_scope=micro", f"train.batch_size={batch // DP}", f"train.grad_accum={DP}",
+    layout = (
+        ["model.moe.aux_loss_scope=global"]
+        if scope == "global"
+        else [
+            "model.moe.aux_loss_scope=micro",
+            f"train.batch_size={batch // DP}",
+            f"train.grad_accum={DP}",
+        ]
+    )
+    overrides = [
+        *COMMON,
+        *SIZES[size],
+        *layout,
+        f"train.steps={steps}",
+        f"data.source={root / 'corpus'}",
+        f"data.cache_dir={root / 'cache'}",
+        f"train.run_dir={root / f'{size}_{scope}'}",
+        "data.tokenizer_chars=2000000",
+        "train.resume=none",
     ]
-    overrides = [*COMMON, *SIZES[size], *layout, f"train.steps={steps}", f"data.source={root / 'corpus'}",
-                 f"data.cache_dir={root / 'cache'}", f"train.run_dir={root / f'{size}_{scope}'}",
-                 "data.tokenizer_chars=2000000", "train.resume=none"]
     trainer = Trainer(load_config(None, overrides))
     trainer.fit()
     seq_len = int(next(o for o in SIZES[size] if o.startswith("train.seq_len=")).split("=")[1])
@@ -154,8 +203,10 @@ def main() -> None:
     print("\n| size | scope | val loss | loss code | loss prose | imbalance (max/mean) | domain entropy (bits) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['size']} | {r['scope']} | {r['val_loss']:.4f} | {r['loss_code']:.4f} | {r['loss_prose']:.4f} "
-              f"| {r['imbalance']:.3f} | {r['domain_entropy_bits']:.3f} |")
+        print(
+            f"| {r['size']} | {r['scope']} | {r['val_loss']:.4f} | {r['loss_code']:.4f} | {r['loss_prose']:.4f} "
+            f"| {r['imbalance']:.3f} | {r['domain_entropy_bits']:.3f} |"
+        )
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     assert all(math.isfinite(r["val_loss"]) for r in rows)
 

@@ -23,8 +23,20 @@ from tessera.validate import load_config
 
 
 def _train(run: Path, *overrides: str) -> float:
-    cmd = [sys.executable, "-m", "tessera", "train", "configs/smoke.toml", f"train.run_dir={run}", "train.overwrite=true",
-           "log.progress=none", "log.plot=false", "log.tensorboard=false", "train.sample_tokens=0", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tessera",
+        "train",
+        "configs/smoke.toml",
+        f"train.run_dir={run}",
+        "train.overwrite=true",
+        "log.progress=none",
+        "log.plot=false",
+        "log.tensorboard=false",
+        "train.sample_tokens=0",
+        *overrides,
+    ]
     subprocess.run(cmd, check=True)
     vals = json.loads((run / "summary.json").read_text())["val_losses"]
     return vals[max(vals, key=int)]
@@ -37,8 +49,13 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/upcycling")
     args = parser.parse_args()
     out, s = Path(args.out), args.steps
-    common = [f"train.steps={s}", f"train.batch_size={args.batch}", f"optim.warmup_steps={max(1, s // 10)}",
-              f"train.eval_every={s}", "checkpoint.every=1000000"]
+    common = [
+        f"train.steps={s}",
+        f"train.batch_size={args.batch}",
+        f"optim.warmup_steps={max(1, s // 10)}",
+        f"train.eval_every={s}",
+        "checkpoint.every=1000000",
+    ]
     m = load_config("configs/smoke.toml", []).model
     width = ffn_hidden_size(m.dim, m.activation, m.ffn_hidden, m.ffn_multiplier, m.multiple_of)
     moe = ["model.moe.experts=4", "model.moe.top_k=2", f"model.moe.ffn_hidden={width}"]

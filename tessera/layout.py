@@ -118,7 +118,10 @@ def check_layout(config: JobConfig, world_size: int | None = None) -> None:
         _check_batch(config, dp)
     problems = incompatibilities(config, world_size)
     if problems:
-        raise ConfigError(f"unsupported parallel combination: {problems[0]} (see the compatibility table in docs/parallelism/index.md)")
+        raise ConfigError(
+            f"unsupported parallel combination: {problems[0]}"
+            " (see the compatibility table in docs/parallelism/index.md)"
+        )
 
 
 def _require(ok: bool, message: str) -> None:

@@ -52,11 +52,22 @@ def _cell(text: str) -> str:
 def config_reference() -> str:
     """Markdown: every recipe key with type, default and meaning, one table per section."""
     out = [
-        GENERATED, "", "# Config reference", "",
-        "Every recipe key, generated from the config classes (the same text as `tessera config keys`).", "",
+        GENERATED,
+        "",
+        "# Config reference",
+        "",
+        "Every recipe key, generated from the config classes (the same text as `tessera config keys`).",
+        "",
     ]
     for section in sections():
-        out += [f"## [{section.name}]", "", _cell(section.doc), "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [
+            f"## [{section.name}]",
+            "",
+            _cell(section.doc),
+            "",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
         for k in section.keys:
             kind = f"one of {k.type}" if k.choices else k.type
             out.append(f"| `{k.key}` | {_cell(kind)} | `{_cell(toml_value(k.value))}` | {_cell(k.comment)} |")
@@ -69,8 +80,11 @@ PAGES = {"cli.md": cli_reference, "config.md": config_reference}
 
 def stale_pages(directory: Path = DOCS) -> list[str]:
     """The generated pages whose committed text differs from what the code generates now."""
-    return [name for name, make in PAGES.items() if not (directory / name).is_file()
-            or (directory / name).read_text(encoding="utf-8") != make()]
+    return [
+        name
+        for name, make in PAGES.items()
+        if not (directory / name).is_file() or (directory / name).read_text(encoding="utf-8") != make()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

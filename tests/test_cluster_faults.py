@@ -22,7 +22,9 @@ def test_describe_hang_names_the_rank_behind_and_the_collective():
     done = {"group": "default_pg", "kind": "all_reduce", "seq": 40, "completed": True}
     stuck = {"group": "default_pg", "kind": "all_gather", "seq": 41, "completed": False}
     (line,) = describe_hang({0: [stuck], 1: [done], 2: [stuck], 3: [stuck]})
-    assert line.startswith("group default_pg: rank(s) 1 behind at collective #40; rank(s) 0, 2, 3 wait in #41 all_gather")
+    assert line.startswith(
+        "group default_pg: rank(s) 1 behind at collective #40; rank(s) 0, 2, 3 wait in #41 all_gather"
+    )
     assert describe_hang({0: [done], 1: [done]}) == []  # in step with each other: nothing to name
 
 
@@ -42,12 +44,26 @@ def test_the_detector_flags_one_rank_slow_in_one_phase_after_three_windows(tmp_p
 def test_a_slowed_forward_is_flagged_and_a_hang_names_the_rank_behind(tmp_path, cache_dir):
     run = tmp_path / "run"
     recipe = write_tiny_recipe(
-        tmp_path / "job.toml", cache_dir, f"train.run_dir={run}", "train.hang_timeout_s=6", "train.eval_every=0",
-        "train.steps=30", "checkpoint.every=100",
+        tmp_path / "job.toml",
+        cache_dir,
+        f"train.run_dir={run}",
+        "train.hang_timeout_s=6",
+        "train.eval_every=0",
+        "train.steps=30",
+        "checkpoint.every=100",
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_FAULTS": f"slow_forward@1:0.05,hang@1:{HANG_STEP}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tessera",
-           "train", str(recipe)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "tessera",
+        "train",
+        str(recipe),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300, check=False)
     assert result.returncode != 0
     flags = [r for r in read_metrics(run) if "straggler" in r]

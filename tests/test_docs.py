@@ -40,7 +40,11 @@ def _commands() -> list[tuple[str, str]]:
         if page.parent.name == "reference":  # generated from the parser itself
             continue
         text = page.read_text(encoding="utf-8")
-        inline = [" ".join(c.split()) for c in INLINE.findall(FENCE.sub("", text)) if INVOCATION.search(c) and not SYNOPSIS.search(c)]
+        inline = [
+            " ".join(c.split())
+            for c in INLINE.findall(FENCE.sub("", text))
+            if INVOCATION.search(c) and not SYNOPSIS.search(c)
+        ]
         found += [(str(page.relative_to(REPO)), c) for c in _fenced_commands(text) + inline]
     return found
 

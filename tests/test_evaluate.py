@@ -77,8 +77,11 @@ def test_in_loop_scores_equal_lm_eval_adapter_and_mlflow(tmp_path, tiny_config):
     from tessera.train.trainer import train
 
     cfg = tiny_config(
-        "eval.tasks=stdlib_next_line,stdlib_line_end", "eval.limit=6", "eval.stdlib_docs=20",
-        "log.mlflow=true", f"log.mlflow_tracking_uri=file:{tmp_path / 'mlruns'}",
+        "eval.tasks=stdlib_next_line,stdlib_line_end",
+        "eval.limit=6",
+        "eval.stdlib_docs=20",
+        "log.mlflow=true",
+        f"log.mlflow_tracking_uri=file:{tmp_path / 'mlruns'}",
     )
     train(cfg)
     final = [r for r in read_records(Path(cfg.train.run_dir)) if "eval/stdlib_next_line/acc" in r][-1]
@@ -109,8 +112,14 @@ def test_eval_of_hf_llama_equals_transformers_perplexity(tmp_path):
 
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     hf.save_pretrained(tmp_path / "llama")
@@ -157,7 +166,9 @@ def test_eval_rules_and_missing_extras_are_one_line(tiny_config, monkeypatch):
     with pytest.raises(ConfigError, match="eval.limit must be >= 0"):
         tiny_config("eval.limit=-1")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("mlflow", "lm_eval") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("mlflow", "lm_eval") else real(name, *a)
+    )
     with pytest.raises(ConfigError, match=r"pip install 'tessera\[mlflow\]'"):
         check_sinks(LogConfig(mlflow=True))
     with pytest.raises(ConfigError, match=r"pip install 'tessera\[eval\]'"):

@@ -166,8 +166,10 @@ def test_fp8_under_fsdp_and_tp_matches_fp8_in_one_process(tmp_path, cache_dir):
     for fp8 in ("tensorwise", "rowwise", "mxfp8"):
         variants[f"fsdp_{fp8}"] = ["parallel.dp_shard=2", f"train.fp8={fp8}"]
         variants[f"tp_{fp8}"] = ["parallel.dp_shard=1", "parallel.tp=2", f"train.fp8={fp8}"]
-    refs = {fp8: train(load_config(recipe, [f"train.fp8={fp8}", f"train.run_dir={tmp_path}/single_{fp8}"])).run_dir
-            for fp8 in ("tensorwise", "rowwise", "mxfp8")}
+    refs = {
+        fp8: train(load_config(recipe, [f"train.fp8={fp8}", f"train.run_dir={tmp_path}/single_{fp8}"])).run_dir
+        for fp8 in ("tensorwise", "rowwise", "mxfp8")
+    }
     torchrun(2, "tests/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
     for fp8, ref in refs.items():
         for layout, loss_tol, gnorm_tol in (("fsdp", 2e-4, 1e-2), ("tp", 1e-4, 3e-3)):

@@ -35,7 +35,9 @@ def test_a_small_folder_trains_five_steps_with_both_notices(tiny_config, tmp_pat
     (tmp_path / "texts").mkdir()
     for i in range(6):
         (tmp_path / "texts" / f"{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(3000)))
-    config = tiny_config(f"data.source={tmp_path / 'texts'}", "train.steps=5", "optim.warmup_steps=30", "log.progress=lines")
+    config = tiny_config(
+        f"data.source={tmp_path / 'texts'}", "train.steps=5", "optim.warmup_steps=30", "log.progress=lines"
+    )
     result = train(config)
     out = "".join(capfd.readouterr())
     assert len(result.losses) == 5 and result.val_losses

@@ -78,4 +78,3 @@ def _toml_value(value: Any) -> str:
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)
-

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+
 @dataclass
 class AttentionConfig:
     """[model.attention]: the attention kernel and its options."""
@@ -152,8 +153,6 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     mamba: MambaConfig = field(default_factory=MambaConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
-
-
 
 
 def layer_heads(m: ModelConfig) -> list[int]:

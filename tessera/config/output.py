@@ -15,7 +15,9 @@ class CheckpointConfig:
     every_minutes: float = 0.0  # also save when this many minutes passed since the last save (0 = off)
     async_save: bool = False  # write in the background (DCP async_save) while training goes on; alias "async"
     keep_last: int = 3  # older checkpoints are deleted
-    hf_every: int = 0  # also write an HF model directory (RUN/hf/step_N) every this many steps, in the background; 0 off
+    hf_every: int = (
+        0  # also write an HF model directory (RUN/hf/step_N) every this many steps, in the background; 0 off
+    )
 
 
 @dataclass
@@ -35,7 +37,6 @@ class LogConfig:
     mlflow: bool = False  # also log to MLflow (pip install 'tessera[mlflow]')
     mlflow_tracking_uri: str = ""  # "" = sqlite:///RUN_DIR/mlflow.db; or file:DIR, or a server URL
     mlflow_experiment: str = "tessera"  # MLflow experiment name
-
 
 
 @dataclass

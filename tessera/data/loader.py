@@ -7,8 +7,8 @@ a permutation seeded by ``(seed, e)`` afterwards. Step ``s`` takes the global ba
 slice (with ``chunks`` pipeline micro-batches, the ``r``-th slice of each of the ``chunks`` parts of
 the global batch, so that pipeline micro-batch ``j`` of every rank together is the global batch's
 ``j``-th part, as gradient accumulation would split it). Batches may straddle passes, so across
-ranks every sample of a pass is used exactly once and the position is just ``consumed``: resuming on any data-parallel size continues at the same
-stream entry, with nothing repeated or skipped.
+ranks every sample of a pass is used exactly once and the position is just ``consumed``: resuming on any
+data-parallel size continues at the same stream entry, with nothing repeated or skipped.
 
 Every batch is a pure function of its stream position, so the prefetch thread computes the
 next ``prefetch`` batches while the step runs without changing the order, and ``state_dict``

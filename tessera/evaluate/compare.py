@@ -104,13 +104,19 @@ def _plot(names, all_records, keys, scale, x: str, out: Path) -> None:
         for name, records, s in zip(names, all_records, scale):
             points = series(records, key)
             if points:
-                ax.plot([p * s for p, _ in points], [v for _, v in points], "-" if key == "loss" else "o-",
-                        label=name, markersize=3, linewidth=1)
+                ax.plot(
+                    [p * s for p, _ in points],
+                    [v for _, v in points],
+                    "-" if key == "loss" else "o-",
+                    label=name,
+                    markersize=3,
+                    linewidth=1,
+                )
         ax.set_title(key)
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(out)

@@ -2,9 +2,9 @@
 
 The adapter (:class:`TesseraLM`) wraps a :class:`~tessera.evaluate.scoring.Scorer`: in the training loop over
 the live model, its tokenizer and the data-parallel reduction; from the command line
-(:mod:`tessera.lm_eval_model`, registered as ``tessera``) over a run, checkpoint or HF directory. lm-eval builds the requests,
-applies the task's templates and computes the metrics; tessera only scores tokens. lm-eval sees one process
-(rank 0 of 1) on every rank; the sharding is inside the scorer, so every rank gets the same metrics.
+(:mod:`tessera.lm_eval_model`, registered as ``tessera``) over a run, checkpoint or HF directory. lm-eval builds
+the requests, applies the task's templates and computes the metrics; tessera only scores tokens. lm-eval sees one
+process (rank 0 of 1) on every rank; the sharding is inside the scorer, so every rank gets the same metrics.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def require_lm_eval() -> None:
 
 require_lm_eval()
 
-from lm_eval.api.model import TemplateLM
+from lm_eval.api.model import TemplateLM  # noqa: E402 (after the one-line check for the missing extra)
 
 
 class TesseraLM(TemplateLM):

@@ -41,7 +41,9 @@ def weight_files(path: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (ValueError, KeyError, TypeError):
-            raise HFConversionError(f"'{index}' is not a safetensors index (no weight_map); download it again") from None
+            raise HFConversionError(
+                f"'{index}' is not a safetensors index (no weight_map); download it again"
+            ) from None
         files = sorted({path / name for name in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -118,7 +120,9 @@ class HFSlices:
         try:
             cfg, family = config_from_hf(dict(hf))
         except KeyError as err:
-            raise HFConversionError(f"'{self.path / 'config.json'}' lacks the key {err}; fix or re-download it") from None
+            raise HFConversionError(
+                f"'{self.path / 'config.json'}' lacks the key {err}; fix or re-download it"
+            ) from None
         prepare = FAMILIES[family].prepare
         if prepare is not None:  # on meta tensors: resolves what it decides from the names (DeepSeek's MTP depth)
             prepare(hf, cfg, {k: torch.empty(s, device="meta") for k, (_, s) in self.headers.items()})

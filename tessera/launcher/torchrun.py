@@ -50,7 +50,11 @@ class TorchrunSpec:
     @property
     def nnodes_flag(self) -> str:
         """torchrun's ``--nnodes`` value: ``N``, or ``MIN:MAX`` when elastic."""
-        return f"{self.min_nnodes}:{self.nnodes}" if self.min_nnodes and self.min_nnodes < self.nnodes else str(self.nnodes)
+        return (
+            f"{self.min_nnodes}:{self.nnodes}"
+            if self.min_nnodes and self.min_nnodes < self.nnodes
+            else str(self.nnodes)
+        )
 
     @property
     def world_size(self) -> int:

@@ -18,7 +18,10 @@ def check_engine(p: ParallelConfig, t: TrainConfig) -> None:
         "set train.on_nonfinite=stop or parallel.engine='torch'",
     )
     ds = p.deepspeed
-    deepspeed_only = {"offload_optimizer": ds.offload_optimizer != "none", "offload_params": ds.offload_params != "none"}
+    deepspeed_only = {
+        "offload_optimizer": ds.offload_optimizer != "none",
+        "offload_params": ds.offload_params != "none",
+    }
     deepspeed_only.update(nvme_path=bool(ds.nvme_path), config=bool(ds.config))
     for key, used in deepspeed_only.items():
         require(not used or p.engine == "deepspeed", f"parallel.deepspeed.{key} needs parallel.engine='deepspeed'")

@@ -86,7 +86,7 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "HangWatchdog":
+    def __enter__(self) -> HangWatchdog:
         if self.timeout_s > 0:
             self._last = time.monotonic()
             self._thread = threading.Thread(target=self._watch, name="tessera-hang-watchdog", daemon=True)
@@ -117,7 +117,9 @@ class HangWatchdog:
         )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         collectives = last_collectives()
-        self.path.with_suffix(".json").write_text(json.dumps({"rank": self.rank, "step": self.step, "last": collectives}))
+        self.path.with_suffix(".json").write_text(
+            json.dumps({"rank": self.rank, "step": self.step, "last": collectives})
+        )
         with open(self.path, "w", encoding="utf-8") as f:
             f.write(header)
             f.write("".join(f"last collective: {c}\n" for c in collectives))

@@ -182,7 +182,7 @@ class MlflowSink:
             self.run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
             id_file.write_text(self.run_id + "\n")
             for section, values in config.items():
-                for key, value in (values.items() if isinstance(values, dict) else []):
+                for key, value in values.items() if isinstance(values, dict) else []:
                     self.client.log_param(self.run_id, f"{section}.{key}", str(value)[:500])
         self.uri = uri
 

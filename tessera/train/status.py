@@ -102,7 +102,8 @@ def run_status(run_dir: str | Path) -> str:
     train = train if isinstance(train, dict) else {}
     total = _count(train, "steps", 0, run_dir)
     tokens_per_step = (
-        _count(train, "batch_size", 0, run_dir) * _count(train, "grad_accum", 1, run_dir)
+        _count(train, "batch_size", 0, run_dir)
+        * _count(train, "grad_accum", 1, run_dir)
         * _count(train, "seq_len", 0, run_dir)
     )
     records = read_records(run_dir)
@@ -131,4 +132,6 @@ def run_status(run_dir: str | Path) -> str:
         speed = f"{per_step:.2f} s/step, {tokens_per_step / per_step:,.0f} tokens/s"
         eta = f"; ETA {duration(per_step * (total - step))}" if holder is not None and step < total else ""
         lines.append(("speed", speed + eta))
-    return "\n".join([f"{name:<12} {value}" for name, value in lines] + goodput_line(run_dir) + straggler_table(run_dir))
+    return "\n".join(
+        [f"{name:<12} {value}" for name, value in lines] + goodput_line(run_dir) + straggler_table(run_dir)
+    )

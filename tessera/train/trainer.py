@@ -207,7 +207,9 @@ class Trainer:
             mtp = MTPLoss(cfg.model.mtp_depth, cfg.train.mtp_loss_weight, lm_loss, cfg.train.label_smoothing)
         distill = None
         if cfg.train.distill.teacher:
-            teacher = load_teacher(cfg.train.distill.teacher, cfg.model.vocab_size, self.data.tokenizer.path, self.device)
+            teacher = load_teacher(
+                cfg.train.distill.teacher, cfg.model.vocab_size, self.data.tokenizer.path, self.device
+            )
             distill = Distillation(teacher, cfg.train.distill.temperature, cfg.train.distill.alpha, self._autocast)
         return mtp, distill
 
@@ -717,9 +719,7 @@ class Trainer:
             return f"train.init_from={init_from} ignored: the run resumes from its own checkpoint {self.resume_from}"
         if self.init_source is None:
             return ""
-        return (
-            f"weights from {self.init_source.describe()}; optimizer, schedule, data position and step start fresh"
-        )
+        return f"weights from {self.init_source.describe()}; optimizer, schedule, data position and step start fresh"
 
     def _finish(self, result: TrainResult, logger: MetricsLogger) -> None:
         cfg = self.config
@@ -747,8 +747,14 @@ class Trainer:
         self.goodput.write()
         extra = {"spikes": self.spikes.events, "goodput": self.goodput.totals()}
         write_summary(
-            self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq,
-            init_from=cfg.train.init_from, extra=extra,
+            self.run_dir,
+            self.step,
+            result.seconds,
+            final_loss,
+            self.resume_from is not None,
+            param_sumsq,
+            init_from=cfg.train.init_from,
+            extra=extra,
         )
         vals = list(result.val_losses.values())
         trend = f"val loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""

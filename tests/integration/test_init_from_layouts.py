@@ -20,7 +20,10 @@ from tessera.hf.convert import hf_import
 from tessera.train.trainer import Trainer, train
 from tessera.validate import load_config
 
-TRAIN = [o for o in TINY_OVERRIDES if not o.startswith("model.")] + ["train.eval_every=0", "optim.implementation=for-loop"]
+TRAIN = [o for o in TINY_OVERRIDES if not o.startswith("model.")] + [
+    "train.eval_every=0",
+    "optim.implementation=for-loop",
+]
 
 
 def _source(root: Path, name: str, save) -> tuple[Path, Path]:
@@ -33,8 +36,15 @@ def _source(root: Path, name: str, save) -> tuple[Path, Path]:
 def _reference(recipe: Path, hf: Path, run: Path, cache_dir: Path, steps: int):
     """The single-process run from ``hf`` and the batches it trained on."""
     config = load_config(
-        str(recipe), [*TRAIN, f"train.steps={steps}", f"data.cache_dir={cache_dir}", f"train.run_dir={run}",
-                      f"train.init_from={hf}"])
+        str(recipe),
+        [
+            *TRAIN,
+            f"train.steps={steps}",
+            f"data.cache_dir={cache_dir}",
+            f"train.run_dir={run}",
+            f"train.init_from={hf}",
+        ],
+    )
     trainer, batches = Trainer(config), []
     take = trainer._micro_batch
 

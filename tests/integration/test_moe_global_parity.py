@@ -20,9 +20,17 @@ from tessera.validate import load_config
 
 STEPS = 4
 BASE = [
-    f"train.steps={STEPS}", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0",
-    "checkpoint.enabled=false", "model.tie_embeddings=false", "model.moe.experts=4", "model.moe.top_k=2",
-    "model.moe.aux_loss_coef=0.05", "model.moe.z_loss_coef=0.001",
+    f"train.steps={STEPS}",
+    "train.batch_size=8",
+    "log.every=1",
+    "optim.schedule=constant",
+    "train.eval_every=0",
+    "checkpoint.enabled=false",
+    "model.tie_embeddings=false",
+    "model.moe.experts=4",
+    "model.moe.top_k=2",
+    "model.moe.aux_loss_coef=0.05",
+    "model.moe.z_loss_coef=0.001",
 ]
 SWITCH = ["model.moe.top_k=1", "model.moe.router=softmax_topk", "model.moe.capacity_factor=1.0"]
 PP_REFERENCE = ["train.batch_size=4", "train.grad_accum=2"]
@@ -36,8 +44,12 @@ WORLD4 = {
     "micro_dp4": ["parallel.dp_shard=4", "model.moe.aux_loss_scope=micro"],
 }
 REFERENCE_OF = {
-    "dp4_ep4": "plain", "dp2_tp2_ep2": "plain", "hsdp_ep2": "plain", "dp2_cp2": "plain",
-    "pp2_ep2": "pp", "switch_dp4_ep2": "switch",
+    "dp4_ep4": "plain",
+    "dp2_tp2_ep2": "plain",
+    "hsdp_ep2": "plain",
+    "dp2_cp2": "plain",
+    "pp2_ep2": "pp",
+    "switch_dp4_ep2": "switch",
 }
 REFERENCES = {"plain": [], "pp": PP_REFERENCE, "switch": SWITCH}
 

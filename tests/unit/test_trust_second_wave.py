@@ -82,7 +82,7 @@ def test_any_string_round_trips_through_the_toml_writer(text):
 
 def test_a_run_config_with_emoji_and_controls_reloads(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    prompt = "hi 😀 \x7f\x00 \u2028 \"q\" \\"
+    prompt = 'hi 😀 \x7f\x00 \u2028 "q" \\'
     config = load_config("configs/smoke.toml", [f"train.sample_prompt={prompt}", f"train.run_dir={tmp_path}"])
     assert load_config(_write(tmp_path / "c.toml", config.to_toml())).train.sample_prompt == prompt
     assert main(["train", "configs/smoke.toml", f"train.sample_prompt={prompt}", "--print-config"]) == 0
@@ -96,8 +96,33 @@ def _write(path: Path, text: str) -> Path:
 
 # Hostile values for any key: wrong types, empty, huge, negative, non-UTF-8, Unicode digits and lookalikes.
 HOSTILE = st.sampled_from(
-    ["", " ", "x", "-1", "-1e309", "1e309", "nan", "9" * 400, "1_0", "１", "٣", "²", "0x10", "true", "[1]",
-     "{}", "\udcff\udcfe", "\x00", "ⅰ", "１.５", "1,2", "None", "0", "-0", "2**31"]
+    [
+        "",
+        " ",
+        "x",
+        "-1",
+        "-1e309",
+        "1e309",
+        "nan",
+        "9" * 400,
+        "1_0",
+        "１",
+        "٣",
+        "²",
+        "0x10",
+        "true",
+        "[1]",
+        "{}",
+        "\udcff\udcfe",
+        "\x00",
+        "ⅰ",
+        "１.５",
+        "1,2",
+        "None",
+        "0",
+        "-0",
+        "2**31",
+    ]
 )
 KEY_TYPES = {key.key: key.type for section in sections() for key in section.keys}
 ALL_KEYS = sorted(KEY_TYPES)
@@ -261,7 +286,14 @@ def test_deepspeed_import_of_torn_latest(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "latest").write_text("")
-    argv = ["convert", "deepspeed-import", str(tmp_path / "ds"), str(tmp_path / "out"), "--config", "configs/smoke.toml"]
+    argv = [
+        "convert",
+        "deepspeed-import",
+        str(tmp_path / "ds"),
+        str(tmp_path / "out"),
+        "--config",
+        "configs/smoke.toml",
+    ]
     fails_with(argv, capsys, "latest' does not name a checkpoint folder")
     (tmp_path / "ds" / "latest").write_text(".")
     fails_with(argv, capsys, "latest' does not name a checkpoint folder")
@@ -277,5 +309,12 @@ def test_deepspeed_import_of_pickles_without_deepspeed_keys(tmp_path, capsys, mo
     torch.save({"a": 1}, step / "mp_rank_00_model_states.pt")
     torch.save({"x": torch.zeros(2)}, step / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     (tmp_path / "ds" / "latest").write_text("global_step1")
-    argv = ["convert", "deepspeed-import", str(tmp_path / "ds"), str(tmp_path / "out"), "--config", "configs/smoke.toml"]
+    argv = [
+        "convert",
+        "deepspeed-import",
+        str(tmp_path / "ds"),
+        str(tmp_path / "out"),
+        "--config",
+        "configs/smoke.toml",
+    ]
     fails_with(argv, capsys, "does not hold DeepSpeed's checkpoint layout", "optimizer_state_dict")

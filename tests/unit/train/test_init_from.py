@@ -39,7 +39,9 @@ def _config(llama: Path, run: Path, cache_dir: Path, *overrides: str):
 
 def test_init_from_hf_trains_like_transformers(llama, tmp_path, cache_dir):
     """10 steps from the HF weights: each step's loss and grad norm equal transformers + torch AdamW (1e-5)."""
-    config = _config(llama, tmp_path / "run", cache_dir, f"train.init_from={llama / 'hf'}", "optim.implementation=for-loop")
+    config = _config(
+        llama, tmp_path / "run", cache_dir, f"train.init_from={llama / 'hf'}", "optim.implementation=for-loop"
+    )
     trainer = Trainer(config)
     batches, take = [], trainer._micro_batch
 
@@ -102,7 +104,10 @@ class _Bomb:
 @pytest.mark.parametrize(
     "case, expected",
     [
-        ("shape", "tensor 'model.layers.1.mlp.up_proj.weight' (tessera 'layers.1.feed_forward.up_proj.weight') has shape (96, 64) there but (128, 64)"),
+        (
+            "shape",
+            "tensor 'model.layers.1.mlp.up_proj.weight' (tessera 'layers.1.feed_forward.up_proj.weight') has shape (96, 64) there but (128, 64)",
+        ),
         ("missing", "lacks the llama tensor(s) 'model.layers.0.self_attn.k_proj.weight'"),
         ("unexpected", "has tensor(s) 'model.layers.0.self_attn.q_norm.weight' that a llama model"),
         ("pickle", "holds only pickle weights (pytorch_model.bin); tessera reads safetensors only and never unpickles"),
@@ -169,7 +174,10 @@ def test_hf_import_run_dir_trains_and_prints_the_init_from_command(tmp_path, cac
     assert main(["convert", "hf-import", str(llama / "hf"), str(out)]) == 0
     assert f"tessera train {out / 'config.toml'} train.init_from={llama / 'hf'}" in capsys.readouterr().out
     short = ["train.steps=3", "optim.warmup_steps=1"]
-    assert main(["train", str(out / "config.toml"), *TRAIN, f"data.cache_dir={cache_dir}", *short, "log.progress=lines"]) == 0
+    assert (
+        main(["train", str(out / "config.toml"), *TRAIN, f"data.cache_dir={cache_dir}", *short, "log.progress=lines"])
+        == 0
+    )
     assert "weights from" in capsys.readouterr().out
     direct = tmp_path / "direct"
     assert _train(llama, direct, cache_dir, f"train.init_from={llama / 'hf'}", *short) == 0
