@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -65,12 +66,17 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         print(commented_toml(config), end="")
         return 0
+    from tessera.data.pipeline import cache_dir
+    from tessera.evaluate.loop import check_eval
+    from tessera.train.init_from import check_init_from
     from tessera.train.rundir import claim_run
     from tessera.train.metrics import check_sinks
     from tessera.train.preemption import stop_exit_code
     from tessera.train.trainer import train_and_exit
 
     check_sinks(config.log)
+    check_eval(config, cache_dir(config.data.cache_dir))  # [eval] tasks known, their rows well formed
+    check_init_from(config)  # train.init_from: source and recipe checked before anything is written
     with claim_run(config.train.run_dir):  # before anything is built: the run is busy from now on
         return stop_exit_code(train_and_exit(config).preempted)
 
@@ -128,7 +134,12 @@ def _add_launch(sub: Subparsers) -> None:
         epilog=OVERRIDES_HELP,
     )
     launch.add_argument("config", help="TOML recipe; overrides follow as for train")
-    launch.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    launch.add_argument(
+        "--nnodes",
+        default="1",
+        help="number of nodes (default 1), or MIN:MAX for an elastic job that continues on fewer nodes "
+        "(grad_accum rises to keep the global batch)",
+    )
     launch.add_argument(
         "--nproc-per-node", type=int, default=0, help="processes per node (default: the GPU count, or up to 4 on CPU)"
     )
@@ -180,10 +191,10 @@ def _add_slurm_allocation(sl: argparse.ArgumentParser) -> None:
         default="auto",
         help="gpu, cpu, or auto: cpu when train.device=cpu, else gpu (what the job needs, not what this node has)",
     )
-    sl.add_argument("--partition", default="")
+    sl.add_argument("--partition", default="", help="#SBATCH --partition")
     sl.add_argument("--time", default="", help="time limit, e.g. 04:00:00 or 2-00:00:00")
-    sl.add_argument("--account", default="")
-    sl.add_argument("--qos", default="")
+    sl.add_argument("--account", default="", help="#SBATCH --account")
+    sl.add_argument("--qos", default="", help="#SBATCH --qos")
     sl.add_argument("--exclusive", action="store_true", help="whole nodes only")
     sl.add_argument("--job-name", default="", help="default: the run directory's name")
     sl.add_argument(
@@ -284,8 +295,8 @@ def _add_parity(sub: Subparsers) -> None:
         required=True,
         help='layouts such as single "dp_shard=2" "tp=2" "dp_shard=2,tp=2"; the first is the reference',
     )
-    par.add_argument("--steps", type=int, default=5)
-    par.add_argument("--rtol", type=float, default=1e-5)
+    par.add_argument("--steps", type=int, default=5, help="optimizer steps each layout trains")
+    par.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance on losses and grad norms")
     par.add_argument("--work-dir", default=None, help="where the runs write (default: a temporary directory)")
 
 
@@ -418,6 +429,85 @@ def _cmd_tokenizer(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- evaluation: eval, compare, lm-eval
+
+
+def _add_eval(sub: Subparsers) -> None:
+    ev = _command(sub, "eval", _cmd_eval, "perplexity at multiples of the training length, RoPE scaling switchable")
+    ev.add_argument("path", help="run directory, checkpoint directory or HF model directory")
+    ev.add_argument("--lengths", default="1x,2x,4x", help="multiples of the training length or token counts")
+    ev.add_argument(
+        "--rope-scaling",
+        default="model",
+        help="comma-separated: model (as trained), none, linear, ntk, yarn, llama3; factor = length / training length",
+    )
+    ev.add_argument("--data", default="", help="indexed dataset PREFIX to score (default: the run's validation split)")
+    ev.add_argument("--tokens", type=int, default=32768, help="tokens scored at each length (default 32768)")
+    ev.add_argument("--seq-len", type=int, default=0, help="the training length (default: the run's train.seq_len)")
+    ev.add_argument("--out", default="", help="PNG to write (default: PATH/length_eval.png, or ./ for HF dirs)")
+
+
+def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    _no_overrides("eval", overrides)
+    if args.tokens <= 0 or args.seq_len < 0:
+        raise ConfigError(f"--tokens must be positive and --seq-len >= 0, got {args.tokens}, {args.seq_len}")
+    from pathlib import Path
+
+    from tessera.api import evaluate_lengths
+    from tessera.evaluate.lengths import format_table, plot_lengths
+
+    rows, base = evaluate_lengths(args.path, args.lengths, args.rope_scaling, args.data, args.tokens, args.seq_len)
+    print(format_table(rows, f"perplexity (trained at {base})"))
+    out = Path(args.out) if args.out else Path(args.path) / "length_eval.png"
+    print(f"plot: {plot_lengths(rows, Path(args.path).name, out)}")
+    return 0
+
+
+def _add_compare(sub: Subparsers) -> None:
+    cmp = _command(sub, "compare", _cmd_compare, "overlay several runs' loss, validation and eval curves")
+    cmp.add_argument("runs", nargs="+", help="run directories (train.run_dir); runs still training are fine")
+    cmp.add_argument("--x", default="step", choices=["step", "tokens"], help="x axis (default step)")
+    cmp.add_argument("--out", default="compare.png", help="PNG to write (default compare.png)")
+
+
+def _cmd_compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    _no_overrides("compare", overrides)
+    from pathlib import Path
+
+    from tessera.evaluate.compare import compare_runs
+
+    table, out = compare_runs(args.runs, Path(args.out), args.x)
+    print(table)
+    print(f"plot: {out}")
+    return 0
+
+
+def _add_lm_eval(sub: Subparsers) -> None:
+    lm = _command(
+        sub,
+        "lm-eval",
+        _cmd_lm_eval,
+        "lm-eval-harness with the 'tessera' model registered and the built-in stdlib tasks on --include_path",
+    )
+    lm.add_argument(
+        "lm_eval_args",
+        nargs=argparse.REMAINDER,
+        help="lm_eval's own arguments, e.g. run --model tessera --model_args path=runs/smoke --tasks stdlib_next_line",
+    )
+    lm.set_defaults(passthrough=True)
+
+
+def _cmd_lm_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.data.pipeline import cache_dir
+    from tessera.evaluate.harness import require_lm_eval
+
+    require_lm_eval()
+    from tessera.lm_eval_model import run_lm_eval
+
+    raw = args.argv[args.argv.index("lm-eval") + 1 :]  # in the user's order (argparse splits them)
+    return run_lm_eval(raw, cache_dir())
+
+
 # ---------------------------------------------------------------- models: generate, convert
 
 
@@ -425,12 +515,12 @@ def _add_generate(sub: Subparsers) -> None:
     gen = _command(sub, "generate", _cmd_generate, "sample text from a run directory or checkpoint")
     gen.add_argument("path", help="run directory (newest checkpoint) or checkpoint directory")
     gen.add_argument("--prompt", default="", help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--greedy", action="store_true", help="same as --temperature 0")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument(
         "--kv-cache",
         default="auto",
@@ -509,6 +599,7 @@ def _add_convert(sub: Subparsers) -> None:
     cons.add_argument("checkpoint", help="run directory (newest checkpoint) or checkpoint directory")
     cons.add_argument("out_dir", help="directory to write model.safetensors (and config.toml) into")
     _add_deepspeed_import(actions)
+    _add_quantize(actions)
     gqa = actions.add_parser(
         "gqa",
         help="pool KV heads (MHA -> GQA/MQA, Ainslie et al. 2023) into a new run to up-train",
@@ -522,6 +613,24 @@ def _add_convert(sub: Subparsers) -> None:
     gqa.add_argument(
         "--uptrain-fraction", type=float, default=0.05, help="the new run's train.steps as a share of the source's"
     )
+
+
+def _add_quantize(actions: argparse._SubParsersAction) -> None:
+    """`tessera convert quantize`: its arguments."""
+    qnt = actions.add_parser(
+        "quantize",
+        help="tessera run -> torchao weight-quantized HF directory (transformers TorchAoConfig; tessera loads it)",
+        allow_abbrev=False,
+    )
+    qnt.add_argument("run", help="run directory (newest checkpoint) or checkpoint directory")
+    qnt.add_argument("out_dir", help="HF model directory to write (quantized safetensors, config, tokenizer)")
+    qnt.add_argument(
+        "--scheme",
+        required=True,
+        choices=("int8-weight", "int4-weight", "fp8"),
+        help="int8 per-row, int4 per-group (torchao IntxWeightOnlyConfig, runs on CPU) or fp8 e4m3 per-row weights",
+    )
+    qnt.add_argument("--group-size", type=int, default=32, help="int4-weight: input columns per scale (default 32)")
 
 
 def _add_deepspeed_import(actions: argparse._SubParsersAction) -> None:
@@ -548,12 +657,19 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         convert_gqa(args.run, args.kv_heads, args.out, args.uptrain_fraction, args.batches, overrides, print)
         return 0
     _no_overrides("convert", overrides)
-    from tessera.hf.convert import consolidate, deepspeed_import, hf_export, hf_import
+    if args.convert_command == "quantize":
+        from tessera.quantize.convert import quantize_run
+
+        out = quantize_run(args.run, args.out_dir, args.scheme, args.group_size)
+        print(f"quantized {args.run} -> {out} ({args.scheme})")
+        return 0
+    from tessera.hf.convert import consolidate, deepspeed_import, hf_export, hf_import, init_from_command
 
     if args.convert_command == "deepspeed-import":
         print(f"imported {args.ds_checkpoint} -> {deepspeed_import(args.ds_checkpoint, args.out_dir, args.config)}")
     elif args.convert_command == "hf-import":
         print(f"imported {args.hf_dir} -> {hf_import(args.hf_dir, args.out_dir, args.overwrite)}")
+        print(f"next step (continued pretraining): {init_from_command(args.hf_dir, args.out_dir)}")
     elif args.convert_command == "consolidate":
         print(f"consolidated {args.checkpoint} -> {consolidate(args.checkpoint, args.out_dir)}")
     else:
@@ -673,6 +789,9 @@ COMMANDS = (
     _add_data,
     _add_tokenizer,
     _add_generate,
+    _add_eval,
+    _add_compare,
+    _add_lm_eval,
     _add_convert,
     _add_inspect,
     _add_prune,
@@ -689,7 +808,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
+    for each in _all_parsers(parser):
+        each.formatter_class = DefaultsHelpFormatter
     return parser
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default (on/off flags and helps that already name it are left alone)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or isinstance(action, (argparse._StoreTrueAction, argparse._HelpAction)):
+            return text
+        if action.default in (None, "") and action.option_strings:
+            return f"{text} (default: none)"
+        return super()._get_help_string(action)
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, extra: list[str]) -> None:
@@ -717,11 +850,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        _unknown_flags(parser, extra)
+        if not getattr(args, "passthrough", False):  # tessera lm-eval hands its flags to lm-eval untouched
+            _unknown_flags(parser, extra)
         return args.handler(args, extra)
     except UserError as err:
         print(f"tessera: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `tessera config keys | head -1`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail again
+        return 0
     except OSError as err:  # the machine's refusal (disk full, permissions), not a tessera bug: one line
         where = f": '{err.filename}'" if err.filename else ""
         print(f"tessera: error: {err.strerror or err}{where}", file=sys.stderr)

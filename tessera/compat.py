@@ -1,7 +1,7 @@
 """The compatibility matrix: which features combine with which parallel layouts.
 
 Declared once here, enforced by config validation (before any process starts) and rendered
-into the README by :func:`render_markdown`. A layout is the set of active parallel dimensions
+into docs/parallelism/index.md by :func:`render_markdown`. A layout is the set of active parallel dimensions
 of a job; a feature is something a config turns on. Every (feature, dimension) pair the job
 uses must be supported.
 """
@@ -189,7 +189,7 @@ def incompatibilities(config: Any, world_size: int | None = None) -> list[str]:
 
 
 def render_markdown() -> str:
-    """The matrix as a Markdown table (the README's copy is checked against this by a test).
+    """The matrix as a Markdown table (the docs' copy is checked against this by a test).
 
     A layout that cannot train at all shows "n/a" for every other feature; a "no" under
     ``tp`` also shows under ``sp``.

@@ -118,7 +118,10 @@ def check_layout(config: JobConfig, world_size: int | None = None) -> None:
         _check_batch(config, dp)
     problems = incompatibilities(config, world_size)
     if problems:
-        raise ConfigError(f"unsupported parallel combination: {problems[0]} (see the compatibility table in README.md)")
+        raise ConfigError(
+            f"unsupported parallel combination: {problems[0]}"
+            " (see the compatibility table in docs/parallelism/index.md)"
+        )
 
 
 def _require(ok: bool, message: str) -> None:
@@ -243,6 +246,11 @@ def _check_batch(config: JobConfig, dp: int) -> None:
 def _check_pipeline_plan(config: JobConfig) -> None:
     p, m = config.parallel, config.model
     if p.pp == 1:
+        _require(
+            p.layers_per_stage in ("", COST_SPLIT),
+            f"parallel.layers_per_stage={p.layers_per_stage!r} splits a pipeline into stages, but parallel.pp=1 has "
+            "none; drop it or set parallel.pp > 1",
+        )
         return
     schedule, v, mb = p.pp_schedule, virtual_stages(p), microbatches(p)
     multi = schedule in MULTI_STAGE_SCHEDULES
@@ -272,6 +280,13 @@ def _check_pipeline_plan(config: JobConfig) -> None:
     )
 
 
+def is_count(text: str) -> bool:
+    """``text`` (spaces aside) is a non-negative integer in ASCII digits (``str.isdigit`` also takes superscripts
+    and other scripts' digits, which ``int`` then refuses or reads differently)."""
+    text = text.strip()
+    return text.isascii() and text.isdigit()
+
+
 def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int, enc_dec: bool = False) -> None:
     blocks = "model.n_layers + n_decoder_layers" if enc_dec else "model.n_layers"
     if p.layers_per_stage in ("", COST_SPLIT):
@@ -283,7 +298,7 @@ def _check_stage_split(p: ParallelConfig, n_layers: int, n_stages: int, enc_dec:
         return
     counts = p.layers_per_stage.split(",")
     _require(
-        all(c.strip().isdigit() and int(c) >= 1 for c in counts),
+        all(is_count(c) and int(c) >= 1 for c in counts),
         f"parallel.layers_per_stage={p.layers_per_stage!r} must be comma-separated positive block counts, "
         "e.g. '3,5', or 'cost'",
     )

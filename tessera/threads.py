@@ -64,7 +64,7 @@ def choose_threads(configured: int, local_processes: int, environ: dict[str, str
     if configured > 0:
         return ThreadChoice(configured, "train.threads")
     omp = env.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) > 0:
+    if omp.isascii() and omp.isdigit() and int(omp) > 0:
         return ThreadChoice(int(omp), "OMP_NUM_THREADS")
     cores, procs = usable_cores(), max(1, local_processes)
     per_process = max(1, cores // procs)

@@ -14,6 +14,7 @@ from typing import Any
 from tessera.config import SECTIONS, JobConfig, config_from_data, override_config, read_config
 from tessera.config.checks import require_finite
 from tessera.data import rules as data_rules
+from tessera.evaluate import rules as eval_rules
 from tessera.layout import check_layout
 from tessera.model.rules import check_mamba_documents, validate_model
 from tessera.parallel import rules as engine_rules
@@ -34,10 +35,12 @@ def validate(config: JobConfig) -> None:
     check_layout(config)
     data_rules.check_data(config.data)
     engine_rules.check_engine(config.parallel, config.train)
+    engine_rules.check_fp8(config)
     engine_rules.check_engine_optimizer(config.parallel, config.optim)
     check_mamba_documents(config)
     data_rules.check_blend_schedule(config.data.blend_schedule, config.train.steps)
     train_rules.check_output(config)
+    eval_rules.check_eval(config)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:

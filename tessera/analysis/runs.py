@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,10 @@ import torch
 from torch import nn
 
 from tessera.config import ConfigError, JobConfig, ModelConfig, parse_overrides
-from tessera.validate import apply_overrides, config_from_dict
 from tessera.data.objectives import Objective
 from tessera.train.checkpoint import Checkpointer, CheckpointError, read_meta
+from tessera.train.rundir import carry_run_files
+from tessera.validate import apply_overrides, config_from_dict
 
 Batch = tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor, torch.Tensor | None]
 
@@ -132,9 +132,8 @@ def write_run(
 
     out = check_new_run_dir(job.train.run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(job.to_toml())
-    if (source.run_dir / "tokenizer.model").is_file():
-        shutil.copyfile(source.run_dir / "tokenizer.model", out / "tokenizer.model")
+    (out / "config.toml").write_text(job.to_toml(), encoding="utf-8")
+    carry_run_files(source.run_dir, out)
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.optim, job.train.steps)
     record = {**record, "source": str(source.checkpoint)}

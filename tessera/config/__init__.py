@@ -28,13 +28,15 @@ from tessera.config.model import (
     resolved_objective,
 )
 from tessera.config.optim import MuonConfig, OptimConfig
-from tessera.config.output import CheckpointConfig, LogConfig
+from tessera.config.output import CheckpointConfig, EvalConfig, LogConfig, eval_task_names
 from tessera.config.parallel import DeepSpeedConfig, ParallelConfig
 from tessera.config.renames import RENAMED
 from tessera.config.train import DistillConfig, TrainConfig
 from tessera.errors import ConfigError
 
 __all__ = [
+    "EvalConfig",
+    "eval_task_names",
     "RENAMED",
     "SECTIONS",
     "AttentionConfig",

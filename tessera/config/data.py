@@ -25,4 +25,3 @@ class DataConfig:
     document_mask: bool = False  # positions restart and attention stops at document boundaries
     mask_eod_loss: bool = False  # no loss where the input token is EOD (the cross-document prediction)
     prefetch: int = 2  # batches prepared ahead by a background thread (0 = none)
-

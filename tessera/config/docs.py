@@ -16,13 +16,12 @@ import difflib
 import functools
 import inspect
 import io
-import json
 import tokenize
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tessera.config.job import JobConfig
+from tessera.config.job import JobConfig, toml_string
 from tessera.errors import ConfigError
 
 
@@ -120,7 +119,7 @@ def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value)
+        return toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return repr(value) if isinstance(value, float) else str(value)

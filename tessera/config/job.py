@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 from tessera.config.data import DataConfig
 from tessera.config.model import ModelConfig
 from tessera.config.optim import OptimConfig
-from tessera.config.output import CheckpointConfig, LogConfig
+from tessera.config.output import CheckpointConfig, EvalConfig, LogConfig
 from tessera.config.parallel import ParallelConfig
 from tessera.config.train import TrainConfig
 
@@ -27,6 +26,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The config as nested plain data (TOML/JSON-ready)."""
@@ -50,15 +50,31 @@ def _toml_table(name: str, values: dict[str, Any]) -> list[str]:
     return lines
 
 
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string that ``tomllib`` reads back equal: any Unicode stays as it is (emoji
+    included) except the quote, the backslash and the control characters TOML forbids raw (DEL among them)."""
+    out = []
+    for char in text:
+        if char in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[char])
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # TOML basic strings take any Unicode (emoji included)
+        return toml_string(value)
     if isinstance(value, float):
         return repr(value)
     return str(value)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)
-

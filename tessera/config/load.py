@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
+
+import tomllib
 
 from tessera.config.job import SECTIONS, JobConfig
 from tessera.config.model import ModelConfig
@@ -33,8 +34,45 @@ def _is_table(hint: Any) -> bool:
     return dataclasses.is_dataclass(hint)
 
 
+def _check_text(key: str, value: Any, hint: Any) -> None:
+    """A string value is UTF-8 text (a command line of other bytes arrives as lone surrogates) and, for a number,
+    ASCII: ``int``/``float`` would read fullwidth or Arabic-Indic digits as a number nobody typed."""
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{key} is not UTF-8 text ({value!a}); give the value as UTF-8") from None
+    if hint in (int, float) and not value.isascii():
+        kind = "an integer" if hint is int else "a number"
+        raise ConfigError(f"{key} must be {kind} in ASCII digits, got {value!r}")
+
+
+def _integer(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ConfigError(f"{key} must be an integer, got {value!r}")
+
+
+def _in_int64(key: str, value: int) -> int:
+    """Every integer key fits int64: a larger one overflows torch, numpy and float arithmetic later."""
+    if not -(2**63) <= value < 2**63:
+        raise ConfigError(f"{key} = {value} is out of range; integers must lie in [-2**63, 2**63)")
+    return value
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Convert ``value`` (from TOML or a CLI string) to the field type ``hint``, or fail clearly."""
+    _check_text(key, value, hint)
     origin = typing.get_origin(hint)
     if origin is Literal:
         choices = typing.get_args(hint)
@@ -55,18 +93,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{key} must be true or false, got {value!r}")
     if hint is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return _in_int64(key, _integer(key, value))
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)

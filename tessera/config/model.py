@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+
 @dataclass
 class AttentionConfig:
     """[model.attention]: the attention kernel and its options."""
@@ -61,7 +62,10 @@ class MoEConfig:
     topk_groups: int = 1  # ... and each token picks experts from its best topk_groups groups only (topk_group)
     capacity_factor: float = 0.0  # 0 = dropless; else tokens over capacity are dropped
     aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch / GShard; DeepSeek's alpha)
-    aux_loss_scope: Literal["batch", "sequence"] = "batch"  # balance over the batch (Switch) or per sequence (DeepSeek)
+    # global: the balance loss of the global micro-batch (dp x cp ranks' tokens; every layout trains the same
+    # model); micro: this rank's micro-batch (Megatron/torchtitan's per-rank loss); sequence: each (DeepSeek)
+    aux_loss_scope: Literal["global", "micro", "sequence"] = "global"  # all dp ranks | this rank | each sequence
+    capacity_scope: Literal["global", "micro"] = "global"  # expert capacity of the global or this rank's micro-batch
     z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE)
     # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k choice
     # only; after every step bias += bias_update_rate * sign(mean load - expert load). A rate > 0 implies it.
@@ -149,8 +153,6 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     mamba: MambaConfig = field(default_factory=MambaConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
-
-
 
 
 def layer_heads(m: ModelConfig) -> list[int]:

@@ -37,5 +37,3 @@ class OptimConfig:
     state_dtype: Literal["fp32", "bf16"] = "fp32"  # precision of the optimizer state (Adam moments, Muon momentum)
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"  # AdamW kernel; auto: fused (CPU, CUDA)
     qk_clip_threshold: float = 0.0  # QK-clip: shrink q/k weights of heads whose max attention logit exceeds it; 0 off
-
-

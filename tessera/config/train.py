@@ -31,6 +31,7 @@ class TrainConfig:
     eval_every: int = 100  # 0 disables periodic evaluation (a final one still runs)
     eval_batches: int = 8  # global batches of the validation split per evaluation
     resume: str = "auto"  # auto | none | path to a checkpoint directory
+    init_from: str = ""  # weights only from an HF model dir, tessera run/checkpoint or DeepSpeed checkpoint ("" = off)
     sample_prompt: str = "def "  # prompt of the sample generated at the end of training
     sample_tokens: int = 64  # tokens generated at the end of training; 0 disables
     threads: int = 0  # torch threads per process; 0 = $OMP_NUM_THREADS, else cores / local processes
@@ -38,7 +39,13 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"  # NaN/inf loss or grad norm: stop before the update, or skip it
     max_nonfinite_skips: int = 5  # on_nonfinite=skip: stop after this many skipped steps in a row
     hang_timeout_s: float = 1800.0  # no step, eval or save completes this long: dump stacks to RUN/hang/, exit; 0 off
+    on_spike: Literal["off", "warn", "rollback"] = "off"  # loss/grad-norm spike: log it, or restore + skip its data
+    spike_window: int = 50  # on_spike: steps in the robust window (median + k * MAD) a step is judged against
+    spike_threshold: float = 6.0  # on_spike: k, the robust standard deviations above the median that make a spike
+    max_rollbacks: int = 3  # on_spike=rollback: stop (exit 2) when more rollbacks than this are needed
+    elastic_world: int = 0  # processes the batch is set for; fewer (elastic restart) raise grad_accum to keep it; 0 off
     fused_loss: bool = True  # head + cross-entropy in chunks: no whole (tokens x vocab) logits (torch engine)
     loss_chunk_tokens: int = 0  # tokens per chunk of the fused head + loss; 0 = 64 MiB of fp32 logits per chunk
     mtp_loss_weight: float = 0.3  # with model.mtp_depth: the loss adds this times the mean of the depths' losses
+    fp8: Literal["off", "tensorwise", "rowwise", "mxfp8"] = "off"  # torchao fp8 training of block linears; CPU emulates
     distill: DistillConfig = field(default_factory=DistillConfig)

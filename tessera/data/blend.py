@@ -134,12 +134,43 @@ class Components:
 
     def ranges(self, split: int) -> list[tuple[int, int] | None]:
         """Each dataset's document range of split ``split`` (0 train, 1 valid, 2 test)."""
-        return [split_ranges(len(ix), self.fractions)[split] for ix in self.indexed]
+        return [sized_up_ranges(ix, self.fractions, self.seq_len)[0][split] for ix in self.indexed]
 
     def split(self, d: int, split: int, num_samples: int | None) -> PackedSplit:
         """Dataset ``d``'s split ``split`` as packed windows (``num_samples`` None = one epoch)."""
-        rng = self.ranges(split)[d]
-        return PackedSplit(self.prefixes[d], self.indexed[d], rng, num_samples, SPLITS[split], self.configs[d])
+        ranges, notice = sized_up_ranges(self.indexed[d], self.fractions, self.seq_len)
+        out = PackedSplit(self.prefixes[d], self.indexed[d], ranges[split], num_samples, SPLITS[split], self.configs[d])
+        out.notice = notice.format(prefix=self.prefixes[d]) if split == 1 else ""
+        return out
+
+
+def _tokens(indexed, begin: int, end: int) -> int:
+    return int(indexed.sequence_lengths[begin:end].astype(np.int64).sum())
+
+
+def sized_up_ranges(indexed, fractions: Sequence[float], seq_len: int) -> tuple[list, str]:
+    """Document ranges per split, the valid split grown (from the end of train) to hold one sequence.
+
+    A short trial on a small folder of text would otherwise have a validation split of no
+    sequence at all: the documents it takes from training are named in the returned notice
+    (a format string with ``{prefix}``; "" when nothing moved).
+    """
+    ranges = split_ranges(len(indexed), fractions)
+    train, valid = ranges[0], ranges[1]
+    if train is None or valid is None or _tokens(indexed, *valid) > seq_len:
+        return ranges, ""
+    start = valid[0]
+    while start > train[0] + 1 and _tokens(indexed, start, valid[1]) <= seq_len:
+        start -= 1
+    if _tokens(indexed, start, valid[1]) <= seq_len or _tokens(indexed, train[0], start) <= seq_len:
+        return ranges, ""  # too little data to move: PackedSplit says so
+    ranges[0], ranges[1] = (train[0], start), (start, valid[1])
+    moved = valid[0] - start
+    notice = (
+        f"the valid split of '{{prefix}}' held fewer than one sequence of {seq_len + 1} tokens: it takes the last "
+        f"{moved} training document(s) ({_tokens(indexed, start, valid[1]):,} tokens; set data.split to choose)"
+    )
+    return ranges, notice
 
 
 def open_components(
@@ -149,9 +180,13 @@ def open_components(
     fractions = parse_split(split)
     split_string = ",".join(f"{f:.6g}" for f in fractions)
     indexed = [open_indexed(p, vocab_size) for p in prefixes]
-    configs = [
-        gpt_config(seq_len, seed, split_string, eod, vocab_size, index_cache_dir(cache_dir, p)) for p in prefixes
+    # megatron keys its cached sample indices by split fractions, not documents: a split sized up
+    # (sized_up_ranges) gets its own cache directory, so indices over other documents are never reused.
+    caches = [
+        index_cache_dir(cache_dir, p) / ("valid-sized-up" if sized_up_ranges(ix, fractions, seq_len)[1] else "")
+        for p, ix in zip(prefixes, indexed)
     ]
+    configs = [gpt_config(seq_len, seed, split_string, eod, vocab_size, path) for path in caches]
     return Components(list(prefixes), indexed, configs, fractions, seq_len)
 
 

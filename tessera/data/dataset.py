@@ -179,6 +179,7 @@ class PackedSplit:
                 "more data"
             )
         self.prefix, self.seq_len, self.tokens = prefix, config.sequence_length, tokens
+        self.notice = ""  # set when the split was sized up to hold one sequence (blend.sized_up_ranges)
         self.vocab_size = config.tokenizer.vocab_size
         indices = np.arange(begin, end, dtype=np.int32)
         check_index_cache(Path(config.path_to_cache))

@@ -46,16 +46,26 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _json_object(file: Path) -> dict[str, Any]:
+    """A tokenizer JSON file that must hold one object: every other content is one DataError naming it."""
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise DataError(f"'{file}' is not UTF-8 text (byte {err.start}); fix or remove it") from None
+    except json.JSONDecodeError as err:
+        raise DataError(f"'{file}' is not valid JSON ({err}); fix or remove it") from None
+    if not isinstance(data, dict):
+        raise DataError(f"'{file}' must hold a JSON object, got {type(data).__name__}; fix or remove it")
+    return data
+
+
 def read_token_config(path: Path) -> dict[str, Any] | None:
     """special_tokens_map.json overlaid by tokenizer_config.json beside ``path``; None when neither exists."""
     found: dict[str, Any] | None = None
     for name in (SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG):
         file = path.parent / name
         if file.is_file():
-            try:
-                found = {**(found or {}), **json.loads(file.read_text())}
-            except json.JSONDecodeError as err:
-                raise DataError(f"'{file}' is not valid JSON ({err}); fix or remove it") from None
+            found = {**(found or {}), **_json_object(file)}
     return found
 
 

@@ -4,9 +4,11 @@ The loader reads one endless stream of sample indices: pass ``e`` over a dataset
 samples visits all ``N`` once, in the dataset's own (already shuffled) order for ``e = 0`` and in
 a permutation seeded by ``(seed, e)`` afterwards. Step ``s`` takes the global batch of
 ``batch_size * dp_size`` stream entries starting at ``consumed``; rank ``r`` gets the ``r``-th
-slice. Batches may straddle passes, so across ranks every sample of a pass is used exactly once
-and the position is just ``consumed``: resuming on any data-parallel size continues at the same
-stream entry, with nothing repeated or skipped.
+slice (with ``chunks`` pipeline micro-batches, the ``r``-th slice of each of the ``chunks`` parts of
+the global batch, so that pipeline micro-batch ``j`` of every rank together is the global batch's
+``j``-th part, as gradient accumulation would split it). Batches may straddle passes, so across
+ranks every sample of a pass is used exactly once and the position is just ``consumed``: resuming on any
+data-parallel size continues at the same stream entry, with nothing repeated or skipped.
 
 Every batch is a pure function of its stream position, so the prefetch thread computes the
 next ``prefetch`` batches while the step runs without changing the order, and ``state_dict``
@@ -49,6 +51,7 @@ class SequenceLoader:
         dp_size: int = 1,
         collate: Collate | None = None,
         prefetch: int = 2,
+        chunks: int = 1,
     ) -> None:
         if len(dataset) == 0:
             raise DataError(
@@ -58,7 +61,7 @@ class SequenceLoader:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
         self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank, self.dp_size, self.chunks = dp_rank, dp_size, chunks
         self.global_batch = batch_size * dp_size
         self.collate = collate or Collate(eod=-1)
         self.prefetch = prefetch
@@ -90,7 +93,9 @@ class SequenceLoader:
 
     def batch_at(self, consumed: int) -> Batch:
         """This rank's batch of the step that starts at global stream position ``consumed``."""
-        ids = self.sample_ids(consumed + self.dp_rank * self.batch_size, self.batch_size)
+        size = self.batch_size // self.chunks  # a chunk's share: the j-th chunks of all ranks form global chunk j
+        starts = [consumed + j * self.global_batch // self.chunks + self.dp_rank * size for j in range(self.chunks)]
+        ids = np.concatenate([self.sample_ids(start, size) for start in starts])
         return self.collate([self.dataset[int(i)] for i in ids])
 
     def _fill(self) -> None:

@@ -79,6 +79,12 @@ class DataBundle:
     collate: Collate
     test: Split | None = None
 
+    @property
+    def notice(self) -> str:
+        """A line about how the validation split was sized (see blend.sized_up_ranges), or ""."""
+        parts = getattr(self.val, "datasets", [self.val])
+        return "; ".join(n for n in (getattr(part, "notice", "") for part in parts) if n)
+
     def log_blend_phase(self, step: int, run_dir: Path | None = None) -> str:
         """Under ``data.blend_schedule``, after the last step of a phase: its realized mix as a console line,
         also appended to ``run_dir/blend_phases.jsonl`` when given (rank 0); else ""."""
@@ -131,5 +137,7 @@ def build_data(config: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataBun
         splits = build_splits(blend, *common)
     collate = Collate(tokenizer.eos_id, d.document_mask, d.mask_eod_loss)
     # train.batch_size is global: each data-parallel rank loads its 1/dp_size slice.
-    loader = SequenceLoader(splits["train"], per_rank, t.seed, dp_rank, dp_size, collate, d.prefetch)
+    # Under pipeline parallelism, micro-batch j of every rank together is the global batch's j-th part.
+    chunks = (config.parallel.microbatches or config.parallel.pp) if config.parallel.pp > 1 else 1
+    loader = SequenceLoader(splits["train"], per_rank, t.seed, dp_rank, dp_size, collate, d.prefetch, chunks)
     return DataBundle(tokenizer, cached, loader, splits["valid"], collate, splits["test"])

@@ -18,13 +18,19 @@ import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from itertools import islice
+from dataclasses import dataclass, replace
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
 
-from tessera.data.sources import DataError, Document, corpus_hash, iter_documents
+from tessera.data.sources import (
+    DataError,
+    Document,
+    corpus_hash,
+    iter_documents,
+    no_documents,
+)
 from tessera.data.tokenizer import Tokenizer, train_or_load_tokenizer
 
 CHUNK_DOCS = 256  # documents per tokenization task
@@ -39,7 +45,10 @@ def indexed_dataset_classes():
     """megatron-core's ``(IndexedDataset, IndexedDatasetBuilder)``, imported quietly on first use."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-        from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+        from megatron.core.datasets.indexed_dataset import (
+            IndexedDataset,
+            IndexedDatasetBuilder,
+        )
 
     return IndexedDataset, IndexedDatasetBuilder
 
@@ -53,6 +62,7 @@ class PrepareSummary:
     tokens: int
     seconds: float
     dtype: str
+    skipped: tuple[str, ...] = ()  # binary files of the source folder left out
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,7 +74,7 @@ class PrepareSummary:
         return (
             f"{self.documents:,} documents, {self.tokens:,} tokens ({self.dtype}) in {self.seconds:.1f}s = "
             f"{self.tokens_per_s:,.0f} tokens/s -> {self.prefix}.bin/.idx"
-        )
+        ) + (f"; skipped {len(self.skipped)} binary file(s), e.g. {self.skipped[0]}" if self.skipped else "")
 
 
 _WORKER: dict[str, Tokenizer] = {}
@@ -169,8 +179,14 @@ def prepare_source(
     progress: bool = False,
 ) -> PrepareSummary:
     """Stream the documents of ``source`` (see :mod:`tessera.data.sources`) into an indexed dataset."""
-    texts = (doc.text for doc in iter_documents(source, max_chars, text_field))
-    return write_indexed_dataset(texts, tokenizer, prefix, num_proc, progress)
+    skipped: list[str] = []
+    docs = iter_documents(source, max_chars, text_field, skipped)
+    first = next(docs, None)
+    if first is None:
+        raise no_documents(source, text_field)
+    texts = (doc.text for doc in chain([first], docs))
+    summary = write_indexed_dataset(texts, tokenizer, prefix, num_proc, progress)
+    return replace(summary, skipped=tuple(skipped))
 
 
 def tokenizer_sidecar(prefix: str | Path) -> Path:
@@ -223,13 +239,12 @@ def prepare_corpus(
     path of an existing model. Either way a copy is kept at ``prefix.tokenizer.model`` and its
     origin and hash in ``prefix.tokenizer.json``, so ``tessera data inspect`` decodes without being told.
     """
+    if next(iter_documents(source, 1, text_field), None) is None:  # before anything is written next to prefix
+        raise no_documents(source, text_field)
     if tokenizer == "default":
         sample = list(iter_documents(source, tokenizer_chars, text_field))
         if not sample:
-            raise DataError(
-                f"data source '{source}' has no non-empty text documents; "
-                f"point it at text or at rows with a '{text_field}' field"
-            )
+            raise no_documents(source, text_field)
         tok, _ = train_or_load_tokenizer("default", vocab_size, sample, corpus_hash(sample), tokenizer_chars, cache_dir)
     else:
         tok = Tokenizer(tokenizer)

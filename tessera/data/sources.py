@@ -155,8 +155,33 @@ def _hub_texts(source: str, text_field: str) -> Iterator[str]:
     yield from _rows_text(rows, text_field, source)
 
 
-def iter_texts(source: str, text_field: str = "text") -> Iterator[tuple[str, str]]:
-    """``(name, text)`` of every document of ``source`` in a fixed order (empty texts included)."""
+_BINARY_SHARE = 0.01  # undecodable bytes beyond this share of a file: binary, not text with a few bad bytes
+
+
+def decode_text(path: Path) -> str | None:
+    """The text of a plain-text source file (a few invalid UTF-8 bytes become U+FFFD), or None when the file
+    is binary: a NUL byte, or more than 1% of it undecodable (random bytes would tokenize as "text")."""
+    data = path.read_bytes()
+    if b"\0" in data[:65536]:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+    return None if text.count("\ufffd") > _BINARY_SHARE * max(len(text), 1) else text
+
+
+def no_documents(source: str, text_field: str) -> DataError:
+    """The error of a source without any non-empty text document (it names the source, not an output)."""
+    return DataError(
+        f"data source '{source}' has no non-empty text documents; point it at text or at rows with a "
+        f"'{text_field}' field"
+    )
+
+
+def iter_texts(source: str, text_field: str = "text", skipped: list[str] | None = None) -> Iterator[tuple[str, str]]:
+    """``(name, text)`` of every document of ``source`` in a fixed order (empty texts included). Binary files
+    of a folder are left out, their names appended to ``skipped``; a binary file given alone is a DataError."""
     if source == "default":
         for name, path in _default_files():
             yield name, path.read_bytes().decode("utf-8", errors="replace")
@@ -169,14 +194,26 @@ def iter_texts(source: str, text_field: str = "text") -> Iterator[tuple[str, str
         if path.suffix in STRUCTURED:
             for i, text in enumerate(_structured_texts(path, text_field)):
                 yield f"{name}#{i}", text
-        else:
-            yield name, path.read_bytes().decode("utf-8", errors="replace")
+            continue
+        text = decode_text(path)
+        if text is None and Path(source).is_file():
+            raise DataError(
+                f"data source '{source}' is a binary file, not UTF-8 text; give text, JSON(L), Parquet or Arrow files"
+            )
+        if text is None:
+            if skipped is not None:
+                skipped.append(name)
+            continue
+        yield name, text
 
 
-def iter_documents(source: str, max_chars: int = 0, text_field: str = "text") -> Iterator[Document]:
-    """Non-empty documents of ``source`` in a fixed order, up to ``max_chars`` characters (0 = all)."""
+def iter_documents(
+    source: str, max_chars: int = 0, text_field: str = "text", skipped: list[str] | None = None
+) -> Iterator[Document]:
+    """Non-empty documents of ``source`` in a fixed order, up to ``max_chars`` characters (0 = all); binary files
+    of a folder go to ``skipped`` (see :func:`iter_texts`)."""
     total = 0
-    for name, text in iter_texts(source, text_field):
+    for name, text in iter_texts(source, text_field, skipped):
         if not text.strip():
             continue
         if max_chars and total + len(text) > max_chars:
@@ -202,8 +239,5 @@ def load_corpus(source: str, max_chars: int = 0, text_field: str = "text") -> tu
     """All documents of ``source`` and a content hash of them; an empty corpus is a DataError."""
     docs = list(iter_documents(source, max_chars, text_field))
     if not docs:
-        raise DataError(
-            f"data source '{source}' has no non-empty text documents; point it at text or at rows with a "
-            f"'{text_field}' field"
-        )
+        raise no_documents(source, text_field)
     return docs, corpus_hash(docs)

@@ -10,14 +10,13 @@ import torch
 
 from tessera.config import ConfigError, JobConfig, resolved_objective
 from tessera.data.objectives import span_count
-from tessera.validate import validate
-from tessera.data.tokenizer import copy_tokenizer_files
-from tessera.model import build_model
 from tessera.hf.weights import load_state, read_hf, save_hf
-from tessera.train.lock import RunLock
+from tessera.model import build_model
 from tessera.train.checkpoint import Checkpointer, CheckpointError
 from tessera.train.ds_checkpoint import MOMENTS
-from tessera.train.rundir import remove_run_outputs
+from tessera.train.lock import RunLock
+from tessera.train.rundir import carry_run_files, remove_run_outputs
+from tessera.validate import validate
 
 
 def _job_for(cfg, run_dir: Path) -> JobConfig:
@@ -53,13 +52,14 @@ def hf_import(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False) 
 
     A non-empty ``out_dir`` is refused unless ``overwrite`` (then what an earlier run wrote there is deleted).
     """
-    hf_dir, out_dir = Path(hf_dir), output_dir(out_dir, "output directory")
-    if any(out_dir.iterdir()) and not overwrite:
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(
             f"'{out_dir}' is not empty (an existing run?); importing would replace its config and checkpoints. "
             "Give a new directory, or pass --overwrite to delete that run first"
         )
-    cfg, state, family = read_hf(hf_dir)
+    cfg, state, family = read_hf(hf_dir)  # every check of the HF directory before anything is created
+    out_dir = output_dir(out_dir, "output directory")
     job = _job_for(cfg, out_dir)
     model = build_model(cfg)
     load_state(model, state)
@@ -73,14 +73,20 @@ def hf_import(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False) 
 
 
 def _write_imported(out_dir: Path, hf_dir: Path, job: JobConfig, model: torch.nn.Module, family: str) -> Path:
+    if carry_run_files(hf_dir, out_dir):  # the run keeps the source model's tokenizer, and trains with it
+        job.data.tokenizer = str(out_dir)
     (out_dir / "config.toml").write_text(job.to_toml(), encoding="utf-8")
-    copy_tokenizer_files(hf_dir, out_dir)  # the run keeps the source model's tokenizer
     extra = {
         "config": job.to_dict(),
         "model": job.to_dict()["model"],
         "imported_from": {"path": str(hf_dir), "family": family},
     }
     return Checkpointer(out_dir, keep_last=1).save(0, model, torch.optim.AdamW(model.parameters()), extra)
+
+
+def init_from_command(hf_dir: str | Path, out_dir: str | Path) -> str:
+    """The command that continues pretraining from an imported HF model (printed after ``hf-import``)."""
+    return f"tessera train {Path(out_dir) / 'config.toml'} train.init_from={hf_dir}"
 
 
 def hf_export(checkpoint: str | Path, out_dir: str | Path, family: str | None = None) -> str:
@@ -122,21 +128,28 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path) -> Path:
     return out / "model.safetensors"
 
 
+def _carry_near(path: Path, out_dir: Path) -> None:
+    """The tokenizer an HF Trainer saved beside its DeepSpeed checkpoint (the folder or the one above it)."""
+    for folder in (path, path.parent):
+        if carry_run_files(folder, out_dir):
+            return
+
+
 def _hf_config_near(path: Path) -> dict | None:
     """The config.json of an HF Trainer + DeepSpeed checkpoint (in the global_stepN folder or next to it)."""
-    import json
+    from tessera.hf.weights import read_hf_config
 
     for folder in (path, path.parent):
         if (folder / "config.json").is_file():
-            return json.loads((folder / "config.json").read_text())
+            return read_hf_config(folder)
     return None
 
 
 def _ds_model_and_job(ds_path: Path, state, config: str | None, out_dir: Path):
     """(JobConfig, tessera weights, tessera moments, source) for a DeepSpeed state: tessera-named with a
     recipe, or HF-named next to its config.json."""
-    from tessera.validate import load_config
     from tessera.hf.weights import state_from_hf
+    from tessera.validate import load_config
 
     if config is not None:
         return load_config(config, [f"train.run_dir={out_dir}"]), state.weights, state.moments, "tessera"
@@ -197,6 +210,7 @@ def deepspeed_import(ds_path: str | Path, out_dir: str | Path, config: str | Non
             entry.update(step=torch.tensor(float(state.step)), **shaped)
     set_state_dict(model, optimizer, model_state_dict=model.state_dict(), optim_state_dict=optim_sd)
     (out_dir / "config.toml").write_text(job.to_toml(), encoding="utf-8")
+    _carry_near(find_deepspeed_checkpoint(ds_path), out_dir)
     scheduler = build_scheduler(optimizer, job.optim, job.train.steps)
     scheduler.last_epoch = state.global_steps  # training continues the schedule (tessera train OUT_DIR)
     extra = {

@@ -119,6 +119,8 @@ def _training_lines(meta: dict[str, Any], run_dir: Path) -> list[str]:
         ),
         f"- Seed {t['seed']}; parallel layout {layout}.",
     ]
+    if t.get("init_from"):  # continued pretraining: where the first weights came from
+        lines.insert(0, f"- Initialized from `{t['init_from']}` (weights only), then trained as below.")
     metrics = _final_metrics(run_dir, step)
     if metrics:
         names = {"loss": "training loss", "val_loss": "validation loss"}

@@ -19,11 +19,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig, model_config
-from tessera.validate import validate_model
+from tessera.hf.families import FAMILIES, HFConversionError, Rule
 from tessera.model.block import layer_kind
 from tessera.model.ffn import ffn_hidden_size
-from tessera.hf.families import FAMILIES, HFConversionError, Rule
 from tessera.model.moe import is_moe_layer
+from tessera.validate import validate_model
 
 __all__ = ["FAMILIES", "HFConversionError", "detect_family", "is_hf_dir", "load_hf", "read_hf", "save_hf"]
 
@@ -57,7 +57,9 @@ def is_hf_dir(path: str | Path) -> bool:
     return isinstance(data, dict) and "model_type" in data
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, meta: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``path``; with ``meta``, meta tensors of the headers' shapes and
+    dtypes (nothing is read or allocated)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         found = ", ".join(p.name for p in path.iterdir()) or "nothing"
@@ -69,12 +71,37 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
+                    tensors[key] = _meta_tensor(f.get_slice(key)) if meta else f.get_tensor(key)
         except (SafetensorError, OSError) as err:
             raise HFConversionError(
                 f"'{file}' is not a readable safetensors file ({str(err).splitlines()[0]}); download it again"
             ) from None
     return tensors
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _meta_tensor(view: Any) -> torch.Tensor:
+    return torch.empty(view.get_shape(), dtype=_SAFETENSORS_DTYPES.get(view.get_dtype(), torch.float32), device="meta")
+
+
+def check_hf_shapes(hf_config: dict[str, Any], path: Path) -> None:
+    """Refuse an HF directory whose config.json and weights disagree (a vocab_size or hidden size the files do
+    not have, sizes beyond any memory), from the safetensors headers and a model on the meta device: nothing
+    is allocated."""
+    from tessera.model import build_model
+
+    cfg, state, _ = state_from_hf(dict(hf_config), _read_tensors(path, meta=True), path / "config.json")
+    with torch.device("meta"):
+        expected = build_model(cfg).state_dict()
+    for key, tensor in state.items():
+        if key in expected and expected[key].shape != tensor.shape:
+            raise HFConversionError(
+                f"'{path / 'config.json'}' does not match its weights: the config makes '{key}' "
+                f"{tuple(expected[key].shape)} but the safetensors files hold {tuple(tensor.shape)} "
+                "(vocab_size, hidden_size, heads?); fix config.json or download the model again"
+            )
 
 
 def config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
@@ -129,12 +156,25 @@ def _to_hf_tensors(rules: list[Rule], ours: dict[str, torch.Tensor]) -> dict[str
 _OUTPUT_KEYS = ("lm_head.weight", "cls.predictions.decoder.weight")
 
 
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    """The config.json of ``folder`` as a dict, or one HFConversionError naming it (not UTF-8, not JSON, no object)."""
+    file = Path(folder) / "config.json"
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFConversionError(f"'{file}' is not a JSON text ({str(err)[:120]}); fix or re-download it") from None
+    if not isinstance(data, dict):
+        raise HFConversionError(f"'{file}' must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
     """(ModelConfig, tessera state dict, family) of an HF model directory."""
     path = Path(path)
     if not is_hf_dir(path):
         raise HFConversionError(f"'{path}' is not an HF model directory (no config.json with a model_type)")
-    hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    hf_config = read_hf_config(path)
+    check_hf_shapes(hf_config, path)
     return state_from_hf(hf_config, _read_tensors(path), path / "config.json")
 
 
@@ -148,7 +188,8 @@ def state_from_hf(
     """
     if hf_config.get("model_type") == "t5":
         head = tensors.get("lm_head.weight")
-        hf_config["tie_word_embeddings"] = head is None or torch.equal(head, tensors["shared.weight"])
+        same = head is None or (not head.is_meta and torch.equal(head, tensors["shared.weight"]))
+        hf_config["tie_word_embeddings"] = same
     try:
         cfg, family = config_from_hf(hf_config)
     except KeyError as err:

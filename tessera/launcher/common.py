@@ -39,7 +39,7 @@ def parse_endpoint(text: str) -> Endpoint:
             f"--rdzv-endpoint '{text}' does not parse; write HOST:PORT with the first node's address, "
             "e.g. node001:29400 or 10.0.0.1:29400"
         )
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise LaunchError(
             f"--rdzv-endpoint '{text}' has port '{port}'; use a number from 1 to 65535, e.g. {host}:29400"
         )

@@ -251,7 +251,7 @@ def write_job(config: JobConfig, spec: SlurmSpec, command: str) -> Path:
     """Write ``config.toml`` and the sbatch script into the run directory (plus ``logs/``)."""
     run_dir = Path(config.train.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_NAME).write_text(config.to_toml())
+    (run_dir / CONFIG_NAME).write_text(config.to_toml(), encoding="utf-8")
     script = run_dir / SCRIPT_NAME
     script.write_text(render_sbatch(config, spec, command))
     script.chmod(0o755)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from tessera.config import JobConfig
+from tessera.errors import ConfigError
 from tessera.validate import load_config
 from tessera.launcher.common import (
     TORCHRUN_ENV,
@@ -44,6 +45,16 @@ class TorchrunSpec:
     rdzv_id: str = "tessera"
     node_rank: int | None = None
     max_restarts: int = 0
+    min_nnodes: int = 0  # elastic: the fewest nodes the job continues on (0 = nnodes, not elastic)
+
+    @property
+    def nnodes_flag(self) -> str:
+        """torchrun's ``--nnodes`` value: ``N``, or ``MIN:MAX`` when elastic."""
+        return (
+            f"{self.min_nnodes}:{self.nnodes}"
+            if self.min_nnodes and self.min_nnodes < self.nnodes
+            else str(self.nnodes)
+        )
 
     @property
     def world_size(self) -> int:
@@ -113,7 +124,7 @@ def torchrun_command(spec: TorchrunSpec, config_path: str, overrides: list[str],
         ]
     else:
         cmd += [
-            f"--nnodes={spec.nnodes}",
+            f"--nnodes={spec.nnodes_flag}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={spec.rdzv_endpoint}",
             f"--rdzv-id={spec.rdzv_id}",
@@ -174,10 +185,39 @@ def thread_env(config: JobConfig, nproc_per_node: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(choose_threads(config.train.threads, nproc_per_node).threads)}
 
 
+def parse_nnodes(text: str | int) -> tuple[int, int]:
+    """``--nnodes``: ``N`` or ``MIN:MAX`` as (min, max); a LaunchError when it does not parse or is empty."""
+    lo, _, hi = str(text).partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise LaunchError(f"--nnodes {text!r} must be a node count N or an elastic range MIN:MAX, e.g. 2:4") from None
+    if not 1 <= low <= high:
+        raise LaunchError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def check_elastic(config_path: str, overrides: list[str], low: int, high: int, nproc: int) -> list[str]:
+    """The overrides plus ``train.elastic_world`` for an elastic range; every size in it must keep the batch."""
+    from tessera.train.elastic import resize
+
+    if low == high:
+        return overrides
+    overrides = [*overrides, f"train.elastic_world={high * nproc}"]
+    config = load_config(config_path, overrides)
+    for nodes in range(low, high + 1):
+        try:
+            resized, _ = resize(config, nodes * nproc)
+        except ConfigError as err:
+            raise LaunchError(f"--nnodes {low}:{high}: at {nodes} node(s): {err}") from None
+        check_world_size(resized, nodes, nproc)
+    return overrides
+
+
 def launch(
     config_path: str,
     overrides: list[str],
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     nproc_per_node: int = 0,
     rdzv_endpoint: str = "",
     rdzv_backend: str = "c10d",
@@ -194,9 +234,14 @@ def launch(
     :data:`TORCHRUN_ENV` and :func:`thread_env` (printed in front of it, so a copy runs the same).
     ``gpu`` names a GPU kind of the planner's catalog: a layout predicted not to fit it is warned about.
     """
-    config = load_config(config_path, overrides)
+    low, nnodes = parse_nnodes(nnodes)
     nproc = nproc_per_node or default_nproc_per_node()
+    overrides = check_elastic(config_path, overrides, low, nnodes, nproc)
+    config = load_config(config_path, overrides)
     spec = make_spec(nnodes, nproc, rdzv_endpoint, rdzv_backend, rdzv_id, node_rank, max_restarts, config.train.run_dir)
+    if low < nnodes and spec.rdzv_backend == "static":
+        raise LaunchError(f"--nnodes {low}:{nnodes} is elastic: it needs --rdzv-backend c10d, not static")
+    spec.min_nnodes = low
     check_world_size(config, spec.nnodes, spec.nproc_per_node)
     warn_if_unfit(config, spec.world_size, gpu, spec.nproc_per_node)
     if via == "accelerate":

@@ -50,15 +50,27 @@ class RouterStats:
 
 @dataclass(frozen=True)
 class TokenGroup:
-    """The processes whose tokens together make up the layer's sequences: under context parallelism
-    each holds a slice of every sequence, so the balancing statistics are those of the whole group.
+    """Processes whose tokens are counted together by an MoE layer's balancing statistics.
 
-    ``size`` processes; ``sum`` adds a detached tensor over them (no gradient). The default is this
-    process alone. Set by :mod:`tessera.parallel.context`; the model itself never communicates.
+    Two groups matter (both set by :mod:`tessera.parallel`; the model itself never communicates):
+    :attr:`MoE.token_group`, the processes that hold slices of the same sequences (the cp ranks), and
+    :attr:`MoE.batch_group`, the processes that hold the global micro-batch (dp x cp ranks), which
+    ``aux_loss_scope = "global"`` and ``capacity_scope = "global"`` count over. ``size`` processes,
+    this one is ``rank`` of them (data-parallel rank order: the order of the global batch's sequences);
+    ``sum`` adds a detached tensor over them (no gradient). The default is this process alone.
     """
 
     size: int = 1
     sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    rank: int = 0
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(size, *t.shape): every process's ``t`` in rank order (a sum of zero-padded copies: one all-reduce)."""
+        if self.size == 1:
+            return t[None]
+        rows = t.new_zeros(self.size, *t.shape)
+        rows[self.rank] = t
+        return self.sum(rows)
 
 
 class MoELog:
@@ -184,11 +196,13 @@ class Routing:
 class MoE(nn.Module):
     """Routed experts (plus optional always-on shared experts) replacing a block's FFN.
 
-    ``token_group``: see :class:`TokenGroup`. Its per-process losses are scaled so that their mean over
-    the group is the whole sequences' loss (as the LM loss's context-parallel token share).
+    ``token_group`` and ``batch_group``: see :class:`TokenGroup`. The per-process losses are scaled so
+    that their mean over the group is the loss of the group's tokens (as the LM loss's token share),
+    which the data-parallel gradient average then turns into the single-process gradient.
     """
 
     token_group: TokenGroup = TokenGroup()
+    batch_group: TokenGroup = TokenGroup()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -241,15 +255,30 @@ class MoE(nn.Module):
         return weights * self.cfg.route_scale, ids, scores
 
     def _keep(self, ids: torch.Tensor) -> torch.Tensor:
-        """(N, k) bool: assignments within expert capacity; first choices go first, then token order."""
+        """(N, k) bool: assignments within expert capacity; first choices go first, then token order.
+
+        With ``capacity_scope = "global"`` capacity and order are those of the whole global micro-batch
+        (sequences in data-parallel rank order), so every layout drops the assignments one process would."""
         if self.capacity_factor <= 0:
             return torch.ones_like(ids, dtype=torch.bool)
-        n = ids.shape[0]
-        capacity = math.ceil(self.capacity_factor * n * self.top_k / self.n_experts)
-        order = ids.T.reshape(-1)  # choice-major priority
-        onehot = F.one_hot(order, self.n_experts)
+        n, k, e = ids.shape[0], self.top_k, self.n_experts
+        group = self.batch_group if self.cfg.capacity_scope == "global" else TokenGroup()
+        capacity = math.ceil(self.capacity_factor * n * group.size * k / e)
+        onehot = F.one_hot(ids.T.reshape(-1), e)  # choice-major priority
         slot = (onehot.cumsum(0) * onehot).sum(-1) - 1
-        return (slot < capacity).view(self.top_k, n).T
+        if group.size > 1:
+            offsets = self._earlier_slots(onehot.view(k, n, e).sum(1), group)  # (k, E)
+            slot = slot + (onehot * offsets.repeat_interleave(n, 0)).sum(-1)
+        return (slot < capacity).view(k, n).T
+
+    @staticmethod
+    def _earlier_slots(local: torch.Tensor, group: TokenGroup) -> torch.Tensor:
+        """(k, E) slots other processes fill before this one's first assignment of each (choice, expert):
+        earlier choices on every process, the same choice on lower ranks."""
+        every = group.gather(local.float())  # (size, k, E)
+        earlier_choices = (every.sum(0) - local).cumsum(0) - (every.sum(0) - local)
+        lower_ranks = every[: group.rank].sum(0)
+        return (earlier_choices + lower_ranks).long()
 
     def _routed(self, x: torch.Tensor, r: Routing) -> torch.Tensor:
         """The weighted sum of each token's kept experts: sort assignments by expert, run, scatter back."""
@@ -281,13 +310,15 @@ class MoE(nn.Module):
         """Switch/Mixtral batch loss ``E * sum_e f_e * P_e`` (f: assignments per token, P: mean score),
         or DeepSeek's per-sequence loss ``mean_b sum_e f_be * P_be`` with f normalized to 1 when uniform.
 
-        f counts the assignments of the whole :attr:`token_group` (detached: counts carry no gradient);
-        P is this process's mean, so the group's mean of these losses is the loss of the whole sequences
-        (every process of the group holds as many tokens)."""
+        f counts the assignments of the whole :attr:`batch_group` (scope "global": the global micro-batch)
+        or :attr:`token_group` ("micro": this process's sequences, "sequence"), detached: counts carry no
+        gradient. P is this process's mean, so the group's mean of these losses is the loss of the group's
+        tokens (every process of the group holds as many tokens)."""
         probs = r.scores if self.cfg.router != "sigmoid" else r.scores / r.scores.sum(-1, keepdim=True)
         ones = torch.ones_like(r.weights)
-        n, e, group = r.ids.shape[0], self.n_experts, self.token_group
-        if self.cfg.aux_loss_scope == "batch":
+        n, e, scope = r.ids.shape[0], self.n_experts, self.cfg.aux_loss_scope
+        group = self.batch_group if scope == "global" else self.token_group
+        if scope != "sequence":
             counts = group.sum(ones.new_zeros(e).scatter_add(0, r.ids.flatten(), ones.flatten()))
             return e * (counts / (n * group.size) * probs.mean(0)).sum()
         seq_len = n // batch

@@ -84,7 +84,7 @@ def _validate_heads_per_layer(m: ModelConfig) -> None:
     key = f"model.attention.heads_per_layer={m.attention.heads_per_layer!r}"
     counts = spec.split(",")
     require(
-        all(c.strip().isdigit() for c in counts) and len(counts) == m.n_layers,
+        all(c.strip().isascii() and c.strip().isdigit() for c in counts) and len(counts) == m.n_layers,
         f"{key} must be {m.n_layers} comma-separated head counts, one per layer (model.n_layers)",
     )
     group = m.n_heads // (m.n_kv_heads or m.n_heads)
@@ -224,9 +224,7 @@ def _validate_mamba(m: ModelConfig) -> None:
     require(mamba.version in (1, 2), f"model.mamba.version must be 1 or 2, got {mamba.version}")
     require_all("model.mamba", mamba, ("state", "conv", "expand", "head_dim", "groups", "chunk"), positive=True)
     require_all("model.mamba", mamba, ("dt_rank",), positive=False)
-    require(
-        mamba.version == 1 or not mamba.dt_norm, "model.mamba.dt_norm (Jamba) is a Mamba-1 option; set version = 1"
-    )
+    require(mamba.version == 1 or not mamba.dt_norm, "model.mamba.dt_norm (Jamba) is a Mamba-1 option; set version = 1")
     if mamba.version == 2:
         inner = mamba.expand * m.dim
         require(

@@ -10,9 +10,10 @@ from tessera.model.blocks import block_containers
 from tessera.parallel.activation import apply_activation_checkpointing, apply_compile, compile_enabled
 from tessera.parallel.context import apply_context_parallel
 from tessera.parallel.dims import ParallelDims
-from tessera.parallel.expert import apply_expert_parallel
-from tessera.parallel.grads import clip_grad_norm
+from tessera.parallel.expert import apply_expert_parallel, apply_global_batch_group
+from tessera.parallel.fp8 import convert_float8, convert_mxfp8
 from tessera.parallel.fsdp import apply_ddp, apply_fsdp
+from tessera.parallel.grads import clip_grad_norm
 from tessera.parallel.tensor import apply_tensor_parallel
 
 __all__ = ["ParallelDims", "clip_grad_norm", "parallelize"]
@@ -28,17 +29,25 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
     ``parallel.compile="auto"``.
     """
     p = config.parallel
+    fp8, device_type = config.train.fp8, device_type or _configured_device_type(config.train.device)
+    if fp8 in ("tensorwise", "rowwise"):  # before TP: torchao's plans shard its Float8Linear
+        convert_float8(model, fp8, device_type, fsdp_all_gather=uses_fsdp(dims) and device_type == "cuda")
     tp_mesh = dims.submesh("tp")
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, p.sequence_parallel)
+    if fp8 == "mxfp8":  # after TP: the MXFP8 weight wrapper must sit on top of the DTensor
+        convert_mxfp8(model, device_type)
     ep_mesh = dims.submesh("ep")
     if ep_mesh is not None:
         apply_expert_parallel(model, ep_mesh, tp_mesh)
     cp_mesh = dims.submesh("cp")
     if cp_mesh is not None:  # attention over the sequence split across the cp ranks (no parameters of its own)
         apply_context_parallel(model, cp_mesh, p.cp_method)
+    batch_mesh = dims.submesh("dp_cp") or dims.submesh("dp")
+    if batch_mesh is not None and batch_mesh.size() > 1:  # MoE's global scope: the whole global micro-batch
+        apply_global_batch_group(model, batch_mesh)
     apply_activation_checkpointing(block_containers(model), p.activation_checkpoint, p.ac_every)
-    if compile_enabled(p, device_type or _configured_device_type(config.train.device)):
+    if compile_enabled(p, device_type):
         apply_compile(block_containers(model))
     if p.engine == "deepspeed":  # deepspeed.initialize partitions it (tessera/parallel/deepspeed.py)
         return model

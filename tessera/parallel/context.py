@@ -138,18 +138,23 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, method: str = 
     for module in model.modules():
         if isinstance(module, Stack):
             module.sequence_split = split
-        if isinstance(module, MoE):
-            module.token_group = tokens
+        if isinstance(module, MoE):  # parallelize widens batch_group to the dp x cp ranks when dp > 1
+            module.token_group = module.batch_group = tokens
 
 
 def cp_token_group(cp_mesh: DeviceMesh) -> TokenGroup:
     """The MoE :class:`TokenGroup` of a cp mesh: its ranks' tokens make up every sequence."""
-    group = cp_mesh.get_group()
+    return mesh_token_group(cp_mesh)
 
-    def sum_over_cp(t: torch.Tensor) -> torch.Tensor:
+
+def mesh_token_group(mesh: DeviceMesh) -> TokenGroup:
+    """The MoE :class:`TokenGroup` of the ranks of a (flattened) 1-D ``mesh``: detached sums over it."""
+    group = mesh.get_group()
+
+    def sum_over_mesh(t: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(funcol.all_reduce(t.detach(), "sum", group))
 
-    return TokenGroup(cp_mesh.size(), sum_over_cp)
+    return TokenGroup(mesh.size(), sum_over_mesh, mesh.get_local_rank())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ deepspeed is imported lazily: the config generation here is plain Python.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ConfigError, JobConfig
+from tessera.parallel.env import export_single_process_env
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -89,6 +91,11 @@ def _merge(ours: dict[str, Any], theirs: dict[str, Any], where: str, prefix: str
                 f"{where} sets '{dotted}', but tessera passes its own from {_CLIENT_BLOCKS[dotted]}; remove it from "
                 "the ds.json"
             )
+        if isinstance(ours.get(key), dict) and not isinstance(value, dict):
+            raise ConfigError(
+                f"{where} sets {dotted}={json.dumps(value)}, but DeepSpeed expects a block there, e.g. "
+                f'"{key}": {json.dumps(ours[key])}'
+            )
         if isinstance(value, dict) and isinstance(ours.get(key), dict):
             merged[key] = _merge(ours[key], value, where, f"{dotted}.")
         elif dotted in _SOURCES and value != ours.get(key):
@@ -107,7 +114,69 @@ def deepspeed_config(config: JobConfig, dp: int, device_type: str = "cpu") -> di
     path = config.parallel.deepspeed.config
     if not path:
         return ours
-    return _merge(ours, json.loads(Path(path).read_text()), f"parallel.deepspeed.config='{path}'")
+    return _merge(ours, read_user_json(path), f"parallel.deepspeed.config='{path}'")
+
+
+def read_user_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object of a ds.json, or one ConfigError naming ``parallel.deepspeed.config`` and the problem."""
+    where = f"parallel.deepspeed.config='{path}'"
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except OSError as err:
+        raise ConfigError(f"{where} cannot be read ({err.strerror}); give the path of a ds.json") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {err.start}); give a JSON file") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{where} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+class _ReadKeys(dict):
+    """A dict that remembers which keys were asked for: DeepSpeed's parser reads every key it knows."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        super().__init__(data)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+
+def check_with_deepspeed(config: JobConfig, ds_config: dict[str, Any]) -> None:
+    """Run DeepSpeed's own config parser over the merged config of a user ds.json (a process group exists):
+    what it rejects, and any top-level key it never reads (a misspelling DeepSpeed would silently ignore),
+    is one ConfigError naming the key."""
+    if not config.parallel.deepspeed.config:
+        return
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+    from pydantic import ValidationError
+
+    where = f"parallel.deepspeed.config='{config.parallel.deepspeed.config}'"
+    probe = _ReadKeys(ds_config)
+    try:
+        DeepSpeedConfig(probe)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(map(str, first["loc"]))
+        raise ConfigError(f"{where}: DeepSpeed's {err.title} refuses '{key}' ({first['msg']})") from None
+    except (DeepSpeedConfigError, ValueError, TypeError, KeyError) as err:
+        raise ConfigError(f"{where}: DeepSpeed refuses it ({str(err).strip().splitlines()[0][:200]})") from None
+    unread = sorted(set(ds_config) - probe.read)
+    if unread:
+        close = difflib.get_close_matches(unread[0], sorted(probe.read), n=1)
+        guess = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{where}: DeepSpeed has no key '{unread[0]}'{guess}; it would be ignored, fix or remove it")
 
 
 def cpu_adam(groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
@@ -120,6 +189,7 @@ def cpu_adam(groups: list[dict[str, Any]], lr: float, betas: tuple[float, float]
 def ensure_process_group(device_type: str) -> None:
     """A one-process group when none exists (DeepSpeed always needs one; torchrun sets up larger ones)."""
     if not dist.is_initialized():
+        export_single_process_env()
         dist.init_process_group(
             "nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
         )

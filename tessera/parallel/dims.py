@@ -41,7 +41,7 @@ class ParallelDims:
             check_expert_degree(self.ep, self.dp_shard, self.cp, self.tp)
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Degrees from the config's ``[parallel]`` section for ``world_size`` processes."""
         return cls(cfg.dp_replicate, cfg.dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size)
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tessera.parallel.collective_log import enable_flight_recorder
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -30,12 +32,22 @@ def dist_env() -> DistEnv:
     return DistEnv(rank, world, local, int(get("LOCAL_WORLD_SIZE", 1)))
 
 
+def export_single_process_env() -> None:
+    """torchrun's variables for a job of one process started without a launcher, where unset: DeepSpeed reads
+    them itself (``LOCAL_RANK`` above all) even when its process group already exists."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
 def init_distributed(device_type: str) -> DistEnv:
     """Join the process group once (nccl on CUDA, gloo on CPU); a no-op for a single process."""
     env = dist_env()
     if env.is_distributed and not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(env.local_rank)
+        enable_flight_recorder()  # each rank's last collectives, for the hang report
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return env
 

@@ -38,6 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tessera.model.moe import Experts, MoE, expert_ffn
+from tessera.parallel.context import mesh_token_group
 
 _WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -112,6 +113,16 @@ class ExpertParallelExperts(Experts):
         y = y[perm.argsort()]
         back = funcol.wait_tensor(funcol.all_to_all_single_autograd(y, in_splits, out_splits, group))
         return F.pad(back, (0, 0, 0, rows.shape[0] - back.shape[0]))
+
+
+def apply_global_batch_group(model: nn.Module, batch_mesh: DeviceMesh) -> None:
+    """Make every MoE layer count its global-scope balancing statistics and capacity over ``batch_mesh``
+    (the dp x cp ranks that together hold the global micro-batch): one small all-reduce per layer, no
+    host sync, and every data-parallel layout routes and balances as one process would."""
+    tokens = mesh_token_group(batch_mesh)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.batch_group = tokens
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:

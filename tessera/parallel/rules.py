@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tessera.config import OptimConfig, ParallelConfig, TrainConfig
+from tessera.config import JobConfig, OptimConfig, ParallelConfig, TrainConfig
 from tessera.config.checks import require
 from tessera.errors import ConfigError
 
@@ -18,7 +18,10 @@ def check_engine(p: ParallelConfig, t: TrainConfig) -> None:
         "set train.on_nonfinite=stop or parallel.engine='torch'",
     )
     ds = p.deepspeed
-    deepspeed_only = {"offload_optimizer": ds.offload_optimizer != "none", "offload_params": ds.offload_params != "none"}
+    deepspeed_only = {
+        "offload_optimizer": ds.offload_optimizer != "none",
+        "offload_params": ds.offload_params != "none",
+    }
     deepspeed_only.update(nvme_path=bool(ds.nvme_path), config=bool(ds.config))
     for key, used in deepspeed_only.items():
         require(not used or p.engine == "deepspeed", f"parallel.deepspeed.{key} needs parallel.engine='deepspeed'")
@@ -36,7 +39,9 @@ def check_engine(p: ParallelConfig, t: TrainConfig) -> None:
         path = Path(p.deepspeed.config)
         require(path.is_file(), f"parallel.deepspeed.config='{path}' does not exist; give the path of a ds.json")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"parallel.deepspeed.config='{path}' is not UTF-8 text (byte {err.start})") from None
         except json.JSONDecodeError as err:
             raise ConfigError(f"parallel.deepspeed.config='{path}' is not valid JSON ({err})") from None
         require(isinstance(data, dict), f"parallel.deepspeed.config='{path}' must hold a JSON object")
@@ -54,4 +59,34 @@ def check_engine_optimizer(p: ParallelConfig, o: OptimConfig) -> None:
         )
     require(
         o.qk_clip_threshold == 0, "optim.qk_clip_threshold needs parallel.engine='torch'; set it to 0 for DeepSpeed"
+    )
+
+
+def check_fp8(config: JobConfig) -> None:
+    """train.fp8: the torch engine only (tessera/parallel/fp8.py converts the linears before FSDP), and matrix
+    sides torchao's fp8 GEMMs take: multiples of 16 (32 for MXFP8, its scaling block), also the sequence."""
+    t, m = config.train, config.model
+    if t.fp8 == "off":
+        return
+    require(
+        config.parallel.engine == "torch",
+        f"train.fp8={t.fp8!r} runs in the torch engine (torchao converts the linears before FSDP); "
+        "parallel.engine='deepspeed' does not support it: set train.fp8=off or parallel.engine=torch",
+    )
+    multiple = 32 if t.fp8 == "mxfp8" else 16
+    head_dim = m.head_dim or m.dim // m.n_heads
+    sides = {"model.dim": m.dim, "model.n_heads*head_dim": m.n_heads * head_dim}
+    sides["model.n_kv_heads*head_dim"] = (m.n_kv_heads or m.n_heads) * head_dim
+    sides.update({"model.ffn_hidden": m.ffn_hidden} if m.ffn_hidden else {"model.multiple_of": m.multiple_of})
+    for name, value in sides.items():
+        require(
+            value % multiple == 0,
+            f"train.fp8={t.fp8!r} needs matrix sides divisible by {multiple}, but {name}={value}; "
+            f"change {name.split('*')[0]} or set train.fp8=off",
+        )
+    rows = t.batch_size * t.seq_len
+    require(
+        t.fp8 != "mxfp8" or t.seq_len % 32 == 0,
+        f"train.fp8='mxfp8' scales blocks of 32 tokens: train.seq_len={t.seq_len} (x batch {t.batch_size} = "
+        f"{rows} rows) must be a multiple of 32",
     )

@@ -47,7 +47,8 @@ def load_teacher(path: str, vocab_size: int, tokenizer: Path, device: torch.devi
     teacher = load(ckpt)
     if teacher.cfg.arch != "decoder" or teacher.cfg.vocab_size != vocab_size:
         raise ConfigError(
-            f"train.distill.teacher={path!r} is a {teacher.cfg.arch} with a vocabulary of {teacher.cfg.vocab_size}; the "
+            f"train.distill.teacher={path!r} is a {teacher.cfg.arch} with a vocabulary of {teacher.cfg.vocab_size}; "
+            "the "
             f"student needs a decoder with its own {vocab_size} tokens (train both with the same tokenizer)"
         )
     theirs = ckpt.parent.parent / "tokenizer.model"

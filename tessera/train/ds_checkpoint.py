@@ -70,18 +70,39 @@ def find_deepspeed_checkpoint(path: str | Path) -> Path:
         return path
     for name in ("latest_universal", "latest"):
         if (path / name).is_file():
-            return find_deepspeed_checkpoint(path / (path / name).read_text().strip())
+            return find_deepspeed_checkpoint(path / _tag(path / name))
     raise CheckpointError(
         f"'{path}' holds no DeepSpeed checkpoint (no *model_states.pt, zero/ folder or 'latest' file)"
     )
 
 
+def _tag(latest: Path) -> str:
+    """The checkpoint folder a ``latest`` file names: one sub-folder's name (a torn write leaves it empty)."""
+    try:
+        tag = latest.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = ""
+    if not tag or "/" in tag or tag in (".", "..") or not (latest.parent / tag).is_dir():
+        raise CheckpointError(
+            f"'{latest}' does not name a checkpoint folder beside it (got {tag[:80]!r}; a torn write?); "
+            "give the global_stepN folder itself"
+        )
+    return tag
+
+
 def read_deepspeed(path: str | Path) -> DeepSpeedState:
     """The full state of a DeepSpeed ZeRO or universal checkpoint folder (or its parent with ``latest``)."""
     folder = find_deepspeed_checkpoint(path)
-    if (folder / "zero").is_dir():
-        return _read_universal(folder)
-    return _read_zero(folder)
+    try:
+        return _read_universal(folder) if (folder / "zero").is_dir() else _read_zero(folder)
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, StopIteration) as err:
+        # The files unpickled (weights only) but are not laid out as DeepSpeed writes them.
+        raise CheckpointError(
+            f"'{folder}' does not hold DeepSpeed's checkpoint layout ({type(err).__name__}: {str(err)[:120]}); "
+            "give a folder DeepSpeed's save_checkpoint wrote"
+        ) from None
 
 
 def _model_states(folder: Path) -> dict[str, Any] | None:

@@ -48,6 +48,7 @@ class DeepSpeedEngine:
         self.group_names = [[self.names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
         ds.ensure_process_group(parallel.device.type)
         ds_config = ds.deepspeed_config(config, parallel.dp_size, parallel.device.type)
+        ds.check_with_deepspeed(config, ds_config)
         self.model = ds.initialize(model, self.optimizer, self.scheduler, ds_config)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 

@@ -10,12 +10,16 @@ an evaluation or a checkpoint). When none arrives within ``train.hang_timeout_s`
 a stuck collective; three times that before the first step completes), it writes every
 thread's Python stack to ``RUN/hang/rank_K.txt`` and ends the process with
 :data:`HANG_EXIT_CODE`, so torchrun or SLURM can restart the job. Every rank runs one: the
-ranks waiting on a stalled peer time out too and leave their stacks.
+ranks waiting on a stalled peer time out too and leave their stacks. Each rank also writes its last
+collective per process group (kind, sequence number, completed; torch's flight recorder, see
+``parallel/collective_log.py``) to ``RUN/hang/rank_K.json``; after the grace period rank 0 joins them
+into ``RUN/hang/report.txt``, which names the rank that is behind and the collective the others wait in.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
 import math
 import os
 import sys
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 
 from tessera.config import ConfigError
+from tessera.parallel.collective_log import describe_hang, last_collectives
 
 HANG_DIR = "hang"
 HANG_EXIT_CODE = 124  # as timeout(1): the process was stopped because it made no progress in time
@@ -81,7 +86,7 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "HangWatchdog":
+    def __enter__(self) -> HangWatchdog:
         if self.timeout_s > 0:
             self._last = time.monotonic()
             self._thread = threading.Thread(target=self._watch, name="tessera-hang-watchdog", daemon=True)
@@ -111,8 +116,13 @@ class HangWatchdog:
             f"(train.hang_timeout_s={self.timeout_s:g}); Python stacks of all threads:\n"
         )
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        collectives = last_collectives()
+        self.path.with_suffix(".json").write_text(
+            json.dumps({"rank": self.rank, "step": self.step, "last": collectives})
+        )
         with open(self.path, "w", encoding="utf-8") as f:
             f.write(header)
+            f.write("".join(f"last collective: {c}\n" for c in collectives))
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
         sys.stderr.write(
@@ -122,4 +132,21 @@ class HangWatchdog:
         )
         sys.stderr.flush()
         time.sleep(self.grace_s)
+        if self.rank == 0:
+            self._report()
         os._exit(HANG_EXIT_CODE)
+
+    def _report(self) -> None:
+        """Join the ranks' last collectives into ``hang/report.txt`` and say on stderr who is behind."""
+        per_rank = {}
+        for path in self.path.parent.glob("rank_*.json"):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except ValueError:
+                continue
+            per_rank[int(data["rank"])] = data["last"]
+        lines = describe_hang(per_rank) or ["every rank's last collectives agree (a hang outside collectives?)"]
+        report = self.path.parent / "report.txt"
+        report.write_text(f"ranks that reported: {sorted(per_rank)}\n" + "\n".join(lines) + "\n", encoding="utf-8")
+        sys.stderr.write("".join(f"tessera: hang: {line}\n" for line in lines))
+        sys.stderr.flush()

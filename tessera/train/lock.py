@@ -193,5 +193,3 @@ def refuse_if_running(run_dir: str | Path, what: str, trust_heartbeat: bool = Fa
     holder = run_holder(run_dir, trust_heartbeat)
     if holder is not None:
         raise ConfigError(in_use_message(Path(run_dir), holder, what))
-
-

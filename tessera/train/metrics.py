@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import secrets
 import sys
@@ -14,6 +15,7 @@ import torch
 
 from tessera.config import ConfigError, JobConfig, LogConfig
 from tessera.train.lock import RunLock
+from tessera.train.status import read_records
 
 
 def _human(n: float) -> str:
@@ -123,6 +125,8 @@ def tensorboard_tag(key: str) -> str:
         return "moe/" + key.removeprefix("moe_")
     if key in ("tokens_per_s", "mfu"):
         return "perf/" + key
+    if key.startswith("eval/"):  # downstream tasks: eval/<task>/<metric>
+        return key
     return "train/" + key
 
 
@@ -144,6 +148,56 @@ def check_sinks(log: LogConfig) -> None:
         raise ConfigError(
             "log.wandb=true needs the wandb package: pip install 'tessera[wandb]' (or set log.wandb=false)"
         )
+    if log.mlflow and importlib.util.find_spec("mlflow") is None:
+        raise ConfigError(
+            "log.mlflow=true needs the mlflow package: pip install 'tessera[mlflow]' (or set log.mlflow=false)"
+        )
+
+
+def _mlflow_key(tag: str) -> str:
+    """An MLflow metric name (letters, digits, ``_-./ :`` only)."""
+    return "".join(c if c.isalnum() or c in "_-./ :" else "_" for c in tag)
+
+
+class MlflowSink:
+    """An MLflow run (default store: ``sqlite:///RUN_DIR/mlflow.db``); resumed runs continue the same MLflow run.
+
+    A ``file:`` tracking URI (MLflow's file store, in maintenance mode since MLflow 3) is honoured: naming it
+    is the opt-in MLflow asks for (``MLFLOW_ALLOW_FILE_STORE``)."""
+
+    def __init__(self, run_dir: Path, log: LogConfig, config: dict[str, Any]) -> None:
+        check_sinks(log)
+        from mlflow.tracking import MlflowClient
+
+        uri = log.mlflow_tracking_uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        if uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        id_file = run_dir / "mlflow-id.txt"
+        if id_file.is_file():
+            self.run_id = id_file.read_text().strip()
+        else:
+            experiment = self.client.get_experiment_by_name(log.mlflow_experiment)
+            exp_id = experiment.experiment_id if experiment else self.client.create_experiment(log.mlflow_experiment)
+            self.run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
+            id_file.write_text(self.run_id + "\n")
+            for section, values in config.items():
+                for key, value in values.items() if isinstance(values, dict) else []:
+                    self.client.log_param(self.run_id, f"{section}.{key}", str(value)[:500])
+        self.uri = uri
+
+    def log(self, record: dict[str, Any]) -> None:
+        """One record's numbers, under the grouped tags, at ``step``."""
+        from mlflow.entities import Metric
+
+        stamp = int(record.get("time", time.time()) * 1000)
+        metrics = [Metric(_mlflow_key(k), v, stamp, record["step"]) for k, v in _scalars(record).items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        """Mark the MLflow run finished."""
+        self.client.set_terminated(self.run_id)
 
 
 class WandbSink:
@@ -205,7 +259,7 @@ def wandb_mode(configured: str, timeout: float = 3.0) -> tuple[str | None, str]:
 
 
 class MetricsLogger:
-    """Writes each record to metrics.jsonl, TensorBoard and W&B and shows progress on the console.
+    """Writes each record to metrics.jsonl, TensorBoard, W&B and MLflow and shows progress on the console.
 
     ``progress``: "bar" is a tqdm bar (steps, loss, tokens/s, MFU, ETA) on a terminal, "lines"
     prints a line per logged step (logs, CI), "none" prints nothing, "auto" picks "bar" on a
@@ -234,6 +288,7 @@ class MetricsLogger:
         self.jsonl: TextIO | None = None
         self.tb: Any = None
         self.wandb: WandbSink | None = None
+        self.mlflow: MlflowSink | None = None
         self.bar: Any = None
         self.started = time.perf_counter()
         self.start_step: int | None = None
@@ -255,6 +310,8 @@ class MetricsLogger:
             self.wandb = WandbSink(self.run_dir, wandb, config)
             if self.wandb.why != "WANDB_MODE":
                 self.print(f"wandb: {self.wandb.mode} ({self.wandb.why})")
+        if wandb is not None and wandb.mlflow:
+            self.mlflow = MlflowSink(self.run_dir, wandb, config)
 
     @classmethod
     def for_job(cls, config: JobConfig, enabled: bool = True) -> MetricsLogger:
@@ -266,7 +323,7 @@ class MetricsLogger:
             log.progress,
             log.tensorboard,
             enabled=enabled,
-            wandb=log if log.wandb else None,
+            wandb=log if log.wandb or log.mlflow else None,
             config=config.to_dict(),
         )
 
@@ -285,6 +342,8 @@ class MetricsLogger:
                     self.tb.add_histogram(f"{tensorboard_tag(key)}/{i}", torch.tensor(row), record["step"])
         if self.wandb is not None:
             self.wandb.log(record)
+        if self.mlflow is not None:
+            self.mlflow.log(record)
         if self.lock is not None:
             self.lock.heartbeat(record["step"])
         self._show(record)
@@ -338,26 +397,17 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        for sink in (self.jsonl, self.tb, self.wandb):
+        for sink in (self.jsonl, self.tb, self.wandb, self.mlflow):
             if sink is not None:
                 sink.close()
         if self.lock is not None:
             self.lock.release()
-        self.jsonl = self.tb = self.wandb = self.lock = None
+        self.jsonl = self.tb = self.wandb = self.mlflow = self.lock = None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl (a line torn by a crash mid-write is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "step" in record:
-            records.append(record)
-    return records
+    """All records of a run's metrics.jsonl (a torn, undecodable or foreign line is skipped)."""
+    return read_records(run_dir)
 
 
 def plot_loss_curve(run_dir: str | Path) -> Path:

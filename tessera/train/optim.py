@@ -111,24 +111,40 @@ def check_optimizer_unchanged(changes: dict[str, tuple[Any, Any]], path: Path) -
         )
 
 
+def effective_warmup(cfg: OptimConfig, total_steps: int) -> int:
+    """Warmup steps the schedule uses: ``optim.warmup_steps``, clipped to the run's length."""
+    return min(cfg.warmup_steps, total_steps)
+
+
+def warmup_notice(cfg: OptimConfig, total_steps: int) -> str:
+    """One line when the warmup is longer than the run (a short trial), else ""."""
+    if cfg.warmup_steps <= total_steps:
+        return ""
+    return (
+        f"optim.warmup_steps={cfg.warmup_steps} is longer than train.steps={total_steps}: warming up over all "
+        f"{total_steps} steps instead (set optim.warmup_steps to choose)"
+    )
+
+
 def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Factor on ``optim.lr`` before optimizer step ``step`` (0-based).
 
-    Linear warmup to 1, then cosine or linear decay to ``min_lr_ratio``, constant, or
-    warmup-stable-decay (flat, then linear decay over the last ``decay_fraction`` of steps).
+    Linear warmup to 1 (over at most the whole run), then cosine or linear decay to ``min_lr_ratio``,
+    constant, or warmup-stable-decay (flat, then linear decay over the last ``decay_fraction`` of steps).
     """
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+    warmup = effective_warmup(cfg, total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
     floor = cfg.min_lr_ratio
     if cfg.schedule == "constant":
         return 1.0
     if cfg.schedule == "wsd":
-        decay_start = max(cfg.warmup_steps, int(total_steps * (1 - cfg.decay_fraction)))
+        decay_start = max(warmup, int(total_steps * (1 - cfg.decay_fraction)))
         if step < decay_start:
             return 1.0
         progress = (step - decay_start) / max(1, total_steps - decay_start)
         return 1.0 - (1.0 - floor) * min(1.0, progress)
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     if cfg.schedule == "linear":
         return 1.0 - (1.0 - floor) * progress
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -53,7 +53,7 @@ class PreemptionGuard:
         self._received_at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
 
-    def install(self) -> "PreemptionGuard":
+    def install(self) -> PreemptionGuard:
         """Catch the signals (main thread only; elsewhere Python cannot) and clear an old marker."""
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:

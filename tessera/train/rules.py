@@ -31,6 +31,19 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
     require(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32) (numpy and megatron seeds), got {t.seed}")
     require(t.max_nonfinite_skips >= 1, f"train.max_nonfinite_skips must be >= 1, got {t.max_nonfinite_skips}")
     require(t.hang_timeout_s >= 0, f"train.hang_timeout_s must be >= 0 (0 = no watchdog), got {t.hang_timeout_s}")
+    check_spike(t)
+
+
+def check_spike(t: TrainConfig) -> None:
+    """``train.on_spike``'s window and threshold (docs/fault-tolerance.md), and the elastic world."""
+    require(5 <= t.spike_window <= 100_000, f"train.spike_window must be in [5, 100000] steps, got {t.spike_window}")
+    require(
+        1.0 <= t.spike_threshold <= 100.0,
+        f"train.spike_threshold must be in [1, 100] (robust standard deviations; 6 is a good start), got "
+        f"{t.spike_threshold}",
+    )
+    require(t.max_rollbacks >= 1, f"train.max_rollbacks must be >= 1, got {t.max_rollbacks}")
+    require(t.elastic_world >= 0, f"train.elastic_world must be >= 0 (0 = not elastic), got {t.elastic_world}")
 
 
 def check_optim(o: OptimConfig, t: TrainConfig) -> None:
@@ -41,10 +54,6 @@ def check_optim(o: OptimConfig, t: TrainConfig) -> None:
         0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0, f"optim.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}"
     )
     require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
-    require(
-        o.warmup_steps <= t.steps,
-        f"optim.warmup_steps={o.warmup_steps} is longer than train.steps={t.steps}; shorten the warmup or train longer",
-    )
     require(0.0 < o.decay_fraction <= 1.0, f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
     require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
     require(o.eps > 0, f"optim.eps must be positive (AdamW divides by sqrt(v) + eps), got {o.eps}")
@@ -79,5 +88,15 @@ def check_output(config: JobConfig) -> None:
     require(c.every > 0, f"checkpoint.every must be positive, got {c.every}")
     require(c.every_minutes >= 0, f"checkpoint.every_minutes must be >= 0 (0 = off), got {c.every_minutes}")
     require(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
+    require(c.hf_every >= 0, f"checkpoint.hf_every must be >= 0 (0 = off), got {c.hf_every}")
     require(log.every > 0, f"log.every must be positive, got {log.every}")
+    require(
+        log.straggler_ratio == 0 or 1.0 < log.straggler_ratio <= 100.0,
+        f"log.straggler_ratio must be 0 (off) or in (1, 100], got {log.straggler_ratio}",
+    )
+    require(
+        config.train.on_spike != "rollback" or c.enabled,
+        "train.on_spike=rollback restores a checkpoint but checkpoint.enabled=false; enable checkpoints or set "
+        "train.on_spike=warn",
+    )
     require(log.peak_flops >= 0, f"log.peak_flops must be >= 0, got {log.peak_flops}")

@@ -19,14 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import ConfigError, JobConfig
+from tessera.data.tokenizer import copy_tokenizer_files
 from tessera.parallel.env import dist_env
-from tessera.train.lock import RunLock
 from tessera.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
     latest_checkpoint,
     read_meta,
 )
+from tessera.train.lock import RunLock
 from tessera.train.metrics import json_safe, read_metrics
 from tessera.train.preemption import PREEMPTION_MARKER
 
@@ -35,6 +36,7 @@ SUMMARY = "summary.json"
 # What a training run writes into its run directory (train.overwrite deletes exactly these).
 RUN_OUTPUTS = (
     CHECKPOINT_DIR,
+    "hf",  # checkpoint.hf_every's exports
     METRICS,
     SUMMARY,
     "config.toml",
@@ -46,7 +48,14 @@ RUN_OUTPUTS = (
 )
 # Keys a resumed run cannot change: the saved data position only means something for the same samples.
 FIXED_ON_RESUME = {"train.seq_len": "the sequence length", "train.seed": "the data order"}
-NOT_COMPARED = ("train.run_dir", "train.resume", "train.overwrite")
+NOT_COMPARED = ("train.run_dir", "train.resume", "train.overwrite", "train.init_from")
+
+
+def carry_run_files(source_dir: str | Path, out_dir: str | Path) -> list[Path]:
+    """Copy what a run derived from ``source_dir`` (a run or an HF directory) needs of it besides weights and
+    config, so ``generate``, ``hf-export`` and ``train`` work on the new run: every tokenizer file
+    (SentencePiece, HF fast tokenizer and its configs). Every derived-run writer calls this one function."""
+    return copy_tokenizer_files(source_dir, out_dir)
 
 
 def make_run_dir(run_dir: Path) -> None:
@@ -148,9 +157,18 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 
 
 def write_summary(
-    run_dir: Path, steps: int, seconds: float, final_loss: float | None, continued: bool, param_sumsq: Any = None
+    run_dir: Path,
+    steps: int,
+    seconds: float,
+    final_loss: float | None,
+    continued: bool,
+    param_sumsq: Any = None,
+    init_from: str = "",
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write summary.json; a run that continued an earlier one adds to its summary instead of replacing it."""
+    """Write summary.json; a run that continued an earlier one adds to its summary instead of replacing it.
+
+    ``extra``: more keys (spike rollbacks, goodput); a list continues the earlier session's list."""
     path = run_dir / SUMMARY
     previous: dict[str, Any] = {}
     if continued and path.is_file():
@@ -167,6 +185,11 @@ def write_summary(
         "final_loss": final_loss,
         "param_sumsq": param_sumsq,
     }
+    if init_from:  # train.init_from: where the run's first weights came from
+        summary["init_from"] = init_from
+    for key, value in (extra or {}).items():
+        earlier = previous.get(key)
+        summary[key] = earlier + value if isinstance(value, list) and isinstance(earlier, list) else value
     write_text_atomic(path, json.dumps(json_safe(summary), indent=1))
 
 

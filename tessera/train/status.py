@@ -3,26 +3,43 @@
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from tessera.errors import ConfigError
+from tessera.train.goodput import status_line as goodput_line
 from tessera.train.lock import Holder, _read_json, duration, run_holder
+from tessera.train.straggler_table import status_table as straggler_table
 
 
-def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl records, skipping a line that is still being written."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
+    """metrics.jsonl records: JSON objects with an integer ``step``, numeric losses. A line still being written,
+    torn by a crash, not UTF-8 or not a record is skipped: the file is the run's log, never a reason to fail."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace") if path.is_file() else ""
+    except OSError:
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
+        if _is_record(record):
+            records.append(record)
     return records
+
+
+def _is_record(record: Any) -> bool:
+    numbers = (int, float)
+    return (
+        isinstance(record, dict)
+        and type(record.get("step")) is int
+        and all(isinstance(record[k], numbers) for k in ("loss", "val_loss") if k in record)
+    )
 
 
 def _run_config(run_dir: Path) -> dict[str, Any]:
@@ -32,7 +49,9 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
             f"'{run_dir}' is not a tessera run directory (no config.toml); give train.run_dir of a run, e.g. runs/smoke"
         )
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"'{path}' is not UTF-8 text (byte {err.start}); restore the run's config.toml") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"'{path}' is not valid TOML: {err}") from None
 
@@ -66,6 +85,13 @@ def _state_line(run_dir: Path, holder: Holder | None, step: int, total: int) -> 
     return f"not running (stopped at step {step} of {total}); `tessera train {run_dir / 'config.toml'}` continues it"
 
 
+def _count(train: dict[str, Any], key: str, default: int, run_dir: Path) -> int:
+    value = train.get(key, default)
+    if type(value) is not int:
+        raise ConfigError(f"'{run_dir / 'config.toml'}': train.{key} must be an integer, got {value!r}; restore it")
+    return value
+
+
 def run_status(run_dir: str | Path) -> str:
     """The report ``tessera status`` prints; safe to call while the run is training."""
     run_dir = Path(run_dir)
@@ -73,8 +99,13 @@ def run_status(run_dir: str | Path) -> str:
     if holder is not None and not (run_dir / "config.toml").is_file():
         return f"{'run':<12} {run_dir}\n{'state':<12} starting (preparing data and model): {holder.describe()}"
     train = _run_config(run_dir).get("train", {})
-    total = int(train.get("steps", 0))
-    tokens_per_step = int(train.get("batch_size", 0)) * int(train.get("grad_accum", 1)) * int(train.get("seq_len", 0))
+    train = train if isinstance(train, dict) else {}
+    total = _count(train, "steps", 0, run_dir)
+    tokens_per_step = (
+        _count(train, "batch_size", 0, run_dir)
+        * _count(train, "grad_accum", 1, run_dir)
+        * _count(train, "seq_len", 0, run_dir)
+    )
     records = read_records(run_dir)
     trained = [r for r in records if "loss" in r]
     checkpoint = _latest_checkpoint(run_dir)
@@ -101,4 +132,6 @@ def run_status(run_dir: str | Path) -> str:
         speed = f"{per_step:.2f} s/step, {tokens_per_step / per_step:,.0f} tokens/s"
         eta = f"; ETA {duration(per_step * (total - step))}" if holder is not None and step < total else ""
         lines.append(("speed", speed + eta))
-    return "\n".join(f"{name:<12} {value}" for name, value in lines)
+    return "\n".join(
+        [f"{name:<12} {value}" for name, value in lines] + goodput_line(run_dir) + straggler_table(run_dir)
+    )

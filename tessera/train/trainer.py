@@ -6,17 +6,19 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tessera.config import ConfigError, JobConfig
+from tessera.config import ConfigError, JobConfig, eval_task_names
 from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
+from tessera.evaluate.loop import DownstreamEval
+from tessera.parallel.fp8 import check_fp8_device
 from tessera.plan.stages import describe_stages
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.async_checkpoint import build_checkpointer
@@ -24,19 +26,33 @@ from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_me
 from tessera.train.distill import Distillation, load_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
+from tessera.train.hf_every import HFExports
+from tessera.train.init_from import check_init_from, check_source, is_weights_only, open_source
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
-from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve
+from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve, read_metrics
 from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.mtp_loss import MTPLoss
-from tessera.train.optim import build_optimizer, build_scheduler, check_optimizer_unchanged, keep_config_hyperparameters
+from tessera.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    check_optimizer_unchanged,
+    keep_config_hyperparameters,
+    warmup_notice,
+)
 from tessera.train.preemption import PreemptionGuard
 from tessera.train.qk_clip import QKClip
 from tessera.train.save_schedule import SaveSchedule
+from tessera.train.elastic import resize as elastic_resize
+from tessera.train.faults import Faults
+from tessera.train.goodput import Goodput
+from tessera.train.spike import SpikeGuard
+from tessera.train.straggler import StragglerDetector, describe as describe_straggler
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
 from tessera.parallel.grads import clip_grads, global_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.parallel.activation import compile_enabled, use_inductor_cache
+from tessera.parallel.env import dist_env
 from tessera.parallel.init import shard_seeds
 from tessera.parallel.scaler import build_grad_scaler
 from tessera.train.distributed import add_replicated, local_value, scalar, setup_parallel, teardown_parallel
@@ -94,9 +110,13 @@ class Trainer:
     """Owns the model, optimizer, data and sinks of one run; ``fit()`` trains it."""
 
     def __init__(self, config: JobConfig) -> None:
+        config, self.elastic_banner = elastic_resize(config, dist_env().world_size)  # train.elastic_world
         self.config = config
+        self.goodput = Goodput(config.train.run_dir, False, time.time())  # enabled on rank 0 in _open_logger
         self.run_dir = Path(config.train.run_dir)
+        self.init_source = check_init_from(config)  # train.init_from: checked before any process group starts
         self.device = resolve_device(config.train.device)
+        check_fp8_device(config.train.fp8, self.device)
         self.dtype = DTYPES[config.train.dtype]
         self.parallel = setup_parallel(config, self.device)
         self.device = self.parallel.device
@@ -111,6 +131,7 @@ class Trainer:
     def _build(self, config: JobConfig) -> None:
         self.parallel.barrier()  # rank 0 has locked (and with train.overwrite, emptied) the run directory
         self.resume_from = resolve_resume(config)
+        self._weights_only_resume()
         self.data: DataBundle = self._build_data()
         self.model = self._build_model()
         self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
@@ -132,6 +153,7 @@ class Trainer:
                 "with collectives); set checkpoint.async=false"
             )
         self.checkpointer = build_checkpointer(self.run_dir, c.keep_last, self.parallel.is_main, c.async_save)
+        self.hf_exports = HFExports(self.run_dir, c.hf_every, self.parallel.is_main)  # checkpoint.hf_every
         self.save_schedule = SaveSchedule(c.every, c.every_minutes, config.train.steps, c.enabled, self.device)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
@@ -142,6 +164,25 @@ class Trainer:
             self.device, config.log.peak_flops, cache_dir(config.data.cache_dir), self.parallel.env.local_world_size
         )
         self.nonfinite = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
+        self.spikes = SpikeGuard.for_train(config.train)  # train.on_spike (train/spike.py)
+        self.faults = Faults.from_env()  # the resilience tests' injected faults; none unless $TESSERA_FAULTS
+        env = self.parallel.env
+        self.stragglers = StragglerDetector(
+            self.run_dir, config.log.straggler_ratio, config.log.every, env.rank, env.world_size, self.device
+        )
+        self.stragglers.attach(self.model, self.optimizer)  # per-rank phase times (train/straggler.py)
+        self.faults.attach(self.model, env.rank)
+        self.downstream = self._build_downstream()  # [eval] tasks, or None
+
+    def _weights_only_resume(self) -> None:
+        """A ``convert hf-import`` checkpoint holds weights only: start from it (or init_from) instead of resuming."""
+        if self.resume_from is None or not is_weights_only(read_meta(self.resume_from)):
+            return
+        cfg = self.config
+        cfg.train.init_from = cfg.train.init_from or str(self.resume_from)
+        self.init_source = open_source(cfg.train.init_from, cfg.model)
+        check_source(self.init_source, cfg.model)
+        self.resume_from = None
 
     def close(self) -> None:
         """Release the run directory (the end of :meth:`fit` does it; so does the end of the process)."""
@@ -166,7 +207,9 @@ class Trainer:
             mtp = MTPLoss(cfg.model.mtp_depth, cfg.train.mtp_loss_weight, lm_loss, cfg.train.label_smoothing)
         distill = None
         if cfg.train.distill.teacher:
-            teacher = load_teacher(cfg.train.distill.teacher, cfg.model.vocab_size, self.data.tokenizer.path, self.device)
+            teacher = load_teacher(
+                cfg.train.distill.teacher, cfg.model.vocab_size, self.data.tokenizer.path, self.device
+            )
             distill = Distillation(teacher, cfg.train.distill.temperature, cfg.train.distill.alpha, self._autocast)
         return mtp, distill
 
@@ -203,7 +246,18 @@ class Trainer:
                 root.to_empty(device=self.device)
             with torch.no_grad():
                 model.init_weights(shard_seeds(cfg.train.seed))
-        return model.to(self.device)
+        model = model.to(self.device)
+        if self.init_source is not None and self.resume_from is None:
+            self.init_source.load_into(model)  # each rank reads the blocks of the tensors it holds
+        return model
+
+    def _build_downstream(self) -> DownstreamEval | None:
+        """The ``[eval]`` downstream tasks over the live model (None when no task is named)."""
+        if not eval_task_names(self.config.eval):
+            return None
+        dp = (self.parallel.dp_rank, self.parallel.dp_size, self.parallel.sum_over_dp)
+        cache = cache_dir(self.config.data.cache_dir)
+        return DownstreamEval(self.config, self.model, self.data.tokenizer, self.device, dp, cache, self._autocast)
 
     def _write_run_files(self) -> None:
         write_text_atomic(self.run_dir / "config.toml", resolved_config_text(self.config))
@@ -250,13 +304,18 @@ class Trainer:
         return describe_changes(changes, path)
 
     def save(self) -> Path:
-        """Checkpoint the current step."""
+        """Checkpoint the current step (the loop's stall counts against goodput)."""
+        with self.goodput.timed("checkpoint"):
+            return self._save()
+
+    def _save(self) -> Path:
         extra = {
             "scheduler": self.scheduler.state_dict(),
             "loader": self.data.train.state_dict(),
             "model": self.config.to_dict()["model"],
             "config": self.config.to_dict(),
         }
+        self.hf_exports.wait()  # the save's pruning must not delete a checkpoint an HF export still reads
         if self.engine is not None:
             return self.engine.save(self.checkpointer, self.step, extra)
         return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
@@ -317,7 +376,10 @@ class Trainer:
 
     def _micro_batch(self) -> MicroBatch:
         """The next micro-batch through the objective (on the host: no device syncs), then on the device."""
-        parts = self.parallel.split_batch(*self.objective(self.data.train.next_batch()))  # cp: this rank's slice
+        loader = self.data.train  # a fault belongs to the data: the step an uninterrupted run reads it at
+        at_step = loader.consumed // (loader.global_batch * self.config.train.grad_accum) + 1
+        batch = self.faults.corrupt(at_step, loader.next_batch(), self.config.model.vocab_size)
+        parts = self.parallel.split_batch(*self.objective(batch))  # cp: this rank's slice
         return on_device(parts, self.device)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
@@ -380,6 +442,7 @@ class Trainer:
         self.nonfinite.allows_update(self.step + 1, loss, 0.0, lr)
         grad_norm = self.engine.step()
         self.nonfinite.allows_update(self.step + 1, loss, grad_norm, lr)
+        self.spikes.judge(self.step + 1, loss, grad_norm)  # a rollback restores the checkpoint over the update
         moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe}
 
@@ -387,7 +450,7 @@ class Trainer:
         """Clip and apply the step's update unless ``train.on_nonfinite`` forbids it (host floats: no sync)."""
         # With fp16 the grad scaler itself skips steps whose gradients overflowed; only the loss is judged.
         norm = 0.0 if self.scaler.is_enabled() else grad_norm
-        if self.nonfinite.allows_update(self.step + 1, loss, norm, lr):
+        if self.nonfinite.allows_update(self.step + 1, loss, norm, lr) and self.spikes.judge(self.step + 1, loss, norm):
             clip_grads(self.model.parameters(), self.config.optim.grad_clip, grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -455,6 +518,7 @@ class Trainer:
             changes = self.restore(self.resume_from) if self.resume_from is not None else ""
             logger = self._open_logger()
             logger.print(self._banner())
+            self._announce(self.elastic_banner)  # train.elastic_world: one line whatever log.progress says
             if changes:
                 logger.print(changes)
             result = TrainResult(self.run_dir, self.config.train.steps)
@@ -468,6 +532,7 @@ class Trainer:
             finally:
                 try:
                     self.checkpointer.wait()  # checkpoint.async: the last save is complete before the run ends
+                    self.hf_exports.wait()  # checkpoint.hf_every: so is the last HF export
                 finally:  # a failed background write raises: the signal handlers still go back
                     preemption.uninstall()
                     logger.close()
@@ -482,6 +547,8 @@ class Trainer:
         cfg = self.config
         if self.parallel.is_main:
             self._write_run_files()
+            self.goodput.enabled = True
+            self.goodput.begin(self.step, read_metrics(self.run_dir))  # the earlier session's records, untruncated
             truncate_metrics(self.run_dir, self.step)
         return MetricsLogger.for_job(cfg, enabled=self.parallel.is_main)
 
@@ -496,7 +563,7 @@ class Trainer:
 
     def _announce(self, message: str) -> None:
         """A line the user must see whatever ``log.progress`` says (rank 0)."""
-        if self.parallel.is_main:
+        if self.parallel.is_main and message:
             print(message, flush=True)
 
     def _loop(
@@ -506,26 +573,37 @@ class Trainer:
         cfg = self.config
         window = StepWindow(self.flops_per_token, self.peak * self.parallel.env.world_size)
         if self.step == 0 and self.data.val is not None and len(self.data.val) > 0:
-            result.val_losses[0] = self._log_eval(logger, {"step": 0})
+            result.val_losses[0] = self._log_eval(logger, {"step": 0}, tasks=self.config.eval.every > 0)
         self.model.train()
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
+            self.faults.maybe_hang(self.parallel.env.rank, self.step + 1)
+            self.stragglers.start_step()
             metrics = self.train_step()
+            if self._handle_spike(logger, result, window):
+                continue  # rolled back to a checkpoint: self.step is its step
             self.step += 1
             watchdog.kick(self.step)
+            self._check_stragglers(logger)
             window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
+            self.goodput.step(self.step, time.perf_counter() - t0)
             self._note_compile(logger, time.perf_counter() - t0)
             result.losses.append(metrics["loss"])
+            tasks = self.downstream is not None and self.downstream.due(self.step)
             if self._should_eval():  # logged records hold the logging window's means (StepWindow)
-                result.val_losses[self.step] = self._log_eval(logger, self._record(window))
+                result.val_losses[self.step] = self._log_eval(logger, self._record(window), tasks)
+                watchdog.kick(self.step)
+            elif tasks:
+                logger.log({**self._record(window), **self.downstream.run()})
                 watchdog.kick(self.step)
             elif self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
                 logger.log(self._record(window))
             if line := self.data.log_blend_phase(self.step, self.run_dir if self.parallel.is_main else None):
                 logger.print(line)  # data.blend_schedule: the realized mix of the phase that just ended
             saved = self._should_save()
-            if saved:
-                self.save()
+            if saved or self.hf_exports.due(self.step):
+                self._save_and_export()
+                saved = True
                 watchdog.kick(self.step)
             if self.step < cfg.train.steps and preemption.stop_requested(self.device):
                 if not saved:
@@ -535,6 +613,55 @@ class Trainer:
                 self._announce(preemption.record(self.step, checkpoint))
                 result.preempted = preemption.reason
                 return
+
+    def _check_stragglers(self, logger: MetricsLogger) -> None:
+        """At the end of a logging window: compare the ranks' phase times (a collective), log a new straggler;
+        refresh the goodput file."""
+        every, steps = self.config.log.every, self.config.train.steps
+        record = self.stragglers.end_step(self.step, self.step % every == 0 or self.step == steps)
+        if record is not None:
+            logger.log(record)
+            logger.print(describe_straggler(record["straggler"]))
+        if self.step % every == 0:
+            self.goodput.write()  # RUN/goodput.json for tessera status
+
+    def _handle_spike(self, logger: MetricsLogger, result: TrainResult, window: StepWindow) -> bool:
+        """Log this step's spike (``train.on_spike``); on rollback restore the newest checkpoint, keep the data
+        position after the spiking batch (skipping the batches since the checkpoint) and return True."""
+        for spike in self.spikes.take_new():
+            logger.log({"step": spike.step, "spike": asdict(spike)})
+            logger.print(f"spike: {spike.describe()} (train.on_spike=warn: trained on)")
+        if self.spikes.pending is None:
+            return False
+        spike = self.spikes.pending
+        self.checkpointer.wait()
+        target = latest_checkpoint(self.run_dir)
+        if target is None:
+            logger.log(self.spikes.no_checkpoint())
+            logger.print(f"spike: no checkpoint before step {spike.step} to roll back to; its update was dropped")
+            return False
+        position = self.data.train.state_dict()
+        with self.goodput.timed("rollback"):
+            self.restore(target)
+        self.goodput.discard(self.step)
+        skipped = (self.data.train.state_dict()["consumed"], position["consumed"])
+        self.data.train.load_state_dict(position)
+        logger.log(self.spikes.rolled_back(self.step, skipped))
+        window.flush()  # the steps since the checkpoint are trained again
+        del result.losses[max(0, len(result.losses) - (spike.step - 1 - self.step)) :]
+        logger.print(
+            f"spike: rolled back to {target} (step {self.step}); skipped samples {skipped[0]}..{skipped[1]} "
+            f"of the data stream ({spike.step - self.step} batches, the spiking one included)"
+        )
+        return True
+
+    def _save_and_export(self) -> None:
+        """This step's checkpoint and, when ``checkpoint.hf_every`` is due, its HF export started in the background."""
+        path = self.save()
+        if not self.hf_exports.due(self.step):
+            return
+        self.checkpointer.wait()  # checkpoint.async: the export reads the complete checkpoint
+        self.hf_exports.start(path if path is not None else latest_checkpoint(self.run_dir), self.step)
 
     def _note_compile(self, logger: MetricsLogger, seconds: float) -> None:
         """With compiled blocks, print once the first step's extra seconds over the second: its compile time."""
@@ -556,9 +683,11 @@ class Trainer:
             record["skipped_steps"] = self.nonfinite.skipped
         return record
 
-    def _log_eval(self, logger: MetricsLogger, record: dict[str, Any]) -> float:
-        val = self.evaluate()
-        logger.log({**record, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+    def _log_eval(self, logger: MetricsLogger, record: dict[str, Any], tasks: bool = False) -> float:
+        with self.goodput.timed("eval"):
+            val = self.evaluate()
+            scores = self.downstream.run() if tasks and self.downstream is not None else {}
+        logger.log({**record, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **scores})
         return val
 
     def _banner(self) -> str:
@@ -578,8 +707,19 @@ class Trainer:
             f"tessera: {self.threads.describe()}, {peak} ({self.peak_source})",
         ]
         extra = [busy_hint(self.threads.threads) if self.device.type == "cpu" else "", realized_mix(self.data.train)]
+        extra += [warmup_notice(self.config.optim, self.config.train.steps), self.data.notice]
         extra.append(describe_stages(self.config) if self.pipeline is not None else "")
+        extra.append(self._init_line())
         return "\n".join(lines + [f"tessera: {line}" for line in extra if line])
+
+    def _init_line(self) -> str:
+        """Where the weights came from (train.init_from), or why init_from is not used."""
+        init_from = self.config.train.init_from
+        if init_from and self.resume_from is not None:
+            return f"train.init_from={init_from} ignored: the run resumes from its own checkpoint {self.resume_from}"
+        if self.init_source is None:
+            return ""
+        return f"weights from {self.init_source.describe()}; optimizer, schedule, data position and step start fresh"
 
     def _finish(self, result: TrainResult, logger: MetricsLogger) -> None:
         cfg = self.config
@@ -604,7 +744,18 @@ class Trainer:
             return
         final_loss = result.losses[-1] if result.losses else None
         # param_sumsq: per tensor, layout-independent: the parity tests' final check
-        write_summary(self.run_dir, self.step, result.seconds, final_loss, self.resume_from is not None, param_sumsq)
+        self.goodput.write()
+        extra = {"spikes": self.spikes.events, "goodput": self.goodput.totals()}
+        write_summary(
+            self.run_dir,
+            self.step,
+            result.seconds,
+            final_loss,
+            self.resume_from is not None,
+            param_sumsq,
+            init_from=cfg.train.init_from,
+            extra=extra,
+        )
         vals = list(result.val_losses.values())
         trend = f"val loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
         logger.print(f"done: step {self.step} in {result.seconds:.1f}s {trend}; outputs in {self.run_dir}")

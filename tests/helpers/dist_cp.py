@@ -74,7 +74,8 @@ def run_case(mesh, method: str, documents: bool, model_kw: dict, bug: str = "") 
     if bug == "local_expert_counts":
         for module in cp.modules():
             if hasattr(module, "token_group"):
-                module.token_group = type(module.token_group)(mesh.size(), lambda t: t * mesh.size())
+                local = type(module.token_group)(mesh.size(), lambda t: t * mesh.size())
+                module.token_group = module.batch_group = local  # both scopes' groups count local tokens only
     local_sum, aux = _loss_sum(cp, x, y, m, kw)
     scale = 1.0 if bug == "local_mean" else loss_scale(y, m, mesh)  # cp * local / global tokens
     loss = local_sum / m.sum() * scale + aux  # MoE losses: already cp x this rank's share

@@ -32,8 +32,13 @@ VARIANTS = {
     "switch_capacity": {"moe_top_k": 1, "moe_capacity_factor": 1.0, "moe_router": "softmax_topk"},
     "shared_gate": {"moe_shared_experts": 1, "moe_shared_gate": True, "moe_z_loss_coef": 0.01},
     "deepseek_v3": {
-        "moe_router": "sigmoid", "moe_groups": 4, "moe_topk_groups": 2, "moe_top_k": 3, "moe_bias_update_rate": 0.01,
-        "moe_route_scale": 2.5, "moe_aux_loss_scope": "sequence",
+        "moe_router": "sigmoid",
+        "moe_groups": 4,
+        "moe_topk_groups": 2,
+        "moe_top_k": 3,
+        "moe_bias_update_rate": 0.01,
+        "moe_route_scale": 2.5,
+        "moe_aux_loss_scope": "sequence",
     },
 }
 B, T, DIM = 2, 8, 32

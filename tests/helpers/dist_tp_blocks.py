@@ -49,12 +49,18 @@ def check(cfg: ModelConfig, sp: bool, mesh) -> None:
         F.cross_entropy(tp(tokens).flatten(0, 1), labels.flatten()).backward()
     where = f"moe={cfg.moe.experts} sp={sp}"
     for name in ref_out:
-        torch.testing.assert_close(tp_out[name], ref_out[name], atol=ATOL, rtol=RTOL, msg=lambda m: f"{where} block {name} output: {m}")
+        torch.testing.assert_close(
+            tp_out[name], ref_out[name], atol=ATOL, rtol=RTOL, msg=lambda m: f"{where} block {name} output: {m}"
+        )
     tp_params = dict(tp.named_parameters())
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(_full(tp_params[name].grad), p.grad, atol=ATOL, rtol=RTOL, msg=lambda m: f"{where} grad {name}: {m}")
+        torch.testing.assert_close(
+            _full(tp_params[name].grad), p.grad, atol=ATOL, rtol=RTOL, msg=lambda m: f"{where} grad {name}: {m}"
+        )
     sharded = sum(isinstance(p, DTensor) and p.placements[0].is_shard() for p in tp.parameters())
-    assert sharded >= 4 * cfg.n_layers // (2 if cfg.moe.experts else 1), f"{where}: only {sharded} parameters are sharded"
+    assert sharded >= 4 * cfg.n_layers // (2 if cfg.moe.experts else 1), (
+        f"{where}: only {sharded} parameters are sharded"
+    )
 
 
 def check_collectives(mesh) -> None:
@@ -64,7 +70,9 @@ def check_collectives(mesh) -> None:
     expected = {False: {"all_reduce": 2}, True: {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}}
     for sp in (False, True):
         torch.manual_seed(0)
-        model = build_model(model_config(vocab_size=256, dim=64, n_layers=1, n_heads=4, max_seq_len=32, tie_embeddings=False))
+        model = build_model(
+            model_config(vocab_size=256, dim=64, n_layers=1, n_heads=4, max_seq_len=32, tie_embeddings=False)
+        )
         apply_tensor_parallel(model, mesh, sp)
         x = torch.randn(2, 16, 64)
         if sp:
@@ -84,8 +92,20 @@ def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     try:
-        dense = model_config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, tie_embeddings=False)
-        moe = model_config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, moe_experts=4, moe_top_k=2, tie_embeddings=False)
+        dense = model_config(
+            vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, tie_embeddings=False
+        )
+        moe = model_config(
+            vocab_size=256,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            max_seq_len=32,
+            moe_experts=4,
+            moe_top_k=2,
+            tie_embeddings=False,
+        )
         for cfg in (dense, moe):
             for sp in (False, True):
                 check(cfg, sp, mesh)

@@ -50,7 +50,14 @@ DOCS = ["data.document_mask=true", "data.mask_eod_loss=true"]
 RING = ["parallel.cp_method=ring"]
 
 # MoE: top-2 with load-balancing and z losses; DeepSeek routing (sigmoid, per-sequence aux, aux-free bias).
-MOE = ["model.moe.experts=4", "model.moe.ffn_hidden=64", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=0.01"]
+# The per-rank balance loss ("micro"): dp2 references accumulate the ranks' halves (global: tests/integration).
+MOE = [
+    "model.moe.experts=4",
+    "model.moe.ffn_hidden=64",
+    "model.moe.aux_loss_coef=0.1",
+    "model.moe.z_loss_coef=0.01",
+    "model.moe.aux_loss_scope=micro",
+]
 DEEPSEEK = [
     *MOE[:3],
     "model.moe.router=sigmoid",

@@ -41,7 +41,9 @@ def test_missing_dataset_file(tmp_path):
 def test_empty_corpus(tmp_path, cache_dir):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("  \n")
-    result = run_cli("prepare", str(tmp_path / "empty"), "--output", str(tmp_path / "out"), env={"TESSERA_CACHE": str(cache_dir)})
+    result = run_cli(
+        "prepare", str(tmp_path / "empty"), "--output", str(tmp_path / "out"), env={"TESSERA_CACHE": str(cache_dir)}
+    )
     _fails_with(result, f"'{tmp_path / 'empty'}' has no non-empty text documents")
     assert not (tmp_path / "out.bin").exists()
 
@@ -64,11 +66,23 @@ def test_token_dtype_too_small_for_the_vocab(tmp_path, small_tokenizer):
     narrow = tmp_path / "narrow"
     write_megatron_dataset(narrow, 50, 10, 250, dtype=np.uint8)  # 256 ids; the tokenizer has 300
     run = tmp_path / "run"
-    result = run_cli("train", "configs/smoke.toml", f"data.blend={narrow}", f"data.tokenizer={small_tokenizer}", f"train.run_dir={run}")
+    result = run_cli(
+        "train",
+        "configs/smoke.toml",
+        f"data.blend={narrow}",
+        f"data.tokenizer={small_tokenizer}",
+        f"train.run_dir={run}",
+    )
     _fails_with(result, f"'{narrow}.bin' stores tokens as uint8", "tokenizer has 300 tokens")
     assert not (run / "metrics.jsonl").exists()
 
 
 def test_unparseable_blend_weights(good, tmp_path, small_tokenizer):
-    result = run_cli("train", "configs/smoke.toml", f"data.blend=x0.7 {good} 0.3 {good}", f"data.tokenizer={small_tokenizer}", f"train.run_dir={tmp_path / 'run'}")
+    result = run_cli(
+        "train",
+        "configs/smoke.toml",
+        f"data.blend=x0.7 {good} 0.3 {good}",
+        f"data.tokenizer={small_tokenizer}",
+        f"train.run_dir={tmp_path / 'run'}",
+    )
     _fails_with(result, f"weight 'x0.7' for '{good}' is not a number")

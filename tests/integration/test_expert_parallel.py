@@ -27,20 +27,37 @@ from tessera.train.trainer import train
 
 STEPS = 5
 BASE = [
-    f"train.steps={STEPS}", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0",
-    "checkpoint.enabled=false", "model.tie_embeddings=false", "model.moe.experts=4", "model.moe.top_k=2",
-    "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001",
+    f"train.steps={STEPS}",
+    "train.batch_size=8",
+    "log.every=1",
+    "optim.schedule=constant",
+    "train.eval_every=0",
+    "checkpoint.enabled=false",
+    "model.tie_embeddings=false",
+    "model.moe.experts=4",
+    "model.moe.top_k=2",
+    "model.moe.aux_loss_coef=0.01",
+    "model.moe.z_loss_coef=0.001",
+    "model.moe.aux_loss_scope=micro",
+    "model.moe.capacity_scope=micro",  # per-rank balance and capacity; the global scope: tests/integration
 ]
 MOE = {
     "top2": [],
     "switch_capacity": ["model.moe.top_k=1", "model.moe.router=softmax_topk", "model.moe.capacity_factor=1.0"],
     "deepseek": [  # sigmoid scores, group-limited top-k, aux-free bias, per-sequence aux loss, gated shared expert
-        "model.moe.router=sigmoid", "model.moe.groups=2", "model.moe.topk_groups=1", "model.moe.bias_update_rate=0.01",
-        "model.moe.aux_loss_scope=sequence", "model.moe.route_scale=2.0", "model.moe.shared_experts=1",
+        "model.moe.router=sigmoid",
+        "model.moe.groups=2",
+        "model.moe.topk_groups=1",
+        "model.moe.bias_update_rate=0.01",
+        "model.moe.aux_loss_scope=sequence",
+        "model.moe.route_scale=2.0",
+        "model.moe.shared_experts=1",
         "model.moe.shared_gate=true",
     ],
     "t5": [  # an encoder-decoder: both stacks' MoE layers
-        "model.arch=encoder_decoder", "model.objective=span_corruption", "model.vocab_size=520",
+        "model.arch=encoder_decoder",
+        "model.objective=span_corruption",
+        "model.vocab_size=520",
         "model.sentinel_tokens=8",
     ],
 }
@@ -55,7 +72,10 @@ WORLD4 = {
     "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
     "ep2_efsdp2": ["parallel.dp_shard=4", "parallel.ep=2"],
     "ep2_hsdp": [
-        "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpoint=full",
+        "parallel.dp_replicate=2",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "parallel.activation_checkpoint=full",
     ],
     "pp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.microbatches=2"],
     "ep4_tp2_fsdp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4", "parallel.sequence_parallel=false"],
@@ -74,7 +94,10 @@ REFERENCE_OF = {
 }
 # Resharding: no aux losses and no dropping, so the losses do not depend on how the batch is split.
 RESHARD = [
-    "train.steps=8", "checkpoint.enabled=true", "checkpoint.every=4", "model.moe.aux_loss_coef=0",
+    "train.steps=8",
+    "checkpoint.enabled=true",
+    "checkpoint.every=4",
+    "model.moe.aux_loss_coef=0",
     "model.moe.z_loss_coef=0",
 ]
 

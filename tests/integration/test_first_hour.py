@@ -413,10 +413,10 @@ def test_config_keys_lists_every_key_and_each_is_a_real_override():
     assert not undocumented, f"keys without a comment in tessera/config.py: {undocumented}"
 
 
-def test_the_readme_example_of_config_keys_is_the_real_output():
+def test_the_docs_example_of_config_keys_is_the_real_output():
     from tessera.config.docs import keys_table
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "configuration.md").read_text()
     shown = re.search(r"\$ tessera config keys (\S+)\n(.*?)\n```", readme, re.S)
     assert shown is not None and shown.group(2) == keys_table(shown.group(1))
 

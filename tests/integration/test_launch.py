@@ -22,7 +22,6 @@ from tessera.launcher.common import LaunchError, check_world_size, parse_endpoin
 from tessera.launcher.torchrun import accelerate_command, accelerate_config, make_spec, torchrun_command
 
 
-
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as s:
@@ -54,14 +53,26 @@ def test_standalone_command_runs_tessera_train_with_overrides():
 def test_multinode_c10d_and_static_commands():
     c10d = torchrun_command(make_spec(2, 8, "node001:29400", max_restarts=3, run_dir="runs/x y"), "c.toml", [])
     assert "--standalone" not in c10d
-    assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node001:29400", "--rdzv-id=tessera-x-y", "--max-restarts=3"} <= set(c10d)
+    assert {
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node001:29400",
+        "--rdzv-id=tessera-x-y",
+        "--max-restarts=3",
+    } <= set(c10d)
     static = torchrun_command(make_spec(2, 8, "10.0.0.1:29500", "static", node_rank=1), "c.toml", [])
     assert {"--node-rank=1", "--rdzv-backend=static", "--master-addr=10.0.0.1", "--master-port=29500"} <= set(static)
 
 
 @pytest.mark.parametrize(
     "text, fragment",
-    [("node001", "does not parse"), (":29400", "does not parse"), ("host:port", "has port 'port'"), ("host:70000", "has port '70000'"), ("bad host:1", "does not parse")],
+    [
+        ("node001", "does not parse"),
+        (":29400", "does not parse"),
+        ("host:port", "has port 'port'"),
+        ("host:70000", "has port '70000'"),
+        ("bad host:1", "does not parse"),
+    ],
 )
 def test_bad_endpoints_are_rejected(text, fragment):
     with pytest.raises(LaunchError, match=fragment):
@@ -94,7 +105,9 @@ def test_world_size_must_fit_the_parallel_degrees(tiny_config):
         check_world_size(tiny_config("parallel.dp_shard=2"), 2, 2)
     with pytest.raises(LaunchError, match="not divisible"):
         check_world_size(tiny_config("parallel.dp_replicate=2", "parallel.dp_shard=-1"), 1, 3)
-    with pytest.raises(LaunchError, match=r"train.batch_size=4 \(global\) is not divisible by the data-parallel degree 8"):
+    with pytest.raises(
+        LaunchError, match=r"train.batch_size=4 \(global\) is not divisible by the data-parallel degree 8"
+    ):
         check_world_size(tiny_config(), 2, 4)
 
 
@@ -102,7 +115,10 @@ def test_cli_errors_are_one_line_and_exit_2(tiny_config, tmp_path, capsys):
     config = write_config(tiny_config, tmp_path / "job.toml", "parallel.dp_shard=2")
     cases = [
         (["--nproc-per-node", "3"], "do not fit the config"),
-        (["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-endpoint", "127.0.0.1:29400", "parallel.dp_shard=-1"], "train.batch_size=4 (global) is not divisible"),
+        (
+            ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-endpoint", "127.0.0.1:29400", "parallel.dp_shard=-1"],
+            "train.batch_size=4 (global) is not divisible",
+        ),
         (["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "nohost"], "does not parse"),
     ]
     for flags, fragment in cases:
@@ -115,7 +131,22 @@ def test_dry_run_prints_the_validated_command(tiny_config, tmp_path, capsys):
     config = write_config(tiny_config, tmp_path / "job.toml")
     assert main(["launch", str(config), "--nproc-per-node", "2", "--train.steps", "3", "--dry-run"]) == 0
     printed = shlex.split(capsys.readouterr().out.strip())
-    assert printed == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "-m", "tessera", "train", str(config), "--train.steps", "3"]
+    assert printed == [
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        "-m",
+        "tessera",
+        "train",
+        str(config),
+        "--train.steps",
+        "3",
+    ]
     assert main(["launch", str(config), "--train.stepz", "3", "--dry-run"]) == 2
     assert "unknown config key 'train.stepz'" in capsys.readouterr().err
 
@@ -124,13 +155,41 @@ def test_accelerate_config_is_what_accelerate_reads(tiny_config, tmp_path, capsy
     from accelerate.commands.config.config_args import load_config_from_file
 
     config = write_config(tiny_config, tmp_path / "job.toml")
-    assert main(["launch", str(config), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29411", "--via", "accelerate", "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "launch",
+                str(config),
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-endpoint",
+                "127.0.0.1:29411",
+                "--via",
+                "accelerate",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     yaml_path = tmp_path / "job" / "accelerate.yaml"
     loaded = load_config_from_file(str(yaml_path))
-    assert (loaded.num_machines, loaded.num_processes, loaded.main_process_ip, loaded.main_process_port) == (2, 4, "127.0.0.1", 29411)
+    assert (loaded.num_machines, loaded.num_processes, loaded.main_process_ip, loaded.main_process_port) == (
+        2,
+        4,
+        "127.0.0.1",
+        29411,
+    )
     assert (loaded.rdzv_backend, loaded.same_network, loaded.distributed_type.value) == ("c10d", False, "MULTI_GPU")
     printed = shlex.split(capsys.readouterr().out.splitlines()[-1])
-    assert printed[:5] == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "accelerate.commands.launch", f"--config_file={yaml_path}"]
+    assert printed[:5] == [
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        f"--config_file={yaml_path}",
+    ]
     assert printed[-4:] == ["-m", "tessera", "train", str(config)]
 
 
@@ -141,7 +200,17 @@ def test_accelerate_single_node_uses_a_free_port():
     text = accelerate_config(spec, JobConfig())
     assert "num_processes: 2" in text and "main_process_port: 0" in text and "rdzv_backend: static" in text
     assert accelerate_command(spec, "a.yaml", "c.toml", ["x.y=1"]) == [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file=a.yaml", "--max_restarts=0", "-m", "tessera", "train", "c.toml", "x.y=1"]
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file=a.yaml",
+        "--max_restarts=0",
+        "-m",
+        "tessera",
+        "train",
+        "c.toml",
+        "x.y=1",
+    ]
 
 
 # ---------------------------------------------------------------- real multi-process runs
@@ -164,7 +233,11 @@ def four_process_losses(tmp_path_factory, cache_dir: Path) -> list[tuple[int, fl
     if "losses" not in _REFERENCE:
         root = tmp_path_factory.mktemp("reference")
         recipe = root / "job.toml"
-        recipe.write_text(load_config(None, [*TINY_OVERRIDES, f"train.run_dir={root / 'job'}", f"data.cache_dir={cache_dir}", *JOB_OVERRIDES]).to_toml())
+        recipe.write_text(
+            load_config(
+                None, [*TINY_OVERRIDES, f"train.run_dir={root / 'job'}", f"data.cache_dir={cache_dir}", *JOB_OVERRIDES]
+            ).to_toml()
+        )
         done = run_cli("launch", str(recipe), "--nproc-per-node", "4", env=NO_LAUNCHERS_ON_PATH)
         assert done.returncode == 0, done.stderr[-3000:]
         _REFERENCE["losses"] = losses(root / "job")
@@ -201,11 +274,26 @@ def stop_agents(agents: list[subprocess.Popen]) -> None:
 
 
 @pytest.mark.slow
-def test_two_agents_on_localhost_train_together_and_restart_after_a_killed_worker(tiny_config, tmp_path, four_process_reference):
+def test_two_agents_on_localhost_train_together_and_restart_after_a_killed_worker(
+    tiny_config, tmp_path, four_process_reference
+):
     recipe = write_config(tiny_config, tmp_path / "job.toml", *JOB_OVERRIDES)
     run_dir = tmp_path / "job"
-    cmd = [sys.executable, "-m", "tessera", "launch", str(recipe), "--nnodes", "2", "--nproc-per-node", "2",
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tessera",
+        "launch",
+        str(recipe),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--max-restarts",
+        "1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **NO_LAUNCHERS_ON_PATH}
     logs = [tmp_path / f"agent{i}.log" for i in range(2)]
     agents = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT) for log in logs]
@@ -224,4 +312,3 @@ def test_two_agents_on_localhost_train_together_and_restart_after_a_killed_worke
     assert codes == [0, 0], output[0][-3000:] + output[1][-3000:]
     assert "exitcode: -9" in output[0], "torchrun should report the killed worker before restarting the group"
     assert losses(run_dir) == four_process_reference  # bitwise: the restarted group resumed from a checkpoint
-

@@ -34,7 +34,7 @@ BASE = [
     "model.tie_embeddings=false",
     *MUON,
 ]
-MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01"]
+MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01", "model.moe.aux_loss_scope=micro"]
 FSDP2, TP2, PP2, DDP2 = (
     ["parallel.dp_shard=2"],
     ["parallel.dp_shard=1", "parallel.tp=2"],

@@ -19,8 +19,21 @@ from tessera.train.trainer import train
 from helpers.runs import assert_runs_match, torchrun, write_tiny_recipe
 
 STEPS = 5
-BASE = [f"train.steps={STEPS}", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0", "checkpoint.enabled=false"]
-MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001"]
+BASE = [
+    f"train.steps={STEPS}",
+    "train.batch_size=8",
+    "log.every=1",
+    "optim.schedule=constant",
+    "train.eval_every=0",
+    "checkpoint.enabled=false",
+]
+MOE = [  # the per-rank ("micro") scope; the global scope: tests/integration/test_moe_global_parity.py
+    "model.moe.experts=4",
+    "model.moe.top_k=2",
+    "model.moe.aux_loss_coef=0.01",
+    "model.moe.z_loss_coef=0.001",
+    "model.moe.aux_loss_scope=micro",
+]
 
 # name -> (processes, parallel overrides, data-parallel degree, activation checkpointing mode when on)
 LAYOUTS = {
@@ -64,4 +77,9 @@ def test_layout_matches_single_process(name, base_recipe, references, tmp_path):
     }
     torchrun(nproc, "tests/helpers/dist_variants.py", str(base_recipe), str(tmp_path), json.dumps(variants))
     for variant in ("dense", "dense_ac", "moe", "moe_ac"):
-        assert assert_runs_match(tmp_path / variant, references[variant.split("_")[0] if variant.startswith("dense") else f"moe{dp}"]) == STEPS
+        assert (
+            assert_runs_match(
+                tmp_path / variant, references[variant.split("_")[0] if variant.startswith("dense") else f"moe{dp}"]
+            )
+            == STEPS
+        )

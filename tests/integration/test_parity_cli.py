@@ -24,8 +24,8 @@ def test_parity_command_passes_a_true_layout_and_fails_one_that_differs(tmp_path
     assert same.returncode == 0, same.stderr[-2000:]
     assert "grad norm" in same.stdout and "activation_checkpoint=full: max rel diff" in same.stdout
     assert "(ok," in same.stdout
-    # MoE's load-balancing loss is computed per rank, so two data-parallel ranks truly differ from one.
-    moe = ["model.moe.experts=4", "model.moe.aux_loss_coef=0.5"]
+    # MoE's per-rank ("micro") load-balancing loss: two data-parallel ranks truly differ from one.
+    moe = ["model.moe.experts=4", "model.moe.aux_loss_coef=0.5", "model.moe.aux_loss_scope=micro"]
     differs = run_cli("parity", str(recipe), "--layouts", "single", "dp_shard=2", *moe, "--steps", "3")
     assert differs.returncode == 1, differs.stderr[-2000:]
     assert "MISMATCH" in differs.stdout

@@ -37,7 +37,10 @@ def _assert_close_but_not_equal(run, ref, loss_tol: float, gnorm_tol: float) -> 
 
 
 def test_bf16_and_fp16_autocast_track_fp32_and_differ_from_it(tiny_config, tmp_path):
-    runs = {dt: train(tiny_config(*QUICK, f"train.dtype={dt}", run_dir=tmp_path / dt)).run_dir for dt in ("fp32", "bf16", "fp16")}
+    runs = {
+        dt: train(tiny_config(*QUICK, f"train.dtype={dt}", run_dir=tmp_path / dt)).run_dir
+        for dt in ("fp32", "bf16", "fp16")
+    }
     for dt, (loss_tol, gnorm_tol) in {"bf16": (1e-4, 5e-3), "fp16": (1e-4, 1e-3)}.items():
         _assert_close_but_not_equal(runs[dt], runs["fp32"], loss_tol, gnorm_tol)
         assert _max_rel(runs[dt], runs["fp32"], "grad_norm") > 1e-7, f"{dt} equals fp32: autocast was not in effect"
@@ -49,7 +52,9 @@ def test_fp16_grad_scaler_skips_an_overflowing_step_and_backs_off(tiny_config, t
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     metrics = trainer.train_step()
     assert not torch.isfinite(torch.tensor(metrics["grad_norm"]))
-    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters()), "an overflowing step updated weights"
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters()), (
+        "an overflowing step updated weights"
+    )
     assert trainer.scaler.get_scale() == 2.0**99  # backoff factor 0.5
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     assert torch.isfinite(torch.tensor(trainer.train_step()["grad_norm"]))
@@ -72,7 +77,10 @@ def test_label_smoothing_is_cross_entropy_with_smoothing_on_the_same_logits(tiny
 @pytest.mark.slow
 def test_bf16_under_fsdp_and_tp_and_fp16_under_ddp_match_one_process(tmp_path, cache_dir):
     recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, *QUICK, "train.steps=5")
-    refs = {dt: train(load_config(recipe, [f"train.dtype={dt}", f"train.run_dir={tmp_path}/single_{dt}"])).run_dir for dt in ("fp32", "bf16", "fp16")}
+    refs = {
+        dt: train(load_config(recipe, [f"train.dtype={dt}", f"train.run_dir={tmp_path}/single_{dt}"])).run_dir
+        for dt in ("fp32", "bf16", "fp16")
+    }
     variants = {
         "fsdp_bf16": ["parallel.dp_shard=2", "train.dtype=bf16"],
         "tp_bf16": ["parallel.dp_shard=1", "parallel.tp=2", "train.dtype=bf16"],

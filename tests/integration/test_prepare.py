@@ -69,9 +69,13 @@ def test_cli_prepare_then_inspect(tmp_path, cache_dir):
     _jsonl(tmp_path / "rows.jsonl", 300)
     out = tmp_path / "prepared" / "code"
     env = {"TESSERA_CACHE": str(cache_dir)}
-    done = run_cli("prepare", str(tmp_path / "rows.jsonl"), "--output", str(out), "--vocab-size", "300", "--num-proc", "2", env=env)
+    done = run_cli(
+        "prepare", str(tmp_path / "rows.jsonl"), "--output", str(out), "--vocab-size", "300", "--num-proc", "2", env=env
+    )
     assert done.returncode == 0, done.stderr
-    assert "prepared 300 documents" in done.stdout and "tokens/s" in done.stdout and "prepare code" in done.stderr  # summary + progress bar
+    assert (
+        "prepared 300 documents" in done.stdout and "tokens/s" in done.stdout and "prepare code" in done.stderr
+    )  # summary + progress bar
     written = sorted(p.name for p in out.parent.iterdir())
     assert written == ["code.bin", "code.idx", "code.tokenizer.json", "code.tokenizer.model"]
     shown = run_cli("data", "inspect", f"{out}.idx", env=env)

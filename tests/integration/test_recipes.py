@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
 import pytest
@@ -89,9 +88,19 @@ def _check_golden(family: str, records: list[dict]) -> None:
 @pytest.mark.parametrize("family", TINY)
 def test_tiny_recipe_trains_and_matches_its_golden_curve(family, tmp_path, cache_dir):
     overrides = [
-        f"train.run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "train.steps=30", "train.eval_every=0",
-        "train.eval_batches=1", "train.sample_tokens=0", "checkpoint.enabled=false", "log.progress=none",
-        "log.tensorboard=false", "log.plot=false", "log.peak_flops=1e12", "log.every=1", "train.dtype=fp32",
+        f"train.run_dir={tmp_path / 'run'}",
+        f"data.cache_dir={cache_dir}",
+        "train.steps=30",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        "checkpoint.enabled=false",
+        "log.progress=none",
+        "log.tensorboard=false",
+        "log.plot=false",
+        "log.peak_flops=1e12",
+        "log.every=1",
+        "train.dtype=fp32",
     ]
     result = train(load_config(CONFIGS / "tiny" / f"{family}.toml", overrides))
     first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5

@@ -16,7 +16,15 @@ from tessera.train.trainer import train
 
 from helpers.runs import assert_runs_match, run_cli, torchrun, write_tiny_recipe
 
-BASE = ["train.steps=8", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0", "checkpoint.every=4", "model.tie_embeddings=false"]
+BASE = [
+    "train.steps=8",
+    "train.batch_size=8",
+    "log.every=1",
+    "optim.schedule=constant",
+    "train.eval_every=0",
+    "checkpoint.every=4",
+    "model.tie_embeddings=false",
+]
 
 
 @pytest.mark.slow
@@ -25,7 +33,13 @@ def test_checkpoints_reshard_across_layouts(tmp_path, cache_dir):
     reference = train(load_config(recipe, [f"train.run_dir={tmp_path}/ref"])).run_dir
 
     # Save at FSDP=4 after 4 of 8 steps.
-    torchrun(4, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps({"fsdp4": ["parallel.dp_shard=4", "train.steps=4"]}))
+    torchrun(
+        4,
+        "tests/helpers/dist_variants.py",
+        str(recipe),
+        str(tmp_path),
+        json.dumps({"fsdp4": ["parallel.dp_shard=4", "train.steps=4"]}),
+    )
     assert (tmp_path / "fsdp4" / "checkpoints" / "step_00000004" / "meta.json").is_file()
     for name in ("to_fsdp2_tp2", "to_single"):
         shutil.copytree(tmp_path / "fsdp4", tmp_path / name)

@@ -74,7 +74,14 @@ def test_save_killed_half_way_leaves_previous_checkpoint_loadable(tiny_config, t
     recipe.write_text(config.to_toml())
     script = tmp_path / "kill.py"
     script.write_text(KILL_DURING_SAVE)
-    proc = subprocess.run([sys.executable, str(script), str(recipe)], cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(script), str(recipe)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     partial = run / "checkpoints" / "step_00000008.tmp"
     assert partial.is_dir() and any(partial.iterdir())  # the save really was half-way

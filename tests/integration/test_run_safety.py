@@ -72,7 +72,9 @@ def test_a_second_training_in_a_run_dir_is_refused_and_a_dead_holder_blocks_noth
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run)], stdout=subprocess.PIPE, text=True, env=ENV)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        in_use = rf"train.run_dir '{re.escape(str(run))}' belongs to a training that is still running \(pid {holder.pid} "
+        in_use = (
+            rf"train.run_dir '{re.escape(str(run))}' belongs to a training that is still running \(pid {holder.pid} "
+        )
         with pytest.raises(ConfigError, match=in_use):
             train(tiny_config("train.steps=2", run_dir=run))
         assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()

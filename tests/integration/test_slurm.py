@@ -38,18 +38,59 @@ def render(capsys, *args: str) -> str:
 
 
 def test_gpu_script_is_one_torchrun_per_node_with_rendezvous_on_the_first_node(capsys):
-    script = render(capsys, "configs/smoke.toml", "--nodes", "2", "--gpus-per-node", "8", "--device", "gpu", "--partition", "gpu",
-                    "--time", "04:00:00", "--account", "proj", "--qos", "high", "--exclusive", "--mem", "0", "--sbatch=--constraint=h100")
-    for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gres=gpu:8", "#SBATCH --partition=gpu", "#SBATCH --time=04:00:00",
-                 "#SBATCH --account=proj", "#SBATCH --qos=high", "#SBATCH --exclusive", "#SBATCH --mem=0", "#SBATCH --constraint=h100",
-                 "#SBATCH --requeue", "#SBATCH --signal=USR1@300", "#SBATCH --output=runs/smoke/logs/slurm-%j.out"]:
+    script = render(
+        capsys,
+        "configs/smoke.toml",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--device",
+        "gpu",
+        "--partition",
+        "gpu",
+        "--time",
+        "04:00:00",
+        "--account",
+        "proj",
+        "--qos",
+        "high",
+        "--exclusive",
+        "--mem",
+        "0",
+        "--sbatch=--constraint=h100",
+    )
+    for line in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gres=gpu:8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=04:00:00",
+        "#SBATCH --account=proj",
+        "#SBATCH --qos=high",
+        "#SBATCH --exclusive",
+        "#SBATCH --mem=0",
+        "#SBATCH --constraint=h100",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=USR1@300",
+        "#SBATCH --output=runs/smoke/logs/slurm-%j.out",
+    ]:
         assert line in script.splitlines() or any(l.startswith(line + " ") for l in script.splitlines()), line
     assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in script
-    assert "--rdzv-backend=c10d" in script and '--rdzv-endpoint="$HEAD_ADDR:$RDZV_PORT"' in script and "--nproc-per-node=8" in script
+    assert (
+        "--rdzv-backend=c10d" in script
+        and '--rdzv-endpoint="$HEAD_ADDR:$RDZV_PORT"' in script
+        and "--nproc-per-node=8" in script
+    )
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in script and "OMP_NUM_THREADS" in script
-    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in script, "torchrun must forward the pre-timeout USR1, not die of it"
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in script, (
+        "torchrun must forward the pre-timeout USR1, not die of it"
+    )
     assert '-m tessera train "$RUN_DIR/config.toml"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
-    assert script.splitlines()[2] == "# Written by: tessera slurm configs/smoke.toml --nodes 2 --gpus-per-node 8 --device gpu --partition gpu --time 04:00:00 --account proj --qos high --exclusive --mem 0 --sbatch=--constraint=h100"
+    assert (
+        script.splitlines()[2]
+        == "# Written by: tessera slurm configs/smoke.toml --nodes 2 --gpus-per-node 8 --device gpu --partition gpu --time 04:00:00 --account proj --qos high --exclusive --mem 0 --sbatch=--constraint=h100"
+    )
     syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
 
@@ -63,7 +104,24 @@ def test_cpu_script_has_no_gres_and_one_core_per_process(capsys):
 def test_submit_writes_script_and_config_then_needs_sbatch(tiny_config, tmp_path, monkeypatch, capsys):
     config = write_config(tiny_config, tmp_path / "job.toml")
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    assert main(["slurm", str(config), "--nodes", "1", "--gpus-per-node", "2", "--device", "cpu", "--submit", "--train.steps", "5"]) == 2
+    assert (
+        main(
+            [
+                "slurm",
+                str(config),
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "2",
+                "--device",
+                "cpu",
+                "--submit",
+                "--train.steps",
+                "5",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("tessera: error: sbatch is not installed here") and err.count("\n") == 1
     run_dir = tmp_path / "job"
@@ -92,7 +150,14 @@ def test_impossible_slurm_requests_fail_in_one_line(tiny_config, tmp_path, capsy
 def test_time_limits_parse_like_slurm():
     from tessera.launcher.slurm import time_limit_seconds
 
-    assert [time_limit_seconds(t) for t in ("30", "5:30", "04:00:00", "2-00", "1-02:03", "1-00:00:05")] == [1800, 330, 14400, 172800, 93780, 86405]
+    assert [time_limit_seconds(t) for t in ("30", "5:30", "04:00:00", "2-00", "1-02:03", "1-00:00:05")] == [
+        1800,
+        330,
+        14400,
+        172800,
+        93780,
+        86405,
+    ]
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
@@ -104,7 +169,12 @@ def test_examples_are_what_the_generator_writes(example, capsys):
 
 
 def test_examples_cover_one_node_two_nodes_and_llama3_8b_on_64_nodes():
-    nodes = {int(line.split("=")[1]) for p in EXAMPLES for line in p.read_text().splitlines() if line.startswith("#SBATCH --nodes=")}
+    nodes = {
+        int(line.split("=")[1])
+        for p in EXAMPLES
+        for line in p.read_text().splitlines()
+        if line.startswith("#SBATCH --nodes=")
+    }
     assert {1, 2} <= nodes
     assert any("configs/llama3-8b.toml --nodes 64" in p.read_text() for p in EXAMPLES)
 
@@ -141,13 +211,20 @@ class Cluster:
 
 
 def _log_tails(state: Path) -> str:
-    return "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-5:]) for log in sorted(state.glob("*.log")))
+    return "\n".join(
+        f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-5:])
+        for log in sorted(state.glob("*.log"))
+    )
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A two-node SLURM cluster on loopback for the whole session (skipped where SLURM cannot run)."""
-    missing = [tool for tool in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol") if shutil.which(tool) is None]
+    missing = [
+        tool
+        for tool in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol")
+        if shutil.which(tool) is None
+    ]
     if missing:
         pytest.skip(f"no local SLURM cluster: {', '.join(missing)} not installed (apt-get install -y slurm-wlm munge)")
     if os.geteuid() != 0:
@@ -156,7 +233,9 @@ def slurm_cluster():
     private = Path(tempfile.mkdtemp(prefix="tessera-slurm."))
     state = private / "cluster"
     try:
-        started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start", str(state)], capture_output=True, text=True, timeout=120)
+        started = subprocess.run(
+            ["bash", str(CLUSTER_SCRIPT), "start", str(state)], capture_output=True, text=True, timeout=120
+        )
         assert started.returncode == 0, f"local SLURM cluster failed to start: {started.stderr}\n{_log_tails(state)}"
         yield Cluster(state, {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_CONF": str(state / "slurm.conf")})
     finally:
@@ -173,7 +252,9 @@ def test_srun_runs_tasks_on_one_and_on_two_nodes(slurm_cluster):
 
 def test_sbatch_two_node_job_completes(slurm_cluster, tmp_path):
     script = tmp_path / "hello.sbatch"
-    script.write_text(f"#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --output={tmp_path}/hello-%j.out\nsrun --ntasks-per-node=1 printenv SLURM_NODEID\n")
+    script.write_text(
+        f"#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --output={tmp_path}/hello-%j.out\nsrun --ntasks-per-node=1 printenv SLURM_NODEID\n"
+    )
     submitted = slurm_cluster.run("sbatch", "--parsable", str(script))
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
@@ -183,7 +264,20 @@ def test_sbatch_two_node_job_completes(slurm_cluster, tmp_path):
 
 def submit_training(cluster: Cluster, recipe: Path, nodes: int, per_node: int) -> str:
     """``tessera slurm RECIPE --submit`` on the local cluster; returns the job id."""
-    flags = ["--nodes", str(nodes), "--gpus-per-node", str(per_node), "--device", "cpu", "--rdzv-port", str(free_port()), "--time", "00:20:00", "--signal-seconds", "60"]
+    flags = [
+        "--nodes",
+        str(nodes),
+        "--gpus-per-node",
+        str(per_node),
+        "--device",
+        "cpu",
+        "--rdzv-port",
+        str(free_port()),
+        "--time",
+        "00:20:00",
+        "--signal-seconds",
+        "60",
+    ]
     done = run_cli("slurm", str(recipe), *flags, "--submit", env=cluster.env)
     assert done.returncode == 0, done.stderr
     return done.stdout.split("submitted job ")[1].split()[0]
@@ -202,14 +296,18 @@ def job_log(run_dir: Path, job_id: str) -> str:
 
 
 @pytest.mark.slow
-def test_two_node_job_survives_scancel_term_and_matches_a_four_process_torchrun(slurm_cluster, tiny_config, tmp_path, four_process_reference):
+def test_two_node_job_survives_scancel_term_and_matches_a_four_process_torchrun(
+    slurm_cluster, tiny_config, tmp_path, four_process_reference
+):
     """2 nodes x 2 processes, signalled mid-run: checkpoint, requeue, resume, same losses as torchrun."""
     recipe = write_config(tiny_config, tmp_path / "job.toml", *JOB_OVERRIDES)
     run_dir = tmp_path / "job"
     job_id = submit_training(slurm_cluster, recipe, nodes=2, per_node=2)
     deadline = time.monotonic() + 240
     while len(losses(run_dir)) < 3:
-        assert time.monotonic() < deadline and slurm_cluster.job(job_id).get("JobState") in ("PENDING", "RUNNING"), job_log(run_dir, job_id)
+        assert time.monotonic() < deadline and slurm_cluster.job(job_id).get("JobState") in ("PENDING", "RUNNING"), (
+            job_log(run_dir, job_id)
+        )
         time.sleep(0.1)
     assert slurm_cluster.run("scancel", "--signal=TERM", job_id).returncode == 0
     info = slurm_cluster.wait(job_id, timeout=400)

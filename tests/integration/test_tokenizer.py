@@ -40,7 +40,14 @@ def test_default_corpus_is_deterministic():
 
 
 def test_cli_trains_then_reuses(tmp_path):
-    args = ("tokenizer", "train", "configs/smoke.toml", "data.max_chars=150000", "data.tokenizer_chars=150000", "model.vocab_size=400")
+    args = (
+        "tokenizer",
+        "train",
+        "configs/smoke.toml",
+        "data.max_chars=150000",
+        "data.tokenizer_chars=150000",
+        "model.vocab_size=400",
+    )
     env = {"TESSERA_CACHE": str(tmp_path)}
     first = run_cli(*args, env=env)
     second = run_cli(*args, env=env)
@@ -50,7 +57,10 @@ def test_cli_trains_then_reuses(tmp_path):
 
 
 def test_pipeline_reports_cache_hit(cache_dir):
-    config = load_config(None, ["data.max_chars=100000", "data.tokenizer_chars=100000", "model.vocab_size=512", f"data.cache_dir={cache_dir}"])
+    config = load_config(
+        None,
+        ["data.max_chars=100000", "data.tokenizer_chars=100000", "model.vocab_size=512", f"data.cache_dir={cache_dir}"],
+    )
     docs, corpus_hash = load_corpus("default", 100_000)
     _, cached_first = build_tokenizer(config, docs, corpus_hash)
     tok, cached_second = build_tokenizer(config, docs, corpus_hash)

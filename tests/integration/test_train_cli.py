@@ -12,8 +12,16 @@ def test_train_writes_metrics_tensorboard_plot_checkpoint_and_sample(tmp_path, c
     run = tmp_path / "run"
     overrides = [o for o in TINY_OVERRIDES if not o.startswith(("log.", "train.sample_tokens"))]
     result = run_cli(
-        "train", "configs/smoke.toml", *overrides, f"train.run_dir={run}", f"data.cache_dir={cache_dir}",
-        "train.steps=6", "train.eval_every=3", "log.every=2", "train.sample_tokens=12", "train.sample_prompt=import ",
+        "train",
+        "configs/smoke.toml",
+        *overrides,
+        f"train.run_dir={run}",
+        f"data.cache_dir={cache_dir}",
+        "train.steps=6",
+        "train.eval_every=3",
+        "log.every=2",
+        "train.sample_tokens=12",
+        "train.sample_prompt=import ",
         "log.progress=lines",
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -34,5 +42,7 @@ def test_train_writes_metrics_tensorboard_plot_checkpoint_and_sample(tmp_path, c
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert gen.stdout.startswith("def ")
     assert "decoding cache (auto): 512 bytes per token" in gen.stderr  # 2 layers x (K, V) x 2 kv heads x 16 x fp32
-    again = run_cli("generate", str(run / "checkpoints" / "step_00000006"), "--prompt", "def ", "--max-new-tokens", "10", "--greedy")
+    again = run_cli(
+        "generate", str(run / "checkpoints" / "step_00000006"), "--prompt", "def ", "--max-new-tokens", "10", "--greedy"
+    )
     assert again.stdout == gen.stdout

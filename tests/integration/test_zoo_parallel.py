@@ -15,10 +15,21 @@ from tessera.train.trainer import train
 from helpers.runs import assert_runs_match, torchrun, write_tiny_recipe
 
 HYBRID = [
-    "train.steps=4", "train.batch_size=8", "log.every=1", "optim.schedule=constant", "train.eval_every=0",
-    "checkpoint.enabled=false", "model.n_layers=4", "model.layer_pattern=MA", "model.mamba.state=8",
-    "model.mamba.chunk=8", "model.mla.kv_rank=16", "model.mla.q_rank=16", "model.mla.rope_head_dim=8",
-    "model.mla.nope_head_dim=8", "model.mla.v_head_dim=16",
+    "train.steps=4",
+    "train.batch_size=8",
+    "log.every=1",
+    "optim.schedule=constant",
+    "train.eval_every=0",
+    "checkpoint.enabled=false",
+    "model.n_layers=4",
+    "model.layer_pattern=MA",
+    "model.mamba.state=8",
+    "model.mamba.chunk=8",
+    "model.mla.kv_rank=16",
+    "model.mla.q_rank=16",
+    "model.mla.rope_head_dim=8",
+    "model.mla.nope_head_dim=8",
+    "model.mla.v_head_dim=16",
 ]
 LAYOUTS = {
     "ddp": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],

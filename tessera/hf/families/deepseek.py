@@ -7,7 +7,22 @@ from typing import Any
 import torch
 
 from tessera.config import ModelConfig
-from tessera.hf.families.common import ACT_IN, ACT_OUT, Family, HFConversionError, Rule, copy, ends_rules, fail, ffn_hidden, get, linear, rope_from_hf, rope_params, rope_to_hf
+from tessera.hf.families.common import (
+    ACT_IN,
+    ACT_OUT,
+    Family,
+    HFConversionError,
+    Rule,
+    copy,
+    ends_rules,
+    fail,
+    ffn_hidden,
+    get,
+    linear,
+    rope_from_hf,
+    rope_params,
+    rope_to_hf,
+)
 from tessera.hf.families.llama import dense_ffn_rules, expert_rules
 from tessera.model.moe import is_moe_layer
 

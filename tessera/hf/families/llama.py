@@ -5,7 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.hf.families.common import ACT_IN, ACT_OUT, Family, Rule, copy, ends_rules, fail, ffn_hidden, get, heads, linear, rope_from_hf, rope_to_hf
+from tessera.hf.families.common import (
+    ACT_IN,
+    ACT_OUT,
+    Family,
+    Rule,
+    copy,
+    ends_rules,
+    fail,
+    ffn_hidden,
+    get,
+    heads,
+    linear,
+    rope_from_hf,
+    rope_to_hf,
+)
 from tessera.model.moe import is_moe_layer
 
 

@@ -7,7 +7,15 @@ from typing import Any
 
 from tessera.config import ModelConfig
 from tessera.hf.families.common import Family, HFConversionError, Rule, copy, ends_rules, fail, ffn_hidden, get
-from tessera.hf.families.llama import attention_rules, dense_ffn_rules, expert_rules, llama_from_hf, llama_to_hf, qwen2_layers_from_hf, qwen2_layers_to_hf
+from tessera.hf.families.llama import (
+    attention_rules,
+    dense_ffn_rules,
+    expert_rules,
+    llama_from_hf,
+    llama_to_hf,
+    qwen2_layers_from_hf,
+    qwen2_layers_to_hf,
+)
 from tessera.model.moe import is_moe_layer
 
 _EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")

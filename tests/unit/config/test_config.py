@@ -13,7 +13,12 @@ from helpers.runs import REPO, run_cli
 
 def test_defaults_validate_and_round_trip_through_toml(tmp_path):
     config = load_config(None, ["model.dim=96", "--model.n_heads", "3", "train.dtype=bf16", "log.tensorboard=false"])
-    assert (config.model.dim, config.model.n_heads, config.train.dtype, config.log.tensorboard) == (96, 3, "bf16", False)
+    assert (config.model.dim, config.model.n_heads, config.train.dtype, config.log.tensorboard) == (
+        96,
+        3,
+        "bf16",
+        False,
+    )
     path = tmp_path / "resolved.toml"
     path.write_text(config.to_toml())
     assert load_config(path) == config
@@ -35,7 +40,7 @@ BAD_OVERRIDES = [
     (["model.dim=abc"], "model.dim must be an integer"),
     (["model.dim=100", "model.n_heads=3"], "model.dim=100 is not divisible by model.n_heads=3"),
     (["model.n_heads=4", "model.n_kv_heads=3"], "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
-    (["optim.warmup_steps=50", "train.steps=10"], "optim.warmup_steps=50 is longer than train.steps=10"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps must be >= 0, got -1"),
     (["train.dtype=bf32"], "train.dtype = 'bf32' is not one of"),
     (["train.seq_len=4096"], "train.seq_len=4096 exceeds model.max_seq_len"),
     (["log.tensorboard=maybe"], "log.tensorboard must be true or false"),
@@ -84,7 +89,10 @@ def test_bad_files_raise_one_clear_line(tmp_path, text, message):
         (["train", "configs/smoke.toml", "--parallel.dp_shard", "0"], "parallel.dp_shard must be >= 1 or -1"),
         (["generate", "no/such/run", "--prompt", "x"], "'no/such/run' does not exist"),
         (["generate", "configs", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
-        (["train", "configs/smoke.toml", "--train.resume", "configs"], "'configs' is not a complete tessera checkpoint"),
+        (
+            ["train", "configs/smoke.toml", "--train.resume", "configs"],
+            "'configs' is not a complete tessera checkpoint",
+        ),
     ],
 )
 def test_cli_user_errors_exit_2_with_one_line(argv, message, capsys, monkeypatch):
@@ -95,11 +103,9 @@ def test_cli_user_errors_exit_2_with_one_line(argv, message, capsys, monkeypatch
 
 
 def test_console_script_prints_no_traceback():
-    result = run_cli("train", "configs/smoke.toml", "--optim.warmup_steps", "999999")
+    result = run_cli("train", "configs/smoke.toml", "--optim.warmup_steps", "-1")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "tessera: error: optim.warmup_steps=999999 is longer than train.steps=340; shorten the warmup or train longer"
-    ]
+    assert result.stderr.strip().splitlines() == ["tessera: error: optim.warmup_steps must be >= 0, got -1"]
 
 
 def test_print_config_shows_resolved_values(capsys, monkeypatch):
@@ -110,12 +116,18 @@ def test_print_config_shows_resolved_values(capsys, monkeypatch):
 
 
 def test_model_sub_tables_and_the_keys_of_earlier_releases():
-    nested = load_config(None, ["model.moe.experts=4", "--model.attention.kernel", "eager", "model.position.rope_theta=5e5"])
+    nested = load_config(
+        None, ["model.moe.experts=4", "--model.attention.kernel", "eager", "model.position.rope_theta=5e5"]
+    )
     flat = load_config(None, ["model.moe_experts=4", "model.attention=eager", "model.rope_theta=500000"])
     assert nested == flat
-    assert (nested.model.moe.experts, nested.model.attention.kernel, nested.model.position.rope_theta) == (4, "eager", 5e5)
+    assert (nested.model.moe.experts, nested.model.attention.kernel, nested.model.position.rope_theta) == (
+        4,
+        "eager",
+        5e5,
+    )
     toml = nested.to_toml()
-    assert "[model.moe]\nexperts = 4" in toml and "[model.attention]\nkernel = \"eager\"" in toml
+    assert "[model.moe]\nexperts = 4" in toml and '[model.attention]\nkernel = "eager"' in toml
     with pytest.raises(ConfigError, match=r"^model.moe is a table; set one of its keys, e.g. model.moe.experts"):
         load_config(None, ["model.moe=4"])
     with pytest.raises(ConfigError, match=r"unknown config key 'model.moe.expert' \(did you mean 'experts'\?\)"):

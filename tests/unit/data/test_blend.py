@@ -33,7 +33,9 @@ def test_parse_blend_and_split():
         parse_blend("0.7 a 0.3")
     with pytest.raises(DataError, match="weight -1 for 'b' must be a positive"):
         parse_blend("1 a -1 b")
-    assert parse_split("98,1,1") == pytest.approx([0.98, 0.01, 0.01]) and parse_split("9,1") == pytest.approx([0.9, 0.1, 0.0])
+    assert parse_split("98,1,1") == pytest.approx([0.98, 0.01, 0.01]) and parse_split("9,1") == pytest.approx(
+        [0.9, 0.1, 0.0]
+    )
     with pytest.raises(DataError, match="data.split '0,1,1'"):
         parse_split("0,1,1")
     assert split_ranges(100, [0.9, 0.1, 0.0]) == [(0, 90), (90, 100), None]
@@ -81,14 +83,29 @@ def test_splits_hold_disjoint_documents(tmp_path):
     for name in ("train", "valid", "test"):
         ds = splits[name]
         seen[name] = {int(t) - 10 for i in range(len(ds)) for t in ds[i] if t != EOD}
-    assert seen["train"] == set(range(320)) and seen["valid"] == set(range(320, 360)) and seen["test"] == set(range(360, 400))
+    assert (
+        seen["train"] == set(range(320))
+        and seen["valid"] == set(range(320, 360))
+        and seen["test"] == set(range(360, 400))
+    )
 
 
-def test_megatron_written_dataset_trains_in_tessera_with_and_without_document_masks(two_datasets, tiny_config, small_tokenizer, tmp_path):
+def test_megatron_written_dataset_trains_in_tessera_with_and_without_document_masks(
+    two_datasets, tiny_config, small_tokenizer, tmp_path
+):
     blend = f"0.6 {two_datasets / 'web'} 0.4 {two_datasets / 'code'}"
-    common = ("train.steps=3", "train.eval_every=3", "checkpoint.every=3", f"data.blend={blend}", f"data.tokenizer={small_tokenizer}", "data.split=98,2,0")
+    common = (
+        "train.steps=3",
+        "train.eval_every=3",
+        "checkpoint.every=3",
+        f"data.blend={blend}",
+        f"data.tokenizer={small_tokenizer}",
+        "data.split=98,2,0",
+    )
     plain = train(tiny_config(*common, run_dir=tmp_path / "plain"))
-    masked = train(tiny_config(*common, "data.document_mask=true", "data.mask_eod_loss=true", run_dir=tmp_path / "masked"))
+    masked = train(
+        tiny_config(*common, "data.document_mask=true", "data.mask_eod_loss=true", run_dir=tmp_path / "masked")
+    )
     for result in (plain, masked):
         assert len(result.losses) == 3 and all(math.isfinite(x) for x in result.losses) and 3 in result.val_losses
     assert masked.losses[0] != plain.losses[0]  # same weights and tokens: the masks reached the model and the loss

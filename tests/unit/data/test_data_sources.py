@@ -33,7 +33,16 @@ def _write_mixed_folder(root):
 def test_folder_of_text_jsonl_parquet_arrow_in_fixed_order(tmp_path):
     root = _write_mixed_folder(tmp_path / "corpus")
     docs = list(iter_documents(str(root), text_field="content"))
-    assert [d.name for d in docs] == ["a.txt", "b.jsonl#0", "b.jsonl#1", "b.jsonl#2", "c.parquet#0", "c.parquet#1", "d.arrow#0", "d.arrow#1"]
+    assert [d.name for d in docs] == [
+        "a.txt",
+        "b.jsonl#0",
+        "b.jsonl#1",
+        "b.jsonl#2",
+        "c.parquet#0",
+        "c.parquet#1",
+        "d.arrow#0",
+        "d.arrow#1",
+    ]
     assert docs[0].text == "plain text file\n"
     assert docs[2].text == "jsonl document 1\nsecond line" and docs[-1].text == "arrow document 1\nsecond line"
     again, digest = load_corpus(str(root), text_field="content")
@@ -75,6 +84,8 @@ def test_hub_names_offline_fail_fast_and_clearly(monkeypatch, tmp_path):
     assert is_hub_name("hf:wikitext") and is_hub_name("someone/some-data") and not is_hub_name("default")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     started = time.perf_counter()
-    with pytest.raises(DataError, match=r"'someone/some-data' is a Hugging Face hub dataset but this machine is offline"):
+    with pytest.raises(
+        DataError, match=r"'someone/some-data' is a Hugging Face hub dataset but this machine is offline"
+    ):
         load_corpus("someone/some-data")
     assert time.perf_counter() - started < 5

@@ -23,8 +23,23 @@ from helpers.runs import run_cli
 
 TOL = 1e-4
 V = 99  # vocabulary of the tiny HF models: below SentencePiece's byte-fallback minimum on purpose
-_LLAMA_LIKE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+_LLAMA_LIKE = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 
 
@@ -33,24 +48,70 @@ def _llama(**kw) -> transformers.PreTrainedModel:
 
 
 def _t5(proj: str) -> transformers.PreTrainedModel:
-    return transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, feed_forward_proj=proj))
+    return transformers.T5ForConditionalGeneration(
+        transformers.T5Config(
+            vocab_size=V,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            feed_forward_proj=proj,
+        )
+    )
 
 
 def _jamba() -> transformers.PreTrainedModel:
-    cfg = transformers.JambaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=4, use_mamba_kernels=False)
+    cfg = transformers.JambaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        mamba_d_state=8,
+        mamba_dt_rank=4,
+        use_mamba_kernels=False,
+    )
     return transformers.JambaForCausalLM(cfg)
 
 
 def _deepseek(**kw) -> transformers.PreTrainedModel:
     """Latent attention in every layer; dense FFNs unless first_k_dense_replace says otherwise."""
     kw = {"first_k_dense_replace": 2, **kw}
-    cfg = transformers.DeepseekV3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, max_position_embeddings=128, **kw)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        max_position_embeddings=128,
+        **kw,
+    )
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 # DeepSeek-V3 routing: sigmoid scores, 2 groups of which the best 1 is searched, scaled weights, a shared expert
-_DEEPSEEK_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1)
+_DEEPSEEK_MOE = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+)
 # Issue 13's router options (sigmoid, groups, shared gate, first dense layers): the families that need them wait for them.
 _MOE_OPTIONS = hasattr(MoEConfig(), "shared_gate") and hasattr(MoEConfig(), "groups")
 _NEEDS_MOE_OPTIONS = {"qwen2_moe", "deepseek_v3_moe"}
@@ -58,8 +119,17 @@ _NEEDS_MOE_OPTIONS = {"qwen2_moe", "deepseek_v3_moe"}
 
 HF_MODELS = {
     "llama": lambda: _llama(),
-    "llama_yarn": lambda: _llama(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}),
-    "llama_linear": lambda: _llama(rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 2.0}, tie_word_embeddings=True),
+    "llama_yarn": lambda: _llama(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    ),
+    "llama_linear": lambda: _llama(
+        rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 2.0}, tie_word_embeddings=True
+    ),
     # head_dim 16: one RoPE wavelength (19.9) falls between original/high (8) and original/low (32), the smoothed band
     "llama3": lambda: _llama(head_dim=16, rope_parameters=_LLAMA3_ROPE),
     "llama_bias": lambda: _llama(attention_bias=True, mlp_bias=True),
@@ -67,25 +137,79 @@ HF_MODELS = {
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**_LLAMA_LIKE, sliding_window=8)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_LLAMA_LIKE)),
     # layer 0 full attention, layer 1 a 4-token window
-    "qwen2_layers": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_LLAMA_LIKE, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
-    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(**_LLAMA_LIKE, **_MOE, router_jitter_noise=0.1)),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2)),
-    "gpt2_layer_scale": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, scale_attn_by_inverse_layer_idx=True)),
-    "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)),
+    "qwen2_layers": lambda: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**_LLAMA_LIKE, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    ),
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**_LLAMA_LIKE, **_MOE, router_jitter_noise=0.1)
+    ),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2
+        )
+    ),
+    "gpt2_layer_scale": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, scale_attn_by_inverse_layer_idx=True
+        )
+    ),
+    "bert": lambda: transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+        )
+    ),
     "t5": lambda: _t5("relu"),
     "t5_gated": lambda: _t5("gated-gelu"),
-    "mamba": lambda: transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8)),
-    "mamba2": lambda: transformers.Mamba2ForCausalLM(transformers.Mamba2Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8, num_heads=4, head_dim=16, n_groups=2, chunk_size=8)),
+    "mamba": lambda: transformers.MambaForCausalLM(
+        transformers.MambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8)
+    ),
+    "mamba2": lambda: transformers.Mamba2ForCausalLM(
+        transformers.Mamba2Config(
+            vocab_size=V,
+            hidden_size=32,
+            num_hidden_layers=2,
+            state_size=8,
+            num_heads=4,
+            head_dim=16,
+            n_groups=2,
+            chunk_size=8,
+        )
+    ),
     "jamba": _jamba,
     "deepseek_v3": lambda: _deepseek(rope_interleave=True, q_lora_rank=16),
     "deepseek_v3_plain_rope": lambda: _deepseek(rope_interleave=False, q_lora_rank=None),
     # DeepSeek's YaRN: mscale = mscale_all_dim (cos/sin magnitude 1) and the softmax scale times mscale(40)^2
-    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**_LLAMA_LIKE, **_QWEN_MOE, norm_topk_prob=True, head_dim=16)),
-    "qwen3_moe_sparse_step": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**_LLAMA_LIKE, **_QWEN_MOE, decoder_sparse_step=2)),
-    "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, eos_token_id=1)),
-    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**_LLAMA_LIKE, **_QWEN_MOE, shared_expert_intermediate_size=24)),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(**_LLAMA_LIKE, **_QWEN_MOE, norm_topk_prob=True, head_dim=16)
+    ),
+    "qwen3_moe_sparse_step": lambda: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(**_LLAMA_LIKE, **_QWEN_MOE, decoder_sparse_step=2)
+    ),
+    "olmoe": lambda: transformers.OlmoeForCausalLM(
+        transformers.OlmoeConfig(**_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, eos_token_id=1)
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(
+        transformers.Qwen2MoeConfig(**_LLAMA_LIKE, **_QWEN_MOE, shared_expert_intermediate_size=24)
+    ),
     "deepseek_v3_moe": lambda: _deepseek(q_lora_rank=16, **_DEEPSEEK_MOE),
-    "deepseek_v3_yarn": lambda: _deepseek(q_lora_rank=16, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+    "deepseek_v3_yarn": lambda: _deepseek(
+        q_lora_rank=16,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ),
 }
 
 
@@ -218,7 +342,9 @@ def test_export_reads_the_same_with_transformers_4_rules(family, tmp_path):
     old = _as_transformers_4(config)
     if "rope_parameters" in config:  # both forms carry the same RoPE
         assert old["rope_theta"] == config["rope_parameters"]["rope_theta"]
-        assert {"rope_theta": old["rope_theta"], "rope_type": "default", **(old["rope_scaling"] or {})} == config["rope_parameters"]
+        assert {"rope_theta": old["rope_theta"], "rope_type": "default", **(old["rope_scaling"] or {})} == config[
+            "rope_parameters"
+        ]
     (tmp_path / "out" / "config.json").write_text(json.dumps(old))
     back = _auto(family).from_pretrained(tmp_path / "out").eval()  # transformers 5 on the 4.x keys alone
     x, y = _inputs()
@@ -242,7 +368,9 @@ def test_cli_import_export_small_vocab(tmp_path):
 
 
 def test_cli_unsupported_option_is_a_clear_error(tmp_path):
-    _llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}).save_pretrained(tmp_path / "hf")
+    _llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}).save_pretrained(
+        tmp_path / "hf"
+    )
     res = run_cli("convert", "hf-import", str(tmp_path / "hf"), str(tmp_path / "run"))
     assert res.returncode == 2
     assert "rope_type" in res.stderr and "dynamic" in res.stderr and "Traceback" not in res.stderr
@@ -277,7 +405,18 @@ def test_export_refuses_what_hf_cannot_express(overrides, key, tmp_path):
 
 
 def test_t5_export_refuses_scaling_that_transformers_4_cannot_read(tmp_path):
-    cfg = model_config(arch="encoder_decoder", vocab_size=V, dim=32, n_layers=1, n_heads=4, position="t5_bias", norm="rmsnorm", activation="relu", tie_embeddings=False, output_dim_scale=True)
+    cfg = model_config(
+        arch="encoder_decoder",
+        vocab_size=V,
+        dim=32,
+        n_layers=1,
+        n_heads=4,
+        position="t5_bias",
+        norm="rmsnorm",
+        activation="relu",
+        tie_embeddings=False,
+        output_dim_scale=True,
+    )
     with pytest.raises(HFConversionError, match="output_dim_scale"):
         save_hf(build_model(cfg), tmp_path / "out")
 

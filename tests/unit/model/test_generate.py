@@ -26,7 +26,12 @@ def test_cached_decoding_equals_full_forward():
     tokens = torch.randint(0, CFG.vocab_size, (2, 12))
     full = model(tokens)
     caches = model.new_caches(2, 16)
-    pieces = [model(tokens[:, :5], caches, 0), model(tokens[:, 5:9], caches, 5), model(tokens[:, 9:10], caches, 9), model(tokens[:, 10:], caches, 10)]
+    pieces = [
+        model(tokens[:, :5], caches, 0),
+        model(tokens[:, 5:9], caches, 5),
+        model(tokens[:, 9:10], caches, 9),
+        model(tokens[:, 10:], caches, 10),
+    ]
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
 
 
@@ -106,7 +111,9 @@ def test_int8_cache_bytes_and_numbers():
     assert not torch.equal(stepped, exact)  # ... and really quantized
     nll_fp32, nll_int8 = cached_nll(model, tokens, "fp32"), cached_nll(model, tokens, "int8")
     assert abs(math.exp(nll_int8) / math.exp(nll_fp32) - 1) < 0.01
-    assert nll_fp32 == pytest.approx(torch.nn.functional.cross_entropy(exact[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item(), rel=1e-5)
+    assert nll_fp32 == pytest.approx(
+        torch.nn.functional.cross_entropy(exact[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item(), rel=1e-5
+    )
     nll_bf16 = cached_nll(model, tokens, "bf16")  # a bf16 cache under an fp32 model: read back as fp32
     assert nll_bf16 != nll_fp32 and abs(math.exp(nll_bf16) / math.exp(nll_fp32) - 1) < 0.01
 

@@ -121,7 +121,9 @@ def test_performer_approximates_softmax_attention():
 
 
 def test_longformer_and_bigbird_patterns():
-    lf = attention_mask(MaskSpec("longformer", causal=False, window=2, global_tokens=1), 8, 8, torch.device("cpu"))[0, 0]
+    lf = attention_mask(MaskSpec("longformer", causal=False, window=2, global_tokens=1), 8, 8, torch.device("cpu"))[
+        0, 0
+    ]
     for q in range(8):
         for k in range(8):
             assert bool(lf[q, k]) == (abs(q - k) < 2 or q == 0 or k == 0)
@@ -234,7 +236,9 @@ def test_init_tied_embeddings_and_dropout():
 
 
 def test_encoder_is_bidirectional_and_decoder_causal():
-    enc = _model(arch="encoder", position="learned", norm="layernorm", norm_position="post", type_vocab_size=2, embed_norm=True)
+    enc = _model(
+        arch="encoder", position="learned", norm="layernorm", norm_position="post", type_vocab_size=2, embed_norm=True
+    )
     s2s = _model(arch="encoder_decoder", position="t5_bias", attn_scale=1.0, n_decoder_layers=3)
     assert len(s2s.decoder.layers) == 3 and len(s2s.encoder.layers) == 2
     x, y = _tokens(1, 8), _tokens(1, 6, 1)

@@ -42,7 +42,11 @@ def test_ssd_scan_equals_the_recurrence_for_any_chunk():
     gen = torch.Generator().manual_seed(1)
     b_, t, h, p, n = 2, 19, 3, 4, 5
     x, log_decay = torch.randn(b_, t, h, p, generator=gen), -torch.rand(b_, t, h, generator=gen)
-    bm, cm, h0 = torch.randn(b_, t, h, n, generator=gen), torch.randn(b_, t, h, n, generator=gen), torch.randn(b_, h, p, n)
+    bm, cm, h0 = (
+        torch.randn(b_, t, h, n, generator=gen),
+        torch.randn(b_, t, h, n, generator=gen),
+        torch.randn(b_, h, p, n),
+    )
     state, want = h0, []
     for i in range(t):
         state = state * log_decay[:, i].exp()[..., None, None] + x[:, i, ..., None] * bm[:, i, :, None, :]
@@ -93,7 +97,9 @@ def test_layer_pattern_builds_the_named_stack_and_trains():
     assert [layer.mamba is not None for layer in layers] == [True, True, False, True]
     assert [layer.moe is not None for layer in layers] == [False, True, False, True]
     pure = _model(**MAMBA1)
-    assert all(layer.feed_forward is None and layer.moe is None and layer.ffn_norm is None for layer in pure.layers.values())
+    assert all(
+        layer.feed_forward is None and layer.moe is None and layer.ffn_norm is None for layer in pure.layers.values()
+    )
     model.train()
     x = torch.randint(0, V, (2, 16))
     loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())

@@ -54,7 +54,11 @@ def test_mla_trains_and_every_projection_gets_gradient():
 
 @pytest.mark.parametrize(
     "kw, key",
-    [(dict(position="learned"), "model.mla"), (dict(mla={**MLA, "rope_head_dim": 7}), "rotary width"), (dict(attention="linear"), "model.mla")],
+    [
+        (dict(position="learned"), "model.mla"),
+        (dict(mla={**MLA, "rope_head_dim": 7}), "rotary width"),
+        (dict(attention="linear"), "model.mla"),
+    ],
 )
 def test_invalid_mla_configs(kw, key):
     with pytest.raises(ConfigError, match=key):

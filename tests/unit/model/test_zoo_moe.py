@@ -73,7 +73,16 @@ def test_aux_and_z_losses_and_stats():
 
 
 def test_model_level_losses_metrics_and_layout():
-    cfg = model_config(vocab_size=300, dim=32, n_layers=4, n_heads=4, moe_experts=4, moe_every=2, moe_shared_experts=1, moe_z_loss_coef=0.01)
+    cfg = model_config(
+        vocab_size=300,
+        dim=32,
+        n_layers=4,
+        n_heads=4,
+        moe_experts=4,
+        moe_every=2,
+        moe_shared_experts=1,
+        moe_z_loss_coef=0.01,
+    )
     model = build_model(cfg)
     assert [layer.moe is not None for layer in model.layers.values()] == [False, True, False, True]
     assert [layer.feed_forward is None for layer in model.layers.values()] == [False, True, False, True]
@@ -91,7 +100,9 @@ def test_model_level_losses_metrics_and_layout():
     assert len(expert_load(log)) == 2
     assert not any(isinstance(v, torch.Tensor) for m in model.modules() for v in vars(m).values())  # no state kept
     dense_log = MoELog()
-    build_model(model_config(vocab_size=300, dim=32, n_layers=1, n_heads=4))(torch.randint(0, 300, (2, 8)), moe_log=dense_log)
+    build_model(model_config(vocab_size=300, dim=32, n_layers=1, n_heads=4))(
+        torch.randint(0, 300, (2, 8)), moe_log=dense_log
+    )
     assert moe_loss(dense_log) is None
 
 
@@ -99,8 +110,18 @@ def _deepseek(**kw) -> MoE:
     """Sigmoid scores, 4 groups of 2 experts of which 2 are searched, a non-zero balancing bias."""
     torch.manual_seed(0)
     cfg = model_config(
-        vocab_size=300, dim=16, n_heads=2, moe_experts=8, moe_ffn_hidden=24, moe_top_k=3, moe_router="sigmoid",
-        moe_groups=4, moe_topk_groups=2, moe_bias_update_rate=0.1, moe_route_scale=2.5, **kw,
+        vocab_size=300,
+        dim=16,
+        n_heads=2,
+        moe_experts=8,
+        moe_ffn_hidden=24,
+        moe_top_k=3,
+        moe_router="sigmoid",
+        moe_groups=4,
+        moe_topk_groups=2,
+        moe_bias_update_rate=0.1,
+        moe_route_scale=2.5,
+        **kw,
     )
     moe = MoE(cfg)
     for p in moe.parameters():
@@ -133,7 +154,15 @@ def test_grouped_matmul_and_loop_paths_agree_in_bf16(monkeypatch):
         monkeypatch.setattr("tessera.model.moe.uses_grouped_mm", lambda x, g=grouped: g and x.shape[0] > 0)
         for activation, capacity in cases:
             torch.manual_seed(0)
-            cfg = model_config(vocab_size=300, dim=16, n_heads=2, activation=activation, moe_experts=4, moe_ffn_hidden=24, moe_capacity_factor=capacity)
+            cfg = model_config(
+                vocab_size=300,
+                dim=16,
+                n_heads=2,
+                activation=activation,
+                moe_experts=4,
+                moe_ffn_hidden=24,
+                moe_capacity_factor=capacity,
+            )
             moe = MoE(cfg).to(torch.bfloat16)
             for p in moe.parameters():
                 torch.nn.init.normal_(p, std=0.3)
@@ -161,7 +190,9 @@ def test_no_host_sync_in_the_bf16_forward_and_backward():
         torch.set_default_dtype(dtype)
         try:
             with FakeTensorMode():
-                moe = _deepseek(moe_capacity_factor=1.0, moe_shared_experts=1, moe_shared_gate=True, moe_aux_loss_scope="sequence")
+                moe = _deepseek(
+                    moe_capacity_factor=1.0, moe_shared_experts=1, moe_shared_gate=True, moe_aux_loss_scope="sequence"
+                )
                 log = MoELog()
                 if dtype == torch.float32:
                     with pytest.raises(DataDependentOutputException):
@@ -185,18 +216,31 @@ def test_sequence_aux_loss_shared_gate_and_dense_first_layers():
         moe.experts.down_proj.zero_()
     gated = torch.sigmoid(moe.shared_gate(x)) * moe.shared(x)
     assert torch.allclose(moe(x), gated, atol=1e-6) and not torch.allclose(out, gated)
-    cfg = model_config(vocab_size=300, dim=32, n_layers=4, n_heads=4, moe_experts=4, moe_first_dense=1, moe_shared_ffn_hidden=40)
+    cfg = model_config(
+        vocab_size=300, dim=32, n_layers=4, n_heads=4, moe_experts=4, moe_first_dense=1, moe_shared_ffn_hidden=40
+    )
     model = build_model(cfg)
     assert [layer.moe is not None for layer in model.layers.values()] == [False, True, True, True]
     assert model.layers["1"].moe.shared is None and model.layers["1"].moe.shared_gate is None
-    cfg = model_config(vocab_size=300, dim=32, n_layers=2, n_heads=4, moe_experts=4, moe_shared_experts=2, moe_shared_ffn_hidden=40)
+    cfg = model_config(
+        vocab_size=300, dim=32, n_layers=2, n_heads=4, moe_experts=4, moe_shared_experts=2, moe_shared_ffn_hidden=40
+    )
     assert build_model(cfg).layers["0"].moe.shared.up_proj.weight.shape == (40, 32)
 
 
 def test_aux_free_bias_steers_choices_not_weights_and_moves_towards_balance(tmp_path):
     from tessera.train.moe_stats import ExpertLoadTracker
 
-    cfg = model_config(vocab_size=300, dim=32, n_layers=2, n_heads=4, moe_experts=4, moe_top_k=1, moe_router="sigmoid", moe_bias_update_rate=0.05)
+    cfg = model_config(
+        vocab_size=300,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        moe_experts=4,
+        moe_top_k=1,
+        moe_router="sigmoid",
+        moe_bias_update_rate=0.05,
+    )
     model = build_model(cfg)
     moe = model.layers["0"].moe
     with torch.no_grad():
@@ -215,7 +259,9 @@ def test_aux_free_bias_steers_choices_not_weights_and_moves_towards_balance(tmp_
     with torch.no_grad():
         moe.expert_bias.copy_(torch.tensor([5.0, 0.0, 0.0, 0.0]))
     weights, ids, _ = moe.route(torch.randn(6, 4))
-    assert (ids[:, 0] == 0).all() and torch.allclose(weights[:, 0], torch.ones(6))  # chosen by the bias, weight unbiased
+    assert (ids[:, 0] == 0).all() and torch.allclose(
+        weights[:, 0], torch.ones(6)
+    )  # chosen by the bias, weight unbiased
     report = tracker.finish(tmp_path, write=True)
     assert "layers.0.moe" in report and "imbalance" in report
     saved = json.loads((tmp_path / "expert_load.json").read_text())["layers"]
@@ -227,11 +273,17 @@ def test_aux_free_bias_steers_choices_not_weights_and_moves_towards_balance(tmp_
     "overrides, message",
     [
         (["model.moe.experts=6", "model.moe.groups=4"], "must divide model.moe.experts"),
-        (["model.moe.experts=8", "model.moe.groups=4", "model.moe.topk_groups=1", "model.moe.top_k=3"], "cannot hold top_k"),
+        (
+            ["model.moe.experts=8", "model.moe.groups=4", "model.moe.topk_groups=1", "model.moe.top_k=3"],
+            "cannot hold top_k",
+        ),
         (["model.moe.experts=4", "model.moe.shared_gate=true"], "set model.moe.shared_experts > 0"),
         (["parallel.ep=2"], "the model has none"),
         (["model.moe.experts=6", "parallel.ep=4"], "not divisible by parallel.ep=4"),
-        (["model.moe.experts=4", "parallel.ep=2", "parallel.tp=4", "model.n_heads=4", "model.n_kv_heads=4"], r"multiple of cp\*tp=4"),
+        (
+            ["model.moe.experts=4", "parallel.ep=2", "parallel.tp=4", "model.n_heads=4", "model.n_kv_heads=4"],
+            r"multiple of cp\*tp=4",
+        ),
         (["model.moe.experts=4", "parallel.ep=4", "parallel.dp_shard=2"], r"must divide dp_shard\*cp\*tp=2"),
     ],
 )

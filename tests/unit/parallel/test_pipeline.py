@@ -120,7 +120,9 @@ def test_stages_chain_to_the_full_model(overrides):
     v = 2 if "interleaved" in cfg.parallel.pp_schedule else 1
     local0, stages0, _ = split_model(full, cfg, local_stage_ids(0, 2, v))
     local1, stages1, _ = split_model(full, cfg, local_stage_ids(1, 2, v))
-    order = sorted([*zip(local_stage_ids(0, 2, v), stages0), *zip(local_stage_ids(1, 2, v), stages1)], key=lambda s: s[0])
+    order = sorted(
+        [*zip(local_stage_ids(0, 2, v), stages0), *zip(local_stage_ids(1, 2, v), stages1)], key=lambda s: s[0]
+    )
     with torch.no_grad():
         h = _chain([stage for _, stage in order], tokens)
     torch.testing.assert_close(h, want, rtol=0, atol=0)
@@ -173,12 +175,21 @@ def test_encoder_decoder_stages_carry_decoder_ids_and_memory(overrides):
         (["parallel.pp=8"], "every stage needs a block"),
         (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=1"], "microbatches >= pp"),
         (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.microbatches=3"], "multiple of pp=2"),
-        (["parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual_stages=1"], "needs several stages per rank"),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual_stages=1"],
+            "needs several stages per rank",
+        ),
         (["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_virtual_stages=2"], "runs one stage per rank"),
-        (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=4"], "every stage needs a block"),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=4"],
+            "every stage needs a block",
+        ),
         (["parallel.pp=2", "parallel.layers_per_stage=2,1"], "summing to model.n_layers=4"),
         (["parallel.pp=2", "parallel.layers_per_stage=4,0"], "positive block counts"),
-        (["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=4", "train.batch_size=4"], "not divisible by the data-parallel degree 2 x parallel.microbatches=4"),
+        (
+            ["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=4", "train.batch_size=4"],
+            "not divisible by the data-parallel degree 2 x parallel.microbatches=4",
+        ),
         (["parallel.pp=16", *T5], "but model.n_layers + n_decoder_layers=8"),
     ],
 )

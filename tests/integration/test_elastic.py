@@ -1,0 +1,83 @@
+"""Elastic restarts: a 4-rank job continuing on 2 ranks keeps the global batch and the losses."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from helpers.runs import run_cli
+from test_launch import losses, write_config
+from test_user_errors import fails_with
+from tessera.validate import load_config
+from tessera.launcher.torchrun import torchrun_command
+from tessera.train.checkpoint import list_checkpoints
+from tessera.train.elastic import resize
+
+ELASTIC_JOB = ("train.steps=12", "train.eval_every=0", "checkpoint.every=4", "checkpoint.keep_last=5")
+
+
+def test_a_smaller_world_raises_grad_accum_and_keeps_the_batch(tiny_config):
+    config = tiny_config("train.batch_size=8", "train.grad_accum=2", "train.elastic_world=8")
+    same, banner = resize(config, 8)
+    assert same is config and banner == ""
+    half, banner = resize(config, 4)
+    assert (half.train.batch_size, half.train.grad_accum) == (4, 4)
+    assert "train.grad_accum 2 -> 4" in banner and "global batch of 16 sequences is kept" in banner
+    quarter, _ = resize(config, 2)
+    assert (quarter.train.batch_size, quarter.train.grad_accum) == (2, 8)
+
+
+def test_elastic_launch_writes_the_range_and_the_world(tiny_config, tmp_path, capsys):
+    from tessera.cli import main
+
+    recipe = write_config(tiny_config, tmp_path / "job.toml")
+    args = ["launch", str(recipe), "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29400"]
+    assert main([*args, "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "--nnodes=1:2" in printed and printed.rstrip().endswith("train.elastic_world=4")
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--nnodes", "1:3", "--nproc-per-node", "1", "train.batch_size=4"], "at 1 node(s)"),  # dp 3 -> 1: 4 % 3
+        (["--nnodes", "3:2", "--nproc-per-node", "1"], "need 1 <= MIN <= MAX"),
+        (["--nnodes", "one:two"], "must be a node count N or an elastic range MIN:MAX"),
+        (["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "static", "--node-rank", "0"], "elastic"),
+    ],
+)
+def test_elastic_ranges_that_cannot_keep_the_batch_are_one_line(tiny_config, tmp_path, capsys, args, fragment):
+    recipe = write_config(tiny_config, tmp_path / "job.toml")
+    fails_with(["launch", str(recipe), *args, "--rdzv-endpoint", "127.0.0.1:29400", "--dry-run"], capsys, fragment)
+
+
+def test_torchrun_command_keeps_a_plain_node_count():
+    from tessera.launcher.torchrun import make_spec
+
+    spec = make_spec(2, 2, "127.0.0.1:29400")
+    assert "--nnodes=2" in torchrun_command(spec, "c.toml", [])
+
+
+@pytest.mark.slow
+def test_four_ranks_lose_two_for_good_and_finish_on_two_with_equal_losses(tiny_config, tmp_path):
+    recipe = write_config(tiny_config, tmp_path / "job.toml", *ELASTIC_JOB, "train.elastic_world=4")
+    full = tmp_path / "job"
+    done = run_cli("launch", str(recipe), "--nproc-per-node", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Two ranks are gone for good after step 8: the job restarts on the two left (torchrun's elastic agent
+    # restarts the survivors with WORLD_SIZE=2; here the restart is run directly) from the step-8 checkpoint.
+    shrunk = tmp_path / "shrunk"
+    shutil.copytree(full, shrunk)
+    for checkpoint in list_checkpoints(shrunk):
+        if int(checkpoint.name.removeprefix("step_")) > 8:
+            shutil.rmtree(checkpoint)
+    (shrunk / "summary.json").unlink()
+    again = run_cli("launch", str(recipe), "--nproc-per-node", "2", f"train.run_dir={shrunk}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "elastic: 2 of 4 processes; train.grad_accum 1 -> 2, train.batch_size 4 -> 2" in again.stdout
+    reference, resumed = dict(losses(full)), dict(losses(shrunk))
+    assert sorted(resumed) == list(range(1, 13))
+    for step in range(9, 13):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5), (step, resumed[step], reference[step])
+    assert load_config(str(shrunk / "config.toml"), []).train.grad_accum == 2  # the resolved config says so
