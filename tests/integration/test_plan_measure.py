@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +22,8 @@ from tessera.plan.memory import estimate_memory
 from tessera.plan.planner import job_setting
 from tessera.plan.shapes import model_shape
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers.runs import REPO
+
 MODEL = [
     "model.vocab_size=2048",
     "model.dim=128",
