@@ -40,7 +40,14 @@ TINY_OVERRIDES = [
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``python -m tessera ARGS`` in a subprocess and capture its output."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "tessera", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -68,7 +75,9 @@ def step_records(run_dir: Path, after: int = 0) -> list[dict]:
     return [r for r in map(json.loads, lines) if "loss" in r and r["step"] > after]
 
 
-def assert_runs_match(run_dir: Path, reference_dir: Path, rtol: float = 1e-5, after: int = 0, checksum: bool = True) -> int:
+def assert_runs_match(
+    run_dir: Path, reference_dir: Path, rtol: float = 1e-5, after: int = 0, checksum: bool = True
+) -> int:
     """Parity of two runs: per-step loss AND grad norm within ``rtol`` for the steps after ``after``
     (AdamW hides a wrong gradient scale from the loss, not from the grad norm) and, at the end, the
     per-tensor sum of squares of the parameters. Returns how many steps were compared."""
@@ -83,7 +92,9 @@ def assert_runs_match(run_dir: Path, reference_dir: Path, rtol: float = 1e-5, af
         ref = json.loads((Path(reference_dir) / "summary.json").read_text())["param_sumsq"]
         assert mine.keys() == ref.keys(), sorted(set(mine) ^ set(ref))
         for name, value in ref.items():
-            assert abs(mine[name] - value) <= rtol * abs(value) + 1e-12, f"param {name}: sum of squares {mine[name]} vs {value}"
+            assert abs(mine[name] - value) <= rtol * abs(value) + 1e-12, (
+                f"param {name}: sum of squares {mine[name]} vs {value}"
+            )
     return len(got)
 
 
@@ -91,7 +102,9 @@ def assert_losses_close(got: list[float], want: list[float], rtol: float = 1e-5,
     """Same number of steps, every step within ``rtol`` relative (the parity criterion)."""
     assert len(got) == len(want) and len(want) > 0, (got, want)
     for step, (a, b) in enumerate(zip(got, want), 1):
-        assert abs(a - b) <= rtol * abs(b), f"{what} at step {step}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e} > {rtol})"
+        assert abs(a - b) <= rtol * abs(b), (
+            f"{what} at step {step}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e} > {rtol})"
+        )
 
 
 def write_tiny_recipe(path: Path, cache_dir: Path, *overrides: str) -> Path:

@@ -16,6 +16,7 @@ from tessera.data.loader import SequenceLoader
 from tessera.data.sources import DataError
 from tessera.train.trainer import train
 
+
 @pytest.fixture(scope="module")
 def two_datasets(tmp_path_factory):
     root = tmp_path_factory.mktemp("blend")
