@@ -236,7 +236,7 @@ def _add_slurm(sub: Subparsers) -> None:
     sl.add_argument(
         "--python",
         default="",
-        help=f"the Python the job runs (default: this one, {sys.executable})".replace("%", "%%"),
+        help="the Python the job runs (default: the one running this command, as sys.executable names it)",
     )
     sl.add_argument(
         "--setup",
