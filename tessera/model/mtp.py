@@ -32,7 +32,6 @@ from tessera.model.norm import build_norm
 
 if TYPE_CHECKING:
     from tessera.model.moe import MoELog
-    from tessera.model.transformer import Decoder
 
 
 class MTPLog:
@@ -79,7 +78,7 @@ def build_mtp(cfg: ModelConfig) -> nn.ModuleDict | None:
     return nn.ModuleDict({str(k): MTPModule(cfg, k + 1) for k in range(cfg.mtp_depth)})
 
 
-def _embeddings_ahead(model: Decoder, tokens: torch.Tensor, log: MTPLog, depth: int) -> torch.Tensor:
+def _embeddings_ahead(model: nn.Module, tokens: torch.Tensor, log: MTPLog, depth: int) -> torch.Tensor:
     """Embeddings of the tokens ``depth`` positions ahead (rolled: the last ``depth`` wrap around)."""
     if model.tok_embeddings is not None:
         return model.tok_embeddings(tokens.roll(-depth, dims=1))
@@ -89,7 +88,7 @@ def _embeddings_ahead(model: Decoder, tokens: torch.Tensor, log: MTPLog, depth: 
 
 
 def predict_ahead(
-    model: Decoder,
+    model: nn.Module,  # the Decoder (model/transformer.py imports this module, so no import back)
     tokens: torch.Tensor,
     hidden: torch.Tensor,
     log: MTPLog,
