@@ -20,19 +20,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = [(t, isa) for isa in ("default", "avx2", "avx512") for t in (1, 2)]
-OVERRIDES = [
-    "train.steps=30",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "train.sample_tokens=0",
-    "checkpoint.enabled=false",
-    "log.progress=none",
-    "log.tensorboard=false",
-    "log.plot=false",
-    "log.peak_flops=1e12",
-    "log.every=1",
-    "train.dtype=fp32",
-]
+sys.path.insert(0, str(REPO / "tests"))
+from helpers.runs import GOLDEN_OVERRIDES as OVERRIDES  # noqa: E402 (tests/ on the path first: the same runs)
 
 
 def _one_setting(threads: int, out: Path) -> None:

@@ -111,3 +111,19 @@ def write_tiny_recipe(path: Path, cache_dir: Path, *overrides: str) -> Path:
     """A TOML recipe of the tiny job (plus ``overrides``) that torchrun workers can load."""
     path.write_text(load_config(None, [*TINY_OVERRIDES, f"data.cache_dir={cache_dir}", *overrides]).to_toml())
     return path
+
+
+# The golden-curve runs (tests/integration/test_recipes.py; benchmarks/golden_drift.py measures drift on the same).
+GOLDEN_OVERRIDES = [
+    "train.steps=30",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.sample_tokens=0",
+    "checkpoint.enabled=false",
+    "log.progress=none",
+    "log.tensorboard=false",
+    "log.plot=false",
+    "log.peak_flops=1e12",
+    "log.every=1",
+    "train.dtype=fp32",
+]

@@ -19,6 +19,7 @@ import torch
 from tessera.validate import load_config
 from tessera.model import build_model, count_parameters
 from tessera.train.trainer import train
+from helpers.runs import GOLDEN_OVERRIDES
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -87,21 +88,7 @@ def _check_golden(family: str, records: list[dict]) -> None:
 
 @pytest.mark.parametrize("family", TINY)
 def test_tiny_recipe_trains_and_matches_its_golden_curve(family, tmp_path, cache_dir):
-    overrides = [
-        f"train.run_dir={tmp_path / 'run'}",
-        f"data.cache_dir={cache_dir}",
-        "train.steps=30",
-        "train.eval_every=0",
-        "train.eval_batches=1",
-        "train.sample_tokens=0",
-        "checkpoint.enabled=false",
-        "log.progress=none",
-        "log.tensorboard=false",
-        "log.plot=false",
-        "log.peak_flops=1e12",
-        "log.every=1",
-        "train.dtype=fp32",
-    ]
+    overrides = [f"train.run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", *GOLDEN_OVERRIDES]
     result = train(load_config(CONFIGS / "tiny" / f"{family}.toml", overrides))
     first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
     assert last < first - 0.5, f"{family}: loss {first:.3f} -> {last:.3f}"
