@@ -177,9 +177,9 @@ def thread_env(config: JobConfig, nproc_per_node: int) -> dict[str, str]:
 
     Without it torchrun gives every worker one thread; GPU workers keep torchrun's default.
     """
-    import torch
+    from tessera.parallel.env import resolve_device
 
-    on_cpu = config.train.device == "cpu" or (config.train.device == "auto" and not torch.cuda.is_available())
+    on_cpu = resolve_device(config.train.device, require_visible=False).type == "cpu"
     if not on_cpu or os.environ.get("OMP_NUM_THREADS"):
         return {}
     return {"OMP_NUM_THREADS": str(choose_threads(config.train.threads, nproc_per_node).threads)}

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from tessera.config import JobConfig
+from tessera.dtypes import DTYPES
 from tessera.model.blocks import block_containers
 from tessera.parallel.activation import apply_activation_checkpointing, apply_compile, compile_enabled
 from tessera.parallel.context import apply_context_parallel
@@ -14,11 +14,11 @@ from tessera.parallel.expert import apply_expert_parallel, apply_global_batch_gr
 from tessera.parallel.fp8 import convert_float8, convert_mxfp8
 from tessera.parallel.fsdp import apply_ddp, apply_fsdp
 from tessera.parallel.grads import clip_grad_norm
+from tessera.parallel.env import resolve_device
 from tessera.parallel.tensor import apply_tensor_parallel
 
 __all__ = ["ParallelDims", "clip_grad_norm", "parallelize"]
 
-_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str = "") -> nn.Module:
@@ -29,7 +29,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
     ``parallel.compile="auto"``.
     """
     p = config.parallel
-    fp8, device_type = config.train.fp8, device_type or _configured_device_type(config.train.device)
+    fp8, device_type = config.train.fp8, device_type or resolve_device(config.train.device, require_visible=False).type
     if fp8 in ("tensorwise", "rowwise"):  # before TP: torchao's plans shard its Float8Linear
         convert_float8(model, fp8, device_type, fsdp_all_gather=uses_fsdp(dims) and device_type == "cuda")
     tp_mesh = dims.submesh("tp")
@@ -54,7 +54,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
     if uses_fsdp(dims):
         mesh = dims.submesh("hsdp") or dims.submesh("fsdp")
         experts = (dims.submesh("ehsdp") or dims.submesh("efsdp"), dims.dp * dims.cp) if ep_mesh is not None else None
-        apply_fsdp(model, mesh, _PARAM_DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload, experts)
+        apply_fsdp(model, mesh, DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload, experts)
     elif dims.dp_replicate > 1:
         model = apply_ddp(model, dims.submesh("dp"))
     return model
@@ -67,7 +67,3 @@ def uses_fsdp(dims: ParallelDims) -> bool:
     return dims.dp_shard * dims.cp > 1 or (dims.dp_replicate > 1 and (dims.tp > 1 or dims.pp > 1))
 
 
-def _configured_device_type(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type

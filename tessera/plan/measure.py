@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from tessera.config import JobConfig
+from tessera.dtypes import DTYPES
 from tessera.errors import ConfigError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)

@@ -52,24 +52,13 @@ from tessera.train.rundir import resolved_config_text, truncate_metrics, write_s
 from tessera.parallel.grads import clip_grads, global_grad_norm
 from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.parallel.activation import compile_enabled, use_inductor_cache
-from tessera.parallel.env import dist_env
+from tessera.dtypes import DTYPES
+from tessera.parallel.env import dist_env, resolve_device
 from tessera.parallel.init import shard_seeds
 from tessera.parallel.scaler import build_grad_scaler
 from tessera.train.distributed import add_replicated, local_value, scalar, setup_parallel, teardown_parallel
 from tessera.train.engine import build_engine
 from tessera.train.loss import FusedHeadLoss, lm_loss
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """``train.device`` as a torch device ("auto" prefers CUDA)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} but no CUDA device is visible; use train.device=cpu")
-    return torch.device(name)
-
 
 MicroBatch = tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor, "torch.Tensor | None"]
 
