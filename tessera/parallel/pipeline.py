@@ -52,6 +52,7 @@ from tessera.model import MoELog, build_model, moe_loss
 from tessera.model.mtp import MTPLog, mtp_losses, mtp_token_counts
 from tessera.model.transformer import OutputFn
 from tessera.plan.stages import stage_split
+from tessera.parallel.loss import LossWeights, MicroBatch, combine_losses, moe_aux_weight
 from tessera.parallel.shared import (
     SharedParameter,
     find_shared,
@@ -98,6 +99,30 @@ class _AttachAux(torch.autograd.Function):
 
 
 @dataclass
+class StageTail:
+    """A micro-batch's metadata travelling after the hidden states from stage to stage (torch's pipelining
+    sends a stage's outputs as positional tensors): its positions and document ids (document masks), the
+    fused loss's targets, MTP's embedded tokens. Which of them travel is fixed for the whole run."""
+
+    documents: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) when the batch has document masks
+    targets: torch.Tensor | None = None  # (B, T, 2) labels and loss mask for the last stage's fused loss
+    embedded: torch.Tensor | None = None  # the embedded input tokens for the last stage's MTP modules
+
+    def pack(self) -> tuple[torch.Tensor, ...]:
+        """The tensors sent after the hidden states, in the order :meth:`unpack` reads them."""
+        embedded = () if self.embedded is None else (self.embedded.view_as(self.embedded),)
+        return self.documents + (() if self.targets is None else (self.targets,)) + embedded
+
+    @classmethod
+    def unpack(cls, tail: tuple[torch.Tensor, ...], targets: bool, embedded: bool) -> StageTail:
+        """The metadata received after the hidden states (``targets``, ``embedded``: whether they travel)."""
+        rest = list(tail)
+        kept = rest.pop() if embedded else None
+        wanted = rest.pop() if targets else None
+        return cls(tuple(rest), wanted, kept)
+
+
+@dataclass
 class StageHooks:
     """What a pipeline adds around one stage model's forward, as hooks from outside.
 
@@ -134,18 +159,16 @@ class StageHooks:
     aux_losses: list[torch.Tensor] = field(default_factory=list)  # this step's weighted MoE losses (detached)
     logs: list[MoELog] = field(default_factory=list)  # this step's training forwards' MoE stats
     _log: MoELog = field(default_factory=MoELog)
-    _extras: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) of the micro-batch in flight
+    _tail: StageTail = field(default_factory=StageTail)  # the metadata of the micro-batch in flight
     vocab_size: int = 0  # an encoder-decoder's: its stages carry token ids and the memory themselves
     mtp: bool = False  # the model has multi-token-prediction modules (on the last stage)
     mtp_active: bool = True  # the last stage runs them (training), else returns the main logits only
-    _embedded: torch.Tensor | None = None  # the micro-batch's embedded tokens, on their way to the last stage
     _mtp_log: MTPLog | None = None
     head_loss: HeadLoss | None = None  # the fused head and loss on the last stage (not for an encoder-decoder)
     vocab: int = 0  # the labels' bound, to keep shape inference's uninitialized targets valid
     label_smoothing: float = 0.0  # this run's (0 in evaluation), for ``head_loss``
     masked: bool = False  # this run's targets carry a loss mask
     split_backward: bool = False  # the schedule runs backward in two passes (input, then weight gradients)
-    _targets: tuple[torch.Tensor, ...] = ()  # the micro-batch's (targets,) on their way to the last stage
 
     def install(self, stage: nn.Module) -> None:
         """Register the hooks on ``stage`` (after it is parallelized)."""
@@ -155,7 +178,7 @@ class StageHooks:
             stage.tok_embeddings.register_forward_hook(self._keep_embeddings)
 
     def _keep_embeddings(self, _module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> None:
-        self._embedded = out.full_tensor() if isinstance(out, DTensor) else out
+        self._tail.embedded = out.full_tensor() if isinstance(out, DTensor) else out
 
     def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
         if self.vocab_size:
@@ -165,30 +188,34 @@ class StageHooks:
         targets = kwargs.get(_TARGETS)  # multi-stage schedules may hand every stage the first one's kwargs
         kwargs = {k: v for k, v in kwargs.items() if k != _TARGETS}
         if self.first:
-            extras = tuple(kwargs[k] for k in _DOCUMENT_KEYS if kwargs.get(k) is not None)
-            if self.head_loss is not None:
-                self._targets = (targets,)
+            documents = tuple(kwargs[k] for k in _DOCUMENT_KEYS if kwargs.get(k) is not None)
+            self._tail = StageTail(documents, targets if self.head_loss is not None else None)
         else:
-            extras = args[1:]
-            if self.mtp:
-                extras, self._embedded = extras[:-1], extras[-1]
-            if self.head_loss is not None:
-                extras, self._targets = extras[:-1], (_valid_targets(extras[-1], self.vocab),)
-            if extras:  # torch's shape inference runs a stage on uninitialized buffers: keep positions valid
-                extras = (extras[0].clamp(0, self.max_len - 1), *extras[1:])
-            kwargs = {**kwargs, **dict(zip(_DOCUMENT_KEYS, extras))}
+            self._tail = self._received_tail(args[1:])
+            kwargs = {**kwargs, **dict(zip(_DOCUMENT_KEYS, self._tail.documents))}
             if self.sp_mesh is not None:
                 x = DTensor.from_local(x, self.sp_mesh, (Shard(1),), run_check=False)
-        self._log, self._extras = MoELog(), extras
+        self._log = MoELog()
         if self.mtp and self.last and self.mtp_active:
-            self._mtp_log = MTPLog(embeddings=self._embedded)
+            self._mtp_log = MTPLog(embeddings=self._tail.embedded)
             kwargs = {**kwargs, "mtp": self._mtp_log}
         if self.last and self.head_loss is not None:
-            targets = self._targets[0]
+            targets = self._tail.targets
             mask = targets[..., 1].bool() if self.masked else None
             output_fn = self.head_loss(targets[..., 0], mask, self.label_smoothing, self.split_backward)
             kwargs = {**kwargs, "output_fn": output_fn}
         return (x,), {**kwargs, "moe_log": self._log}
+
+    def _received_tail(self, tail: tuple[torch.Tensor, ...]) -> StageTail:
+        """The metadata after a later stage's hidden states; torch's shape inference runs a stage on
+        uninitialized buffers, so positions and labels are kept valid."""
+        received = StageTail.unpack(tail, self.head_loss is not None, self.mtp)
+        if received.targets is not None:
+            received.targets = _valid_targets(received.targets, self.vocab)
+        if received.documents:
+            positions, *rest = received.documents
+            received.documents = (positions.clamp(0, self.max_len - 1), *rest)
+        return received
 
     def _received(self, x: torch.Tensor) -> torch.Tensor:
         """An encoder-decoder stage's input from the previous stage, as its model reads it."""
@@ -205,12 +232,11 @@ class StageHooks:
             out = out.to_local()
         out = self._with_aux(out)
         if self.last:
-            self._targets = ()
+            self._tail.targets = None
             if self.head_loss is not None:  # the loss, as a 1-vector: the schedule concatenates outputs
                 out = out.reshape(1)
             return self._with_mtp_logits(out)
-        passed = self._extras + self._targets + ((self._embedded.view_as(self._embedded),) if self.mtp else ())
-        self._embedded, self._targets = None, ()
+        passed, self._tail = self._tail.pack(), StageTail()
         return (out, *passed) if passed else out
 
     def _with_aux(self, out: torch.Tensor) -> torch.Tensor:
@@ -225,7 +251,7 @@ class StageHooks:
 
     def _with_mtp_logits(self, out: torch.Tensor) -> Any:
         """The last stage's logits, followed by each MTP depth's when they ran."""
-        log, self._mtp_log, self._embedded = self._mtp_log, None, None
+        log, self._mtp_log, self._tail.embedded = self._mtp_log, None, None
         return (out, *log.logits) if log is not None and log.logits else out
 
 
@@ -391,14 +417,14 @@ class Pipeline:
         count = labels.numel() if mask is None else mask.sum().double()  # a tensor: no host sync
         scale = count / self._targets.denominator * self._targets.token_scale
         loss = main.sum() if self.fused else self._loss_fn(main, labels, self._targets.label_smoothing, mask)
-        loss = loss * scale
+        shares = []
         if ahead:  # weighted like the main loss: each micro-batch's share of the local batch's depth-k mean
             losses = mtp_losses(ahead, labels, mask, self._loss_fn, self._targets.label_smoothing)
             counts = mtp_token_counts(labels, mask, len(ahead))
             shares = [d * (c / den) for d, c, den in zip(losses, counts, self._targets.mtp_denominators)]
             self._mtp_shares.append([float(_local(share)) for share in shares])  # MTP only: host numbers
-            loss = loss + sum(shares) * (self.mtp_weight / len(ahead))
-        return loss * self._targets.scale
+        # the MoE losses are attached to each stage's output by its hooks (moe_aux_weight per micro-batch)
+        return combine_losses(loss, LossWeights(scale, self.mtp_weight), shares) * self._targets.scale
 
     def metrics(self) -> dict[str, float]:
         """Each MTP depth's loss over the step's local batches (``mtp_loss_1`` ...), then reset; {} without MTP."""
@@ -407,16 +433,9 @@ class Pipeline:
         return out
 
     def _run(
-        self,
-        args: tuple[torch.Tensor, ...],
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor | None,
-        denominator: float,
-        train: bool,
-        model_kwargs: dict[str, torch.Tensor] | None = None,
-        loss_scale: float = 1.0,
-        token_scale: float = 1.0,
+        self, batch: MicroBatch, denominator: float, train: bool, loss_scale: float = 1.0, token_scale: float = 1.0
     ) -> torch.Tensor:
+        args, labels, loss_mask, model_kwargs = batch.args, batch.labels, batch.loss_mask, batch.kwargs
         smoothing = self.label_smoothing if train else 0.0
         self._targets = _Targets(loss_mask is not None, denominator, smoothing, loss_scale, token_scale)
         if train and self.mtp_depth:
@@ -457,14 +476,7 @@ class Pipeline:
         return [log for hooks in self.hooks for log in hooks.logs[-self.microbatches :]]
 
     def step(
-        self,
-        args: tuple[torch.Tensor, ...],
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor | None,
-        grad_accum: int,
-        model_kwargs: dict[str, torch.Tensor] | None = None,
-        loss_scale: float = 1.0,
-        token_scale: float = 1.0,
+        self, batch: MicroBatch, grad_accum: int, loss_scale: float = 1.0, token_scale: float = 1.0
     ) -> torch.Tensor:
         """Forward and backward of one local batch through the pipeline; returns its loss / grad_accum.
 
@@ -475,11 +487,10 @@ class Pipeline:
         loss (context parallelism: this rank's share of the global token mean).
         """
         for hooks in self.hooks:
-            hooks.aux_scale, hooks.grad_scale = 1.0 / (grad_accum * self.microbatches), loss_scale
+            hooks.aux_scale, hooks.grad_scale = moe_aux_weight(grad_accum, self.microbatches), loss_scale
         self._grad_accum = grad_accum
-        tokens = labels.numel() if loss_mask is None else loss_mask.sum().clamp(min=1)
-        denominator = tokens * grad_accum
-        return self._run(args, labels, loss_mask, denominator, True, model_kwargs, loss_scale, token_scale)
+        tokens = batch.tokens() if batch.loss_mask is None else batch.tokens().clamp(min=1)
+        return self._run(batch, tokens * grad_accum, True, loss_scale, token_scale)
 
     def reduce_shared_grads(self) -> None:
         """Sum the gradients of parameters used on several pp ranks (before clipping and stepping)."""
@@ -489,20 +500,14 @@ class Pipeline:
         """Copies of shared parameters this rank leaves out of the global gradient norm."""
         return norm_duplicates(self.shared, self.pp_rank)
 
-    def eval_loss(
-        self,
-        args: tuple[torch.Tensor, ...],
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor | None,
-        model_kwargs: dict[str, torch.Tensor] | None = None,
-    ) -> float:
+    def eval_loss(self, batch: MicroBatch) -> float:
         """The summed (not averaged) token loss of a batch, forward only, on every pp rank."""
-        if labels.shape[0] % self.microbatches:
+        if batch.labels.shape[0] % self.microbatches:
             raise ConfigError(
-                f"an evaluation batch of {labels.shape[0]} sequences per rank is not divisible by "
+                f"an evaluation batch of {batch.labels.shape[0]} sequences per rank is not divisible by "
                 f"parallel.microbatches={self.microbatches}; raise train.eval_batches or the validation split"
             )
-        return self._run(args, labels, loss_mask, 1.0, False, model_kwargs).item()
+        return self._run(batch, 1.0, False).item()
 
 
 def build_pipeline(

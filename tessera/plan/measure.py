@@ -70,7 +70,7 @@ def _step(
 
     from tessera.model.moe import MoELog, moe_loss
     from tessera.parallel import clip_grad_norm
-    from tessera.train.distributed import add_replicated
+    from tessera.parallel.loss import add_replicated
     from tessera.train.loss import FusedHeadLoss, lm_loss
 
     dtype = DTYPES[config.train.dtype]
