@@ -150,6 +150,13 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
+def tp_sharded_modules(block: nn.Module) -> frozenset[str]:
+    """The modules of ``block`` the TP plan splits over the tp ranks (column- or row-parallel), by name in the
+    block: what the planner divides by tp (the plan is stated once, here)."""
+    plan = _present(block, _block_plan(block, sp=False))
+    return frozenset(name for name, style in plan.items() if isinstance(style, (ColwiseParallel, RowwiseParallel)))
+
+
 class SequenceShardInputs(ParallelStyle):
     """Before a multi-token-prediction module: its (hidden, embedded) inputs as Shard(1) DTensors.
 
