@@ -7,6 +7,9 @@ known (the launcher and each training process), so a bad layout fails before any
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from tessera.compat import incompatibilities
 from tessera.config import JobConfig, ModelConfig, ParallelConfig, layer_heads
 from tessera.errors import ConfigError
@@ -14,9 +17,22 @@ from tessera.errors import ConfigError
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
 
 
+def world_size_of(p: Any, dp_shard: int | None = None) -> int:
+    """The processes a layout takes: dp_replicate x dp_shard x cp x tp x pp (``p``: a ``[parallel]`` section,
+    ``ParallelDims`` or a planner ``Layout``; ``dp_shard`` in place of ``p``'s). The one product of the degrees
+    (expert parallelism reuses ranks of dp_shard x cp x tp, so ``ep`` is not a factor)."""
+    shard = p.dp_shard if dp_shard is None else dp_shard
+    return p.dp_replicate * shard * p.cp * p.tp * p.pp
+
+
+def data_parallel_degree(p: Any, dp_shard: int | None = None) -> int:
+    """How many different batches a layout processes at once: dp_replicate x dp_shard."""
+    return p.dp_replicate * (p.dp_shard if dp_shard is None else dp_shard)
+
+
 def resolve_dp_shard(p: ParallelConfig, world_size: int) -> int:
     """``parallel.dp_shard`` for ``world_size`` processes (-1 takes what the other degrees leave)."""
-    others = p.dp_replicate * p.cp * p.tp * p.pp
+    others = world_size_of(p, dp_shard=1)
     dp_shard = p.dp_shard
     if dp_shard == -1:
         if world_size % others:
@@ -25,7 +41,7 @@ def resolve_dp_shard(p: ParallelConfig, world_size: int) -> int:
                 "launch a multiple of that many processes or change the parallel degrees"
             )
         dp_shard = world_size // others
-    if others * dp_shard != world_size:
+    if world_size_of(p, dp_shard) != world_size:
         raise ConfigError(
             f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x cp={p.cp} x tp={p.tp} "
             f"x pp={p.pp} = {others * dp_shard}, but {world_size} process(es) were launched; "
@@ -111,12 +127,13 @@ def check_layout(config: JobConfig, world_size: int | None = None) -> None:
     _check_tensor_parallel(config)
     _check_context_parallel(config)
     dp_shard = resolve_dp_shard(p, world_size) if world_size is not None else p.dp_shard
-    dp = p.dp_replicate * dp_shard if dp_shard != -1 else None
+    dp = data_parallel_degree(p, dp_shard) if dp_shard != -1 else None
     _check_pipeline_plan(config)
     _check_expert_parallel(config, dp_shard)
     if dp is not None:
         _check_batch(config, dp)
-    problems = incompatibilities(config, world_size)
+    resolved = dataclasses.replace(config, parallel=dataclasses.replace(p, dp_shard=dp_shard))
+    problems = incompatibilities(resolved)  # dp_shard resolved here: compat computes no degree product
     if problems:
         raise ConfigError(
             f"unsupported parallel combination: {problems[0]}"

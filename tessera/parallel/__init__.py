@@ -20,7 +20,6 @@ from tessera.parallel.tensor import apply_tensor_parallel
 __all__ = ["ParallelDims", "clip_grad_norm", "parallelize"]
 
 
-
 def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str = "") -> nn.Module:
     """Apply TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to ``model``.
 
@@ -65,5 +64,3 @@ def uses_fsdp(dims: ParallelDims) -> bool:
     sharded, and for plain data parallelism beside TP or PP, where DDP cannot take DTensor
     parameters or per-micro-batch backward: FSDP2 on a (replicate, shard=1) mesh replicates."""
     return dims.dp_shard * dims.cp > 1 or (dims.dp_replicate > 1 and (dims.tp > 1 or dims.pp > 1))
-
-

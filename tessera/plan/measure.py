@@ -33,7 +33,6 @@ from tessera.dtypes import DTYPES
 from tessera.errors import ConfigError
 
 
-
 @dataclass(frozen=True)
 class Measurement:
     """Peak bytes of one rank over a training step, by the tracker's categories."""

@@ -29,7 +29,6 @@ from tessera.model.mla import LatentAttention
 from tessera.parallel.tensor import tp_sharded_modules
 
 
-
 @dataclass(frozen=True)
 class BlockParams:
     """Parameter counts of one transformer block, by how layouts split them."""

@@ -21,7 +21,6 @@ from tessera.train.checkpoint import CheckpointError
 from tessera.train.muon import MuonAdamW
 
 
-
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only: norms, biases and embedding tables get none."""
     embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}

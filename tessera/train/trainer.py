@@ -57,6 +57,7 @@ from tessera.train.distributed import setup_parallel, teardown_parallel
 from tessera.train.steps import ModelLoss, StepParts, TorchSteps, runner_class
 from tessera.train.loss import FusedHeadLoss, lm_loss
 
+
 def resolve_resume(config: JobConfig) -> Path | None:
     """The checkpoint ``train.resume`` points at: newest in the run ("auto"), none, or a path."""
     resume = config.train.resume
@@ -151,8 +152,19 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_nonfinite_skips)
         self.spikes = SpikeGuard.for_train(cfg.train)  # train.on_spike (train/spike.py)
         parts = StepParts(
-            cfg, self.parallel, self.model, self.optimizer, self.scheduler, scaler, loss, self._autocast,
-            self.nonfinite, self.spikes, self.moe_tracker, self.qk_clip, self._extra_metrics,
+            cfg,
+            self.parallel,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            scaler,
+            loss,
+            self._autocast,
+            self.nonfinite,
+            self.spikes,
+            self.moe_tracker,
+            self.qk_clip,
+            self._extra_metrics,
         )
         return runner.create(parts, self.engine, self.pipeline)
 

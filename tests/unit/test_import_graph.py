@@ -179,7 +179,9 @@ def test_the_architecture_pages_import_table_is_the_measured_one():
 def test_the_table_check_fails_on_a_missing_or_extra_import():
     table = render_import_table()
     assert not _table_differences(package_graph(), parse_import_table(table))
-    edited = table.replace("| `train/` | `analysis`, ", "| `train/` | ").replace("| `errors.py` | nothing", "| `errors.py` | `model`")
+    edited = table.replace("| `train/` | `analysis`, ", "| `train/` | ").replace(
+        "| `errors.py` | nothing", "| `errors.py` | `model`"
+    )
     assert edited != table
     assert set(_table_differences(package_graph(), parse_import_table(edited))) >= {"errors"}
 
@@ -211,7 +213,9 @@ def documented_layout() -> set[str]:
 
 def test_the_architecture_page_names_every_package_and_module():
     code = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
-    code |= {p.parent.relative_to(PACKAGE).as_posix() + "/" for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE}
+    code |= {
+        p.parent.relative_to(PACKAGE).as_posix() + "/" for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE
+    }
     named = documented_layout() - {n for n in documented_layout() if n.endswith("__init__.py")}
     assert not code - named, f"docs/ARCHITECTURE.md's Layout does not name: {sorted(code - named)}"
     assert not named - code, f"docs/ARCHITECTURE.md's Layout names what does not exist: {sorted(named - code)}"
