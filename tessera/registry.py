@@ -180,6 +180,27 @@ def used_by_model(m: Any, kind: str) -> list[Any]:
     return [spec for spec in specs(kind) if spec.scope == "model" and spec.uses(m)]
 
 
+def declaration_problems(spec: Spec, layouts: tuple[str, ...]) -> list[str]:
+    """What ``spec`` fails to declare: its checks, its unsupported layouts (each a known layout, with a reason),
+    planner terms for a per-layer component, and a TP plan or a "tp" refusal for kernels and mixers."""
+    where = f"{spec.kind} {spec.name!r}"
+    found = []
+    if spec.checks is None:
+        found.append(f"{where} declares no checks (use () when nothing needs checking)")
+    if spec.unsupported is None:
+        found.append(f"{where} declares no unsupported layouts (use {{}} when every layout works)")
+    for layout, reason in (spec.unsupported or {}).items():
+        if layout not in layouts or not reason.strip():
+            found.append(f"{where}: unsupported layout {layout!r} is not a registered layout or has no reason")
+    if spec.kind in MODEL_KINDS and (spec.terms is None or not callable(spec.terms.flops)):
+        found.append(f"{where} declares no planner terms (Terms(flops=..., memory=...))")
+    elif spec.kind in MODEL_KINDS and not (callable(spec.terms.memory) or spec.terms.memory in (TRACED, "kernel")):
+        found.append(f"{where}: Terms.memory must be a callable, TRACED or 'kernel'")
+    if spec.kind in ("attention_kernel", "mixer") and spec.tp_plan is None and "tp" not in (spec.unsupported or {}):
+        found.append(f"{where} has no tp_plan and does not refuse 'tp'")
+    return found
+
+
 def uses_kernel(name: str) -> Callable[[Any], bool]:
     """``uses`` of a kernel: the model's ``model.attention.kernel`` is ``name``."""
     return lambda m: m.attention.kernel == name

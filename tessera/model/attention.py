@@ -27,7 +27,6 @@ from torch import nn
 from tessera import registry
 from tessera.config import ModelConfig, layer_heads
 from tessera.model import kernels  # noqa: F401  (registers the kernels)
-from tessera.model.kernels.common import attention_flops
 from tessera.model.kernels.common import allowed_mask as _allowed  # noqa: F401  (re-exported)
 from tessera.model.kernels.linear import PerformerFeatures, linear_attention  # noqa: F401  (re-exported)
 from tessera.model.kernels.sdpa import block_sparse_attention  # noqa: F401  (re-exported)
@@ -221,6 +220,11 @@ def scaled_by_layer(module: nn.Module, cfg: ModelConfig, layer_id: int) -> nn.Mo
     return module
 
 
+def kernel_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """An attention layer's score-product FLOPs per token: its kernel's term."""
+    return kernel_spec(cfg.attention.kernel).terms.flops(cfg, seq_len)
+
+
 def _build(cfg: ModelConfig, layer_id: int) -> Attention:
     return scaled_by_layer(Attention(layer_attention_config(cfg, layer_id)), cfg, layer_id)
 
@@ -241,7 +245,7 @@ MIXER = registry.register(
         uses=lambda m: not m.mla.kv_rank and bool(set(m.layer_pattern or "A") & {"A", "G"}),
         unsupported={},
         checks=(),
-        terms=registry.Terms(flops=attention_flops, memory="kernel"),
+        terms=registry.Terms(flops=kernel_flops, memory="kernel"),
         tp_plan=registry.ATTENTION_TP,
         letters={"A": "attention", "G": "global attention"},
         selects=lambda m: not m.mla.kv_rank,

@@ -22,7 +22,6 @@ from torch import nn
 from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require, require_all
-from tessera.model.kernels.common import attention_flops
 from tessera.model.norm import RMSNorm
 
 
@@ -275,8 +274,8 @@ MAMBA_UNSUPPORTED = {
     "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
     "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
 }
-# FLOPs: counted with the attention term of every layer, as before the registry (PaLM's formula).
-MAMBA_TERMS = registry.Terms(flops=attention_flops, memory=registry.TRACED)
+# FLOPs: no score products (PaLM's term); the projections are in 6 * N. Memory: measured by the planner.
+MAMBA_TERMS = registry.Terms(flops=registry.zero, memory=registry.TRACED)
 
 
 def _forward(module: nn.Module, h: torch.Tensor, ctx: object, cache: MambaCache | None, start: int) -> torch.Tensor:

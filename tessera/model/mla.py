@@ -23,8 +23,7 @@ from torch import nn
 from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require, require_all
-from tessera.model.attention import AttnContext, _allowed, scaled_by_layer
-from tessera.model.kernels.common import attention_flops
+from tessera.model.attention import AttnContext, _allowed, kernel_flops, scaled_by_layer
 from tessera.model.norm import RMSNorm
 from tessera.model.position import apply_rope
 
@@ -145,7 +144,7 @@ MIXER = registry.register(
             "values, not the latent cache",
         },
         checks=(check_mla,),
-        terms=registry.Terms(flops=attention_flops, memory=registry.TRACED),
+        terms=registry.Terms(flops=kernel_flops, memory=registry.TRACED),
         letters={"A": "attention", "G": "global attention"},
         selects=lambda m: bool(m.mla.kv_rank),
         attr="attention",

@@ -65,7 +65,7 @@ def _validate_attention(m: ModelConfig) -> None:
     kernels = registry.names("attention_kernel")
     require(
         a.kernel in kernels,
-        f"model.attention.kernel={a.kernel!r} is not a registered kernel; use one of {', '.join(kernels)}",
+        f"model.attention.kernel = {a.kernel!r} is not a registered kernel; use one of {', '.join(map(repr, kernels))}",
     )
     run_checks(m, "attention_kernel")
 

@@ -27,8 +27,9 @@ def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
 
 
 def attention_flops(cfg: Any, seq_len: int) -> float:
-    """Training FLOPs per token of one layer's score and value products (PaLM appendix B: 12 * dim * T)."""
-    return 12.0 * cfg.dim * seq_len
+    """Training FLOPs per token of one layer's score and value products over all ``seq_len`` keys (PaLM
+    appendix B: 12 * H * Q * T, forward and backward; the planner's ModelShape.block_flops counts the same)."""
+    return 12.0 * cfg.n_heads * (cfg.head_dim or cfg.dim // cfg.n_heads) * seq_len
 
 
 def eager_memory(heads: int, q_width: int, kept: float) -> tuple[float, float]:
