@@ -227,7 +227,6 @@ NEVER = {
     "data": {"model", "parallel", "train"},
     "parallel": {"train", "data"},
     "errors": {"*"},
-    "compat": {"*"},
     "dtypes": {"*"},
     "threads": {"*"},
 }
