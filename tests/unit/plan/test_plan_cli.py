@@ -160,7 +160,13 @@ def test_model_flops_never_exceed_the_timed_flops(recipe):
 
 def test_the_command_keeps_the_plans_own_overrides_and_its_stage_split():
     """What the plan was made with (seq_len, a cost-balanced split) reaches the command; the layout's keys win."""
-    user = ["train.batch_size=32", "train.seq_len=4096", "parallel.pp=4", "parallel.layers_per_stage=cost", "train.grad_accum=1"]
+    user = [
+        "train.batch_size=32",
+        "train.seq_len=4096",
+        "parallel.pp=4",
+        "parallel.layers_per_stage=cost",
+        "train.grad_accum=1",
+    ]
     p = plan(load_config("configs/llama3-8b.toml", user), 16, gpu("h100-80gb"))
     staged = next(e for e in p.estimates if e.fits and e.layout.pp == 2)
     words = run_command(p, "configs/llama3-8b.toml", staged, user).split()
