@@ -73,11 +73,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' (FSDP/DDP/TP/PP)",
     },
     "distillation": {
-        "tp": "the KL term needs each position's whole vocabulary, which tensor parallelism shards; use data "
-        "parallelism",
-        "pp": "the teacher's logits would have to reach the pipeline's last stage; use data parallelism",
-        "cp": "the teacher would need the whole sequence; use data parallelism",
-        "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' with data parallelism",
+        "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' (FSDP/DDP/TP/PP/CP)",
     },
     "latent attention": {
         "tp": "the tensor-parallel plan does not cover latent attention's projections",

@@ -88,13 +88,16 @@ class InitSource:
     kind: str  # "HF llama", "tessera checkpoint step_00000100", "DeepSpeed zero-2", ...
     cfg: ModelConfig
     tensors: Any  # a TensorSource, or a _Checkpoint (loaded by DCP)
+    key: str = "train.init_from"  # the config key that named it (messages say it): or train.distill.teacher
 
     def describe(self) -> str:
         """One line for the banner and the model card."""
         return f"{self.path} ({self.kind})"
 
-    def load_into(self, model: nn.Module) -> None:
-        """Overwrite ``model``'s weights (parallelized or not: each rank fills the blocks it holds)."""
+    def load_into(self, model: nn.Module, no_dist: bool = False) -> None:
+        """Overwrite ``model``'s weights (parallelized or not: each rank fills the blocks it holds). ``no_dist``:
+        each rank reads its blocks alone (a model only some ranks hold, like a distillation teacher on the
+        pipeline's last stage, cannot join a load's collectives)."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             set_model_state_dict,
@@ -105,7 +108,7 @@ class InitSource:
             from tessera.train.checkpoint import load_tensors
 
             wanted = {k: v for k, v in state.items() if k in self.tensors.shapes}
-            load_tensors(self.tensors.path, {"model": wanted})
+            load_tensors(self.tensors.path, {"model": wanted}, no_dist)
             set_model_state_dict(model, wanted, options=_partial())
             return
         with torch.no_grad():
@@ -140,28 +143,29 @@ def _is_deepspeed(path: Path) -> bool:
     return (path / "latest").is_file() or (path / "zero").is_dir() or any(path.glob("*optim_states.pt"))
 
 
-def open_source(path: str, recipe: ModelConfig) -> InitSource:
-    """The :class:`InitSource` of ``train.init_from`` (only headers and metadata are read here)."""
+def open_source(path: str, recipe: ModelConfig, key: str = "train.init_from") -> InitSource:
+    """The :class:`InitSource` of ``train.init_from`` (or of ``key``, e.g. ``train.distill.teacher``; only headers
+    and metadata are read here)."""
     where = Path(path)
     if not where.exists():
         raise ConfigError(
-            f"train.init_from='{path}' does not exist; give an HF model directory, a tessera run or checkpoint, or a "
+            f"{key}='{path}' does not exist; give an HF model directory, a tessera run or checkpoint, or a "
             "DeepSpeed checkpoint"
         )
     if is_hf_dir(where):
         from tessera.hf.load import HFSlices
 
         slices = HFSlices(where)
-        return InitSource(where, f"HF {slices.family}", slices.cfg, slices)
+        return InitSource(where, f"HF {slices.family}", slices.cfg, slices, key)
     if where.is_dir() and _is_deepspeed(where):
-        return _deepspeed_source(where, recipe)
+        return dataclasses.replace(_deepspeed_source(where, recipe), key=key)
     from tessera.api import find_checkpoint
     from tessera.train.checkpoint import read_meta
 
     ckpt = find_checkpoint(where)
     meta = read_meta(ckpt)
     cfg = config_from_dict(meta["config"], where=str(ckpt / "meta.json")).model
-    return InitSource(ckpt, f"tessera checkpoint {ckpt.name}", cfg, _Checkpoint(ckpt))
+    return InitSource(ckpt, f"tessera checkpoint {ckpt.name}", cfg, _Checkpoint(ckpt), key)
 
 
 def _hf_config_near(path: Path) -> dict[str, Any] | None:
@@ -230,7 +234,7 @@ def check_tensors(source: InitSource, recipe: ModelConfig) -> None:
     have = set(source.tensors.names())
     missing = [k for k in want if k not in have]
     unexpected = sorted(have - set(want))
-    where = f"train.init_from='{source.path}'"
+    where = f"{source.key}='{source.path}'"
     if missing:
         raise ConfigError(f"{where} lacks tensor(s) {_listed(missing)} of the recipe's model")
     if unexpected:
