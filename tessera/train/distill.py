@@ -11,7 +11,7 @@ It runs in eval mode without gradients on the student's micro-batches:
 
 - data parallelism, FSDP/HSDP: like the student (FSDP shards the teacher too; DDP never wraps it);
 - tensor/sequence parallelism: its logits stay vocab-sharded like the student's, and the KL's log-softmaxes
-  run under ``loss_parallel`` (their max and log-sum-exp are reduced over the tp ranks);
+  reduce their max and log-sum-exp over the tp ranks (DTensor Partial placements, :func:`log_softmax`);
 - context parallelism: the teacher's attention is context-parallel too, each rank distils its own token
   slice, weighted by its share of the global token mean like the cross-entropy;
 - pipeline parallelism: a whole (unsplit) teacher lives on the last stage's ranks only, and runs inside the
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from tessera.config import ConfigError, JobConfig, ModelConfig
 from tessera.layout import check_model_layout
@@ -40,14 +40,25 @@ from tessera.train.init_from import InitSource, check_tensors, open_source
 KEY = "train.distill.teacher"
 
 
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the last dimension, also of a vocab-sharded DTensor (tensor parallelism): its max and
+    its sum of exponentials come out Partial (one per tp rank's shard of the vocabulary) and are reduced over the
+    tp ranks, with DTensor's autograd. (``loss_parallel``'s log-softmax is not used: its backward assumes the
+    NLL loss follows.)"""
+    top = logits.detach().amax(-1, keepdim=True)  # for stability only: the result does not depend on it
+    if isinstance(top, DTensor):
+        top = top.redistribute(placements=[Replicate()] * top.device_mesh.ndim)
+    shifted = logits - top
+    return shifted - shifted.exp().sum(-1, keepdim=True).log()
+
+
 def distill_kl(
     student: torch.Tensor, teacher: torch.Tensor, temperature: float, loss_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Mean over positions (where ``loss_mask`` is true) of KL(teacher || student) of logits (B, T, V) at
-    ``temperature``, in float32. Vocab-sharded DTensor logits (tensor parallelism) need ``loss_parallel``
-    around the call: their log-softmaxes then reduce the max and log-sum-exp over the tp ranks."""
-    log_s = F.log_softmax(student.float() / temperature, dim=-1)
-    log_t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    ``temperature``, in float32; the logits may be vocab-sharded DTensors (see :func:`log_softmax`)."""
+    log_s = log_softmax(student.float() / temperature)
+    log_t = log_softmax(teacher.float() / temperature)
     per_token = (log_t.exp() * (log_t - log_s)).sum(-1)
     if isinstance(per_token, DTensor):  # each tp rank summed its share of the vocabulary: add the shares
         per_token = per_token.full_tensor()
@@ -120,7 +131,9 @@ def _rows(x: Any, rows: torch.Tensor, batch: int) -> Any:
 class Distillation:
     """Mixes each micro-batch's cross-entropy with the KL from the teacher; reports the KL per step.
 
-    ``teacher`` is None on the pipeline ranks without the last stage (they only report zeros)."""
+    ``teacher`` is None on the pipeline ranks without the last stage (they only report zeros). Under a
+    pipeline, ``microbatches``: only each step's last that many loss calls count in the metric (the schedule's
+    shape inference on the first step calls the loss once more, on placeholder activations)."""
 
     def __init__(
         self,
@@ -128,10 +141,12 @@ class Distillation:
         temperature: float,
         alpha: float,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        microbatches: int = 0,
     ) -> None:
         self.teacher, self.temperature, self.alpha, self.autocast = teacher, temperature, alpha, autocast
         self._sum, self._count = 0.0, 0.0
         self._batch: tuple[tuple[Any, ...], dict[str, Any], float] = ((), {}, 1.0)
+        self.microbatches, self._pending = microbatches, []
 
     def _kl(self, logits: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], mask: torch.Tensor | None):
         with torch.no_grad(), self.autocast():
@@ -159,7 +174,13 @@ class Distillation:
 
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], token_scale: float = 1.0) -> None:
         """The local batch a pipeline step is about to run (its last stage picks each micro-batch's rows)."""
+        self._commit()
         self._batch = (args, kwargs, token_scale)
+
+    def _commit(self) -> None:
+        for value, share in self._pending[-self.microbatches :]:
+            self._sum, self._count = self._sum + value, self._count + share
+        self._pending = []
 
     def add_rows(
         self, loss: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None, share: Any
@@ -170,13 +191,13 @@ class Distillation:
         batch = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
         picked = tuple(_rows(a, rows, batch) for a in args), {k: _rows(v, rows, batch) for k, v in kwargs.items()}
         kl = self._kl(logits, *picked, mask)
-        self._sum += scalar(kl) * float(share) * token_scale
-        self._count += float(share)
+        self._pending.append((scalar(kl) * float(share) * token_scale, float(share)))
         return self._mix(loss, kl, 1.0)
 
     def metrics(self) -> dict[str, float]:
         """The mean KL over the micro-batches since the last call (times the token scale: summed over the
         context-parallel ranks and divided by their number it is the whole sequences' mean)."""
+        self._commit()
         out = {"distill_kl": self._sum / max(self._count, 1.0) if self._count else 0.0}
         self._sum, self._count = 0.0, 0.0
         return out

@@ -213,7 +213,8 @@ class Trainer:
             here = self.pipeline is None or self.pipeline.has_last
             teacher = build_teacher(self.teacher_source, cfg, self.parallel) if here else None
             d = cfg.train.distill
-            distill = Distillation(teacher, d.temperature, d.alpha, self._autocast)
+            microbatches = self.pipeline.microbatches if self.pipeline is not None else 0
+            distill = Distillation(teacher, d.temperature, d.alpha, self._autocast, microbatches)
             if self.pipeline is not None and here:
                 self.pipeline.extra_loss = distill.add_rows
         return mtp, distill
@@ -488,8 +489,6 @@ class Trainer:
             weight = parts[2].numel() if parts[3] is None else int(parts[3].sum())  # on the host
             args, kwargs, labels, loss_mask = on_device(parts, self.device)
             if self.pipeline is not None:
-                if self.distill is not None:
-                    self.distill.prepare(args, kwargs, scale)
                 with self.parallel.loss_context(), self._autocast():
                     total += self.pipeline.eval_loss(args, labels, loss_mask, kwargs)
             else:
