@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -249,13 +250,44 @@ def check_tensors(source: InitSource, recipe: ModelConfig) -> None:
             )
 
 
-class _Upcycled:
-    """A dense source seen as an MoE model: every expert (and shared expert) of layer i is layer i's dense FFN."""
+class _CheckpointTensors:
+    """A tessera checkpoint read tensor by tensor (for upcycling's index arithmetic): each read loads the whole
+    tensor on this rank alone (DCP, no collectives) and returns the block; one tensor is resident at a time."""
 
-    def __init__(self, dense: TensorSource, recipe: ModelConfig) -> None:
+    def __init__(self, checkpoint: _Checkpoint) -> None:
+        self.checkpoint, self._name, self._tensor = checkpoint, "", torch.empty(0)
+
+    def names(self) -> list[str]:
+        return self.checkpoint.names()
+
+    def shape(self, name: str) -> torch.Size:
+        return self.checkpoint.shape(name)
+
+    def read(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        from tessera.train.checkpoint import load_tensors
+
+        if name != self._name:
+            tensors = {"model": {name: torch.empty(self.shape(name))}}
+            load_tensors(self.checkpoint.path, tensors, no_dist=True)
+            self._name, self._tensor = name, tensors["model"][name]
+        return _InMemory({name: self._tensor}).read(name, offsets, shape)
+
+
+def expert_noise(seed: int, name: str, expert: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The N(0, 1) draws of expert ``expert`` of stack ``name`` (the same whatever the layout reads of it)."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}/{expert}".encode()))
+    return torch.randn(shape, generator=generator)
+
+
+class _Upcycled:
+    """A dense source seen as an MoE model: every expert (and shared expert) of layer i is layer i's dense FFN;
+    with ``noise`` > 0 each routed expert's copy is multiplied by ``1 + noise * N(0, 1)`` (its own draws, seeded
+    by ``seed``, the layer and the expert) to break the experts' symmetry."""
+
+    def __init__(self, dense: TensorSource, recipe: ModelConfig, noise: float = 0.0, seed: int = 0) -> None:
         from tessera.model.moe import is_moe_layer
 
-        self.dense, self.map = dense, {}
+        self.dense, self.map, self.noise, self.seed = dense, {}, noise, seed
         names = set(dense.names())
         for i in range(recipe.n_layers):
             if not is_moe_layer(recipe, i):
@@ -287,19 +319,28 @@ class _Upcycled:
         if not experts:
             return self.dense.read(ffn, offsets, shape)
         block = self.dense.read(ffn, (offsets[2], offsets[1]), (shape[2], shape[1])).T  # (in, out) of every expert
-        return block.unsqueeze(0).expand(shape[0], -1, -1).contiguous()
+        copies = block.unsqueeze(0).expand(shape[0], -1, -1).contiguous()
+        if self.noise:
+            full = tuple(self.shape(name)[1:])
+            rows, cols = slice(offsets[1], offsets[1] + shape[1]), slice(offsets[2], offsets[2] + shape[2])
+            for i in range(shape[0]):
+                copies[i] *= 1 + self.noise * expert_noise(self.seed, name, offsets[0] + i, full)[rows, cols]
+        return copies
 
 
-def check_source(source: InitSource, recipe: ModelConfig) -> None:
-    """The recipe's ``[model]`` must be the source's (one line: the first differing key), then its tensors must fit."""
+def check_source(source: InitSource, recipe: ModelConfig, noise: float = 0.0, seed: int = 0) -> None:
+    """The recipe's ``[model]`` must be the source's (one line: the first differing key), then its tensors must fit.
+    A dense source into an MoE recipe is upcycled (``noise``, ``seed``: ``train.upcycle_noise``, ``train.seed``)."""
     if is_upcycling(recipe, source.cfg):
-        if isinstance(source.tensors, _Checkpoint):
-            raise ConfigError(
-                f"train.init_from='{source.path}': upcycling a dense model into the recipe's MoE reads an HF directory "
-                "or a DeepSpeed checkpoint; export the tessera run first (tessera convert hf-export RUN DIR)"
-            )
-        source.tensors = _Upcycled(source.tensors, recipe)
-        source.kind += f", upcycled into {recipe.moe.experts} experts"
+        if isinstance(source.tensors, _Checkpoint):  # upcycling's index arithmetic reads tensors by name
+            source.tensors = _CheckpointTensors(source.tensors)
+        source.tensors = _Upcycled(source.tensors, recipe, noise, seed)
+        source.kind += f", upcycled into {recipe.moe.experts} experts" + (f" (noise {noise:g})" if noise else "")
+    elif noise:
+        raise ConfigError(
+            f"train.upcycle_noise={noise:g} perturbs the experts of an upcycled model, but train.init_from="
+            f"'{source.path}' is not a dense source for an MoE recipe; set train.upcycle_noise=0"
+        )
     diff = first_difference(recipe, source.cfg)
     if diff is not None:
         key, ours, theirs = diff
@@ -341,7 +382,7 @@ def check_init_from(config: JobConfig) -> InitSource | None:
     if t.resume == "auto" and own_checkpoint(config) is not None and not t.overwrite:
         return None
     source = open_source(t.init_from, config.model)
-    check_source(source, config.model)
+    check_source(source, config.model, t.upcycle_noise, t.seed)
     check_tokenizer(source, config)
     return source
 

@@ -182,7 +182,7 @@ class Trainer:
         cfg = self.config
         cfg.train.init_from = cfg.train.init_from or str(self.resume_from)
         self.init_source = open_source(cfg.train.init_from, cfg.model)
-        check_source(self.init_source, cfg.model)
+        check_source(self.init_source, cfg.model, cfg.train.upcycle_noise, cfg.train.seed)
         self.resume_from = None
 
     def close(self) -> None:
