@@ -29,7 +29,13 @@ def pair(tmp_path_factory) -> Path:
 
 
 def _overrides(pair: Path, run: Path, cache_dir: Path, *extra: str) -> list[str]:
-    return [*TRAIN, f"data.cache_dir={cache_dir}", f"train.run_dir={run}", f"train.init_from={pair / 'student'}", *extra]
+    return [
+        *TRAIN,
+        f"data.cache_dir={cache_dir}",
+        f"train.run_dir={run}",
+        f"train.init_from={pair / 'student'}",
+        *extra,
+    ]
 
 
 def test_hf_teacher_distils_like_transformers_by_hand(pair, tmp_path, cache_dir):
