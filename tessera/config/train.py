@@ -8,9 +8,9 @@ from typing import Literal
 
 @dataclass
 class DistillConfig:
-    """[train.distill]: knowledge distillation from a teacher run (teacher = "" keeps it off)."""
+    """[train.distill]: knowledge distillation from a teacher model (teacher = "" keeps it off)."""
 
-    teacher: str = ""  # a teacher run or checkpoint directory: distill its logits into this model ("" = off)
+    teacher: str = ""  # an HF model dir or a tessera run/checkpoint, same vocabulary: distill its logits ("" = off)
     temperature: float = 2.0  # both models' logits are divided by this before the softmax
     alpha: float = 0.5  # loss = (1 - alpha) * cross-entropy + alpha * T^2 * KL(teacher||student)
 
