@@ -74,10 +74,13 @@ def test_a_run_teacher_with_another_vocabulary_or_tokenizer_is_refused(tiny_conf
 def test_distillation_under_tp_sp_pp_cp_and_fsdp_equals_one_process(tmp_path, cache_dir):
     """An HF teacher distilled into an HF-initialized student under tp=2 with sequence parallelism, pp=2, cp=2
     and dp_shard=2 (one 2-process world): every step's loss, grad norm and KL, and the final parameter checksums,
-    equal the single-process run (1e-5, fp32)."""
+    equal the single-process run (1e-5, fp32). Under pp=2 and cp=2 the teacher is the same weights as a tessera
+    checkpoint (DCP, read by each rank alone: only the last stage holds it; FSDP shards it over cp)."""
     save_llama(tmp_path / "student")
     hf_import(tmp_path / "student", tmp_path / "imported")
     save_llama(tmp_path / "teacher", seed=1)
+    hf_import(tmp_path / "teacher", tmp_path / "teacher_run")
+    as_run = f"train.distill.teacher={tmp_path / 'teacher_run'}"
     recipe = str(tmp_path / "imported" / "config.toml")
     common = [
         *[o for o in TINY_OVERRIDES if not o.startswith("model.")],
@@ -93,8 +96,8 @@ def test_distillation_under_tp_sp_pp_cp_and_fsdp_equals_one_process(tmp_path, ca
     train(load_config(recipe, [*common, f"train.run_dir={tmp_path / 'single'}"]))
     jobs = {
         "tp2_sp": [recipe, *common, "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
-        "pp2": [recipe, *common, "parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=2"],
-        "cp2": [recipe, *common, "parallel.dp_shard=1", "parallel.cp=2"],
+        "pp2": [recipe, *common, as_run, "parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=2"],
+        "cp2": [recipe, *common, as_run, "parallel.dp_shard=1", "parallel.cp=2"],
         "dp_shard2": [recipe, *common, "parallel.dp_shard=2"],
     }
     torchrun(2, "tests/helpers/dist_init_from.py", str(tmp_path), json.dumps(jobs))
