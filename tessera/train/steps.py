@@ -90,7 +90,7 @@ class ModelLoss:
             main = lm_loss(logits, labels, label_smoothing, mask)
         distill = None
         if self.distill is not None and training:  # never fused: it reads the student's logits
-            distill = lambda loss: self.distill.add(loss, logits, batch.args, batch.kwargs, mask)  # noqa: E731
+            distill = lambda loss: self.distill.add(loss, logits, batch.args, batch.kwargs, mask, token_scale)  # noqa: E731
         depths = mtp.depth_losses(labels, mask) if mtp is not None else []
         aux = moe_loss(moe_log) if moe_log is not None else None  # MoE load-balancing and router z-losses
         weights = LossWeights(token_scale, self.config.train.mtp_loss_weight)
@@ -239,6 +239,8 @@ class PipelineSteps(TorchSteps):
         for _ in range(accum):
             batch = next_batch()
             scale = p.parallel.loss_scale(batch.labels, batch.loss_mask)  # cp: local tokens' share of the global mean
+            if p.loss.distill is not None:  # the last stage picks each micro-batch's rows of this batch
+                p.loss.distill.prepare(batch.args, batch.kwargs, scale)
             with p.parallel.loss_context(), p.autocast():
                 losses.append(self.pipeline.step(batch, accum, self._fp16_scale(), token_scale=scale))
         return losses, []
