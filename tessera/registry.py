@@ -96,12 +96,15 @@ class Spec:
 class KernelSpec(Spec):
     """An attention kernel: ``attend(layer, q, k, v, ctx, dropout) -> out`` with (B, H, Tq, D) queries and
     (B, H_kv, Tk, D) keys/values; ``scores``: it forms a score matrix (takes masks, score biases, windows
-    and document masks); ``state(cfg, head_dim)``: a per-layer module it keeps (``layer.features``) or None."""
+    and document masks); ``state(cfg, head_dim)``: a per-layer module it keeps (``layer.features``) or None;
+    ``pattern``: it brings its own sparsity pattern (model/masks.py draws it), so it cannot serve layers
+    that need plain (global) attention."""
 
     kind: str = "attention_kernel"
     attend: Callable[..., Any]
     scores: bool = True
     state: Callable[..., Any] | None = None
+    pattern: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -251,7 +251,7 @@ class Stack(nn.Module):
         plain sliding-window attention layers keep only the window, in a ring buffer (Longformer/BigBird's
         global and random keys, and 'G' layers, need them all)."""
         spec = self.mask_spec
-        ring = spec.window and spec.causal and spec.kernel not in ("longformer", "bigbird") and spec.window < max_len
+        ring = spec.window and spec.causal and not kernel_spec(spec.kernel).pattern and spec.window < max_len
 
         def cache(layer: TransformerBlock) -> LayerCache:
             if ring and layer.kind == "A" and type(layer.attention) is Attention:
