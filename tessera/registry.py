@@ -34,9 +34,19 @@ Adding a component (see docs/ARCHITECTURE.md, "Adding a component")::
     ))
 
 ``register`` returns the spec and refuses a second spec of the same kind and name; ``get(kind, name)``
-raises ``KeyError`` naming the registered ones; ``specs(kind)`` lists them in registration order (the
-table's order); ``used(config, kind)`` lists the specs a config turns on. The API only grows: fields are
-added with defaults, never renamed.
+raises ``KeyError`` naming the registered ones; ``names(kind)`` and ``specs(kind)`` list them in
+registration order; ``used(job, kind)`` lists the specs a JobConfig turns on, ``used_by_model(m, kind)``
+the model-scoped ones a ModelConfig turns on (``model/rules.py`` runs their ``checks``);
+``declaration_problems(spec, layouts)`` says what a spec fails to declare (tests/unit/test_registry.py).
+:data:`REGISTRY` is the live table (kind -> name -> spec); tests replace an entry with
+``monkeypatch.setitem(REGISTRY[kind], name, dataclasses.replace(spec, ...))``.
+
+Who reads what: ``Attention.attend`` -> ``KernelSpec.attend`` (looked up per call by the layer's
+``kernel``); ``TransformerBlock`` -> ``MixerSpec`` (``model/mixers.mixer_for``); ``compat`` -> every
+spec's ``feature``/``unsupported``/``uses`` and the layouts; ``plan/activations`` -> kernel, mixer and
+FFN ``terms.memory``; ``plan/speed`` and ``train/flops`` -> mixer ``terms.flops``; ``parallel/tensor`` ->
+``tp_plan``; ``python -m tessera.refdoc`` -> docs/reference/components.md and the compatibility tables.
+The API only grows: fields are added with defaults, never renamed.
 """
 
 from __future__ import annotations
