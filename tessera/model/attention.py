@@ -37,6 +37,7 @@ from tessera.model.position import apply_rope
 if TYPE_CHECKING:
     from tessera.model.moe import MoELog
 
+
 def kernel_spec(name: str) -> registry.KernelSpec:
     """The registered attention kernel ``name`` (``model.attention.kernel``)."""
     return registry.get("attention_kernel", name)

@@ -144,8 +144,6 @@ def _validate_moe(m: ModelConfig) -> None:
     run_checks(m, "ffn")
 
 
-
-
 def _validate_mixers(m: ModelConfig) -> None:
     """model.layer_pattern, [model.mamba] and [model.mla]."""
     pattern = m.layer_pattern
