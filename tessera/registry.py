@@ -123,13 +123,16 @@ class MixerSpec(Spec):
     ``selects(cfg)``: among the mixers serving a letter, whether this one builds it; ``attr``: the block's
     attribute (``attention`` or ``mamba``: parameter names stay what checkpoints and HF maps read);
     ``build(cfg, layer_id) -> module``; ``forward(module, h, ctx, cache, start) -> out``;
-    ``new_cache(module, batch, max_len, dtype, device)``; ``has_ffn(cfg)``: a FFN/MoE sublayer follows it."""
+    ``new_cache(module, batch, max_len, dtype, device)``; ``has_ffn(cfg)``: a FFN/MoE sublayer follows it;
+    ``recurrent``: it carries a state along the sequence (Mamba), so speculative decoding cannot rewind it,
+    packed-document masks cannot reset it and left padding would flow into it (those paths refuse it)."""
 
     kind: str = "mixer"
     letters: Mapping[str, str]
     selects: Callable[[Any], bool] = field(default=lambda _: True)
     attr: str = "attention"
     has_ffn: Callable[[Any], bool] = field(default=lambda _: True)
+    recurrent: bool = False
     build: Callable[..., Any]
     forward: Callable[..., Any]
     new_cache: Callable[..., Any]
@@ -212,6 +215,11 @@ def declaration_problems(spec: Spec, layouts: tuple[str, ...]) -> list[str]:
     if spec.kind in ("attention_kernel", "mixer") and spec.tp_plan is None and "tp" not in (spec.unsupported or {}):
         found.append(f"{where} has no tp_plan and does not refuse 'tp'")
     return found
+
+
+def recurrent_layers(layers: Any) -> str:
+    """The table row (``feature``) of the first recurrent mixer among ``layers`` (TransformerBlocks), or ""."""
+    return next((layer.mixer_spec.feature for layer in layers if layer.mixer_spec.recurrent), "")
 
 
 def uses_kernel(name: str) -> Callable[[Any], bool]:

@@ -177,8 +177,9 @@ def _validate_mixers(m: ModelConfig) -> None:
 
 def check_mamba_documents(job: JobConfig) -> None:
     """Packed-document masks need attention layers: a Mamba scan carries state across the boundary."""
+    recurrent = next((s.feature for s in registry.used_by_model(job.model, "mixer") if s.recurrent), "")
     require(
-        not (job.data.document_mask and "M" in job.model.layer_pattern),
-        "data.document_mask cannot reset Mamba layers' state at document boundaries; set data.document_mask=false "
+        not (job.data.document_mask and recurrent),
+        f"data.document_mask cannot reset {recurrent}' state at document boundaries; set data.document_mask=false "
         "or use attention layers only",
     )

@@ -232,9 +232,7 @@ class Stack(nn.Module):
                 "left padding with a sliding-window ring-buffer cache is not supported; generate rows of "
                 "different lengths one at a time"
             )
-        if not kernel_spec(self.cfg.attention.kernel).scores or any(
-            layer.mamba is not None for layer in self.layers.values()
-        ):
+        if not kernel_spec(self.cfg.attention.kernel).scores or registry.recurrent_layers(self.layers.values()):
             raise ValueError(
                 "left padding needs softmax attention in every layer (linear kernels and Mamba layers would carry "
                 "the padding in their state); generate rows of different lengths one at a time"
