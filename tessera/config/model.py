@@ -24,6 +24,7 @@ class AttentionConfig:
     block_size: int = 16  # bigbird block
     random_blocks: int = 1  # bigbird random key blocks per query block
     performer_features: int = 64  # performer random features
+    sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss attention sinks)
     heads_per_layer: str = ""  # query heads per layer, e.g. "4,2,4,2" (pruned models); "" = n_heads in every layer
 
 

@@ -27,6 +27,7 @@ from tessera.config import ModelConfig
 from tessera.model.masks import BlockLayout, MaskSpec
 from tessera.model.norm import RMSNorm
 from tessera.model.position import apply_rope
+from tessera.model.sinks import AttentionSinks, mask_with_sink, sink_sdpa, softmax_with_sink, with_sink_key
 
 if TYPE_CHECKING:
     from tessera.model.moe import MoELog
@@ -89,13 +90,20 @@ class SlidingKVCache:
 
 
 def block_sparse_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, scale: float, dropout: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    scale: float,
+    dropout: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(QK^T)V of (B, H, T, D) queries restricted to ``layout``'s blocks (see masks.block_layout).
 
     Each query block and its gathered key blocks (plus the global keys) form one item of a batched
     sdpa call; the global query rows are one more dense call over all keys. Keys and values may
-    have fewer heads than queries (GQA).
+    have fewer heads than queries (GQA). ``sinks`` (H,) puts each head's sink logit into every
+    softmax (the virtual key of tessera.model.sinks, once per query block).
     """
     b, n, t = layout.block, layout.n_blocks, q.shape[2]
     batch, heads, _, dim = q.shape
@@ -104,14 +112,19 @@ def block_sparse_attention(
     kb, vb = _key_blocks(k, layout, pad), _key_blocks(v, layout, pad)
     mask = layout.mask.expand(batch, *layout.mask.shape[1:]).reshape(batch * n, 1, b, -1)
     gqa = kb.shape[1] != heads
+    if sinks is not None:
+        (qb, kb, vb), mask = with_sink_key(qb, kb, vb, sinks, scale), mask_with_sink(mask)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
     out = out.view(batch, n, heads, b, dim).transpose(1, 2).reshape(batch, heads, n * b, dim)[:, :, :t]
     g = layout.n_global
     if not g:
         return out
-    rows = F.scaled_dot_product_attention(
-        q[:, :, :g], k, v, attn_mask=layout.global_mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
-    )
+    if sinks is not None:
+        rows = sink_sdpa(q[:, :, :g], k, v, sinks, scale, layout.global_mask, dropout=dropout)
+    else:
+        rows = F.scaled_dot_product_attention(
+            q[:, :, :g], k, v, attn_mask=layout.global_mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
+        )
     return torch.cat([rows, out[:, :, g:]], dim=2)
 
 
@@ -241,6 +254,8 @@ class Attention(nn.Module):
             if cfg.attention.kernel == "performer"
             else None
         )
+        # gpt-oss: a learned logit per head in every softmax's denominator (see tessera.model.sinks).
+        self.sinks = AttentionSinks(self.n_heads) if cfg.attention.sinks else None
         # Set only while a tool inspects attention (eager kernel): called with each forward's weights.
         self.weights_observer: Callable[[torch.Tensor], None] | None = None
         # Set only while QK-clip (tessera/train/qk_clip.py) watches the logits: called with q, k and the context.
@@ -282,8 +297,11 @@ class Attention(nn.Module):
         if self.kernel in LINEAR_KERNELS:
             return self._linear(q, k, v, ctx)
         dropout = self.attn_dropout if self.training else 0.0
+        sinks = self.sinks() if self.sinks is not None else None
         if ctx.blocks is not None:
-            return block_sparse_attention(q, k, v, ctx.blocks, self.scale, dropout)
+            return block_sparse_attention(q, k, v, ctx.blocks, self.scale, dropout, sinks)
+        if sinks is not None and self.kernel != "eager":
+            return self._sdpa_with_sinks(q, k, v, ctx, sinks, dropout)
         if self.kernel != "eager":
             gqa = k.shape[1] != q.shape[1]
             if ctx.bias is None:
@@ -320,11 +338,22 @@ class Attention(nn.Module):
         mask = _allowed(ctx, q.shape[2], k.shape[2], q.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        weights = scores.softmax(dim=-1)
+        weights = scores.softmax(dim=-1) if self.sinks is None else softmax_with_sink(scores, self.sinks())
         if self.weights_observer is not None:
             self.weights_observer(weights.detach())
         weights = F.dropout(weights, p=dropout, training=dropout > 0)
         return (weights @ v.float()).to(q.dtype)
+
+    def _sdpa_with_sinks(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, sinks: torch.Tensor, dropout: float
+    ) -> torch.Tensor:
+        """The sdpa kernel with the sink as a virtual key (score biases fold into the mask)."""
+        if ctx.bias is None:
+            return sink_sdpa(q, k, v, sinks, self.scale, ctx.mask, ctx.is_causal, dropout)
+        allowed = _allowed(ctx, q.shape[2], k.shape[2], q.device)
+        bias = ctx.bias.to(q.dtype)
+        mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+        return sink_sdpa(q, k, v, sinks, self.scale, mask, dropout=dropout)
 
     def _linear(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         if ctx.mask is not None or ctx.bias is not None:
