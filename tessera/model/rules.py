@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tessera.config import JobConfig, ModelConfig, MoEConfig
 from tessera.config.checks import require, require_all, require_finite
+from tessera.model.attention_rules import validate_attention_options
 
 
 def validate_model(m: ModelConfig) -> None:
@@ -49,6 +50,7 @@ def validate_model(m: ModelConfig) -> None:
         f"model.mtp_depth (multi-token prediction) is for decoders, not model.arch='{m.arch}'",
     )
     _validate_attention(m)
+    validate_attention_options(m)
     _validate_heads_per_layer(m)
     _validate_position(m)
     _validate_moe(m.moe)

@@ -30,6 +30,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tessera.parallel.head_params import HeadSharded
+
 
 class ReplicateInput(ParallelStyle):
     """Before the module runs, make its first input a replicated DTensor over the tp mesh.
@@ -132,6 +134,8 @@ def _attention_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     out = Shard(1) if sp else Replicate()
     plan = _attention_plan("attention", sp)
+    if getattr(block.attention, "sinks", None) is not None:  # per-head sink logits follow the heads
+        plan["attention.sinks"] = HeadSharded()
     if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input
         plan.update(_attention_plan("cross_attention", sp))
     if sp:
