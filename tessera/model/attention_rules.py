@@ -25,5 +25,6 @@ def validate_attention_options(m: ModelConfig) -> None:
     require(
         a.sliding_window <= m.max_seq_len,
         f"model.attention.sliding_window={a.sliding_window} is larger than the context (model.max_seq_len="
-        f"{m.max_seq_len}); every key would be in the window: set it to at most {m.max_seq_len}, or 0 for full attention",
+        f"{m.max_seq_len}); every key would be in the window: set it to at most {m.max_seq_len}, or 0 for full "
+        "attention",
     )
