@@ -155,3 +155,15 @@ def test_gpt_oss_shaped_decoder_decodes_as_it_reads():
         for layer in model.layers.values():
             layer.attention.sinks.weight.zero_()
         assert (model(tokens) - full).abs().max() > 1e-3
+
+
+def test_pruning_heads_keeps_their_sinks():
+    """Head pruning (tessera.analysis.prune) slices the sinks with the query heads it keeps."""
+    from tessera.analysis.prune import prune_model
+    from tessera.model import build_model
+
+    cfg = model_config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, attention={"sinks": True})
+    model = build_model(cfg)
+    torch.nn.init.normal_(model.layers["1"].attention.sinks.weight)
+    pruned = prune_model(model, {1: [1]})  # layer 1 keeps KV group 1: query heads 2 and 3
+    torch.testing.assert_close(pruned.layers["1"].attention.sinks.weight, model.layers["1"].attention.sinks.weight[2:])
