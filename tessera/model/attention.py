@@ -115,6 +115,7 @@ def block_sparse_attention(
     if sinks is not None:
         (qb, kb, vb), mask = with_sink_key(qb, kb, vb, sinks, scale), mask_with_sink(mask)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    out = out[..., :dim].contiguous()  # a sink's padded value channels dropped (a no-op without sinks)
     out = out.view(batch, n, heads, b, dim).transpose(1, 2).reshape(batch, heads, n * b, dim)[:, :, :t]
     g = layout.n_global
     if not g:

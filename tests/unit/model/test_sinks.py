@@ -118,7 +118,7 @@ def test_cached_decoding_with_sinks_matches_the_full_forward():
 
 def test_the_virtual_key_scores_exactly_the_sink():
     """Each query head's score of the virtual key is its own sink logit (GQA: heads of one group differ)."""
-    q, k, v = torch.randn(2, HEADS, 5, HEAD_DIM), torch.randn(2, KV_HEADS, 5, HEAD_DIM), torch.randn(2, KV_HEADS, 5, 3)
+    q, k, v = (torch.randn(2, h, 5, HEAD_DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
     sinks, scale = torch.tensor([0.5, -1.0, 2.0, 3.0]), 0.3
     q2, k2, v2 = with_sink_key(q, k, v, sinks, scale)
     scores = (q2.view(2, KV_HEADS, 2, 5, -1) @ k2[:, :, None].transpose(-2, -1)) * scale
