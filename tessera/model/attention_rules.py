@@ -1,30 +1,32 @@
-"""The rules of the 2026 attention options (sinks, windows) read against the rest of ``[model]``."""
+"""The sliding window as a registered option: its rule (no wider than the context) and its compatibility row."""
 
 from __future__ import annotations
 
-from tessera.config import ModelConfig
+from typing import Any
+
+from tessera import registry
 from tessera.config.checks import require
 
-# Kernels whose softmax can hold a sink logit (the linear kernels have no softmax to put it in).
-SINK_KERNELS = ("sdpa", "eager", "longformer", "bigbird")
 
-
-def validate_attention_options(m: ModelConfig) -> None:
-    """Sinks only where a softmax holds them; a sliding window no wider than the context."""
+def check_window(m: Any) -> None:
+    """A sliding window no wider than the context (a wider one would hold every key: say 0 for full attention)."""
     a = m.attention
-    require(
-        not a.sinks or a.kernel in SINK_KERNELS,
-        f"model.attention.sinks needs a softmax kernel ({', '.join(SINK_KERNELS)}); model.attention.kernel="
-        f"'{a.kernel}' has no softmax denominator to hold a sink",
-    )
-    require(
-        not a.sinks or not m.mla.kv_rank,
-        "model.attention.sinks is for standard attention; latent attention (model.mla.kv_rank > 0) has no sinks: "
-        "set one of them off",
-    )
     require(
         a.sliding_window <= m.max_seq_len,
         f"model.attention.sliding_window={a.sliding_window} is larger than the context (model.max_seq_len="
         f"{m.max_seq_len}); every key would be in the window: set it to at most {m.max_seq_len}, or 0 for full "
         "attention",
     )
+
+
+SLIDING_WINDOW = registry.register(
+    registry.Spec(
+        kind="option",
+        name="sliding_window",
+        feature="sliding-window attention (per layer with layer_pattern A/G)",
+        keys=("model.attention.sliding_window", "model.layer_pattern"),
+        uses=lambda m: m.attention.sliding_window > 0,
+        unsupported={},
+        checks=(check_window,),
+    )
+)

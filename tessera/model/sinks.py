@@ -15,10 +15,15 @@ query's running log-sum-exp at the sink instead (see :func:`ring_start`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
+
+from tessera import registry
+from tessera.config.checks import require
 
 # Channels the virtual key adds: one, padded to a multiple of 8 (fused GPU kernels take head sizes in 8s).
 _SINK_CHANNELS = 8
@@ -105,3 +110,32 @@ def ring_sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) 
     delta = dout . out, summed over batch and queries (the softmax backward of one more column)."""
     p = torch.exp(sinks.float().view(1, *lse.shape[1:3], 1) - lse)
     return -(p * delta).sum(dim=(0, 3)).reshape(sinks.shape).to(sinks.dtype)
+
+
+def check_sinks(m: Any) -> None:
+    """Sinks need a kernel that forms a softmax over scores, and standard attention (not latent)."""
+    kernel = m.attention.kernel
+    softmax = [name for name in registry.names("attention_kernel") if registry.get("attention_kernel", name).scores]
+    require(
+        kernel in softmax,
+        f"model.attention.sinks needs a softmax kernel ({', '.join(softmax)}); model.attention.kernel='{kernel}' has "
+        "no softmax denominator to hold a sink",
+    )
+    require(
+        not m.mla.kv_rank,
+        "model.attention.sinks is for standard attention; latent attention (model.mla.kv_rank > 0) has no sinks: "
+        "set one of them off",
+    )
+
+
+SPEC = registry.register(
+    registry.Spec(
+        kind="option",
+        name="attention_sinks",
+        feature="attention sinks (gpt-oss)",
+        keys=("model.attention.sinks",),
+        uses=lambda m: m.attention.sinks,
+        unsupported={},
+        checks=(check_sinks,),
+    )
+)
