@@ -76,6 +76,9 @@ class MoEConfig:
     shared_ffn_hidden: int = 0  # hidden width of the shared experts together (0 = shared_experts x ffn_hidden)
     shared_gate: bool = False  # scale the shared experts' output by sigmoid(w . x) (Qwen2-MoE shared_expert_gate)
     ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_biases: bool = False  # biases on every expert projection (gpt-oss)
+    swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU, (clamp(up)+1) * g * sigmoid(1.702 g), g = min(gate, limit)
     jitter: float = 0.0  # training only: the MoE input times U(1 - jitter, 1 + jitter) (Mixtral router_jitter_noise)
 
 
