@@ -68,6 +68,7 @@ def _validate_attention(m: ModelConfig) -> None:
         f"model.attention.kernel = {a.kernel!r} is not a registered kernel; use one of {', '.join(map(repr, kernels))}",
     )
     run_checks(m, "attention_kernel")
+    run_checks(m, "option")
 
 
 def run_checks(m: ModelConfig, kind: str) -> None:

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from tessera import registry
 from tessera.model.ffn import DENSE
+from tessera.parallel.head_params import HeadSharded
 
 
 class ReplicateInput(ParallelStyle):
@@ -139,6 +140,8 @@ def _attention_plan(prefix: str, sp: bool, module: nn.Module) -> dict[str, Paral
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     mixer = block.mixer_spec  # compat refuses tp for a mixer without a TP plan
     plan = {**_styles(mixer.attr, mixer.tp_plan, sp, getattr(block, mixer.attr)), mixer.attr: ReplicateInput(sp)}
+    if getattr(getattr(block, mixer.attr), "sinks", None) is not None:  # per-head sink logits follow the heads
+        plan[f"{mixer.attr}.sinks"] = HeadSharded()
     if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input
         plan.update(_attention_plan("cross_attention", sp, block.cross_attention))
     if sp:
