@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from tessera.errors import ConfigError, UserError
 from tessera.validate import load_config
@@ -505,6 +506,11 @@ def _cmd_lm_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.lm_eval_model import run_lm_eval
 
     raw = args.argv[args.argv.index("lm-eval") + 1 :]  # in the user's order (argparse splits them)
+    if not raw:
+        raise ConfigError(
+            "tessera lm-eval needs lm_eval's arguments, e.g. tessera lm-eval run --model tessera "
+            "--model_args path=runs/smoke --tasks stdlib_next_line"
+        )
     return run_lm_eval(raw, cache_dir())
 
 
@@ -798,9 +804,21 @@ COMMANDS = (
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose own errors (unknown flag, missing argument) are one line and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``tessera: error: <command>: <message> (see --help)`` on one line and exit with code 2."""
+        command = self.prog.removeprefix("tessera").strip()
+        where = f"{command}: " if command else ""
+        text = " ".join(message.split())
+        help_hint = f"tessera {command} --help" if command else "tessera --help"
+        self.exit(2, f"tessera: error: {where}{text} (see {help_hint})\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``tessera`` argument parser with every command registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="tessera",
         description="Pretrain transformer language models, from one CPU to a GPU cluster.",
         allow_abbrev=False,
@@ -833,7 +851,8 @@ def _unknown_flags(parser: argparse.ArgumentParser, extra: list[str]) -> None:
         if name.startswith("--") and "." not in name and not is_value:
             options = [o for p in _all_parsers(parser) for o in p._option_string_actions if o.startswith("--")]
             close = difflib.get_close_matches(name, options, n=1)
-            guess = f" (did you mean '{close[0]}'?)" if close else ""
+            guess = f" (did you mean '{close[0]}'?)" if close and close[0] != name else ""
+            guess = " (an option of another command)" if name in options else guess
             raise ConfigError(
                 f"unknown option '{name}'{guess}; config overrides are written --section.key VALUE or section.key=VALUE"
             )

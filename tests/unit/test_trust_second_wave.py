@@ -318,3 +318,45 @@ def test_deepspeed_import_of_pickles_without_deepspeed_keys(tmp_path, capsys, mo
         "configs/smoke.toml",
     ]
     fails_with(argv, capsys, "does not hold DeepSpeed's checkpoint layout", "optimizer_state_dict")
+
+
+# ---------------------------------------------------------------- argparse's own errors
+
+
+def _parser_paths(parser, path=()):
+    """(command path, parser) for the root parser and every command and action under it."""
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parser_paths(sub, (*path, name))
+
+
+def _argparse_mistakes(parser, path):
+    """Each mistake argparse itself catches for this parser: a missing value, a missing argument, a bad choice."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield [*path, "no-such-action"]
+        elif action.option_strings and action.nargs is None and isinstance(action, argparse._StoreAction):
+            yield [*path, action.option_strings[0]]  # the flag without its value
+    if any(a.required and not a.option_strings and a.nargs != argparse.REMAINDER for a in parser._actions):
+        yield list(path)  # a required positional left out
+
+
+def test_argparse_errors_of_every_command_are_one_line(capsys):
+    from tessera.cli import build_parser
+
+    cases = [m for path, p in _parser_paths(build_parser()) for m in _argparse_mistakes(p, path)]
+    commands = {case[0] for case in cases if case}
+    assert fails_with(["lm-eval"], capsys, "needs lm_eval's arguments")
+    assert len(cases) > 60 and {"train", "generate", "plan", "convert", "launch", "slurm"} <= commands
+    for argv in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("tessera: error: "), (argv, err)
+        assert "usage:" not in err and "--help" in err, (argv, err)
