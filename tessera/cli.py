@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from tessera.errors import ConfigError, UserError
+from tessera.launcher.workers import peer_failed, record_worker_error
 from tessera.validate import load_config
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
@@ -873,7 +874,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _unknown_flags(parser, extra)
         return args.handler(args, extra)
     except UserError as err:
-        print(f"tessera: error: {err}", file=sys.stderr)
+        if not record_worker_error(str(err)):  # a worker under `tessera launch`: the launcher prints it once
+            print(f"tessera: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `tessera config keys | head -1`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail again
@@ -885,3 +887,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tessera: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        if peer_failed():  # another worker stopped on a user error: this one's crash is its echo, not news
+            return 1
+        raise
