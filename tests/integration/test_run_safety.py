@@ -214,10 +214,12 @@ def _unshare_works() -> bool:
 
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs a private mount namespace (unshare -rm) for a small tmpfs")
-def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_tmp(tmp_path, cache_dir):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_tmp(tmp_path, cache_dir, mode):
     disk = tmp_path / "disk"
     disk.mkdir()
-    recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, f"train.run_dir={disk / 'run'}")
+    async_save = f"checkpoint.async={str(mode == 'async').lower()}"
+    recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, f"train.run_dir={disk / 'run'}", async_save)
     script = (
         f"mount -t tmpfs -o size=3m tmpfs {disk} && {sys.executable} -m tessera train {recipe}; "
         f"echo rc=$?; ls -a {disk / 'run' / 'checkpoints'}"
