@@ -886,7 +886,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("tessera: interrupted", file=sys.stderr)
-        return 130
+        from tessera.train.preemption import exit_interrupted
+
+        return exit_interrupted()
     except Exception:
         if peer_failed():  # another worker stopped on a user error: this one's crash is its echo, not news
             return 1

@@ -75,6 +75,7 @@ class AsyncCheckpointer(Checkpointer):
         self.stalled_seconds = 0.0  # time optimizer steps waited for staging (the loop's share of a save)
         self._pending_name = ""
         self._pending_step, self._pending_bytes = 0, 0  # what the save in flight writes (for its error message)
+        self._abandoned = False  # a second Ctrl-C while waiting: the write in flight must not be committed
         self.write_seconds = 0.0  # the last save, from its start to its rename (rank 0) or end of write
         if not self.distributed:  # DCP warns on every single-process save, from the writer thread
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -113,6 +114,8 @@ class AsyncCheckpointer(Checkpointer):
         """Runs on the writer thread once DCP finished: rank 0 writes meta.json, renames, prunes."""
         try:
             written.result()
+            if self._abandoned:
+                raise KeyboardInterrupt  # the user aborted while this was written: it never becomes a checkpoint
             if self.is_main:
                 (tmp / META).write_text(meta)
                 if final.exists():
@@ -151,10 +154,13 @@ class AsyncCheckpointer(Checkpointer):
         """Block until the save in flight is written and renamed (collective); returns its path, or None."""
         if self._pending is None:
             return None
-        self.wait_staged()
         pending, self._pending = self._pending, None
         try:
+            self.wait_staged()
             path = pending.result()
+        except KeyboardInterrupt:
+            self._abandoned = True
+            raise
         except (CheckpointException, OSError, RuntimeError) as err:
             # A full disk reaches torch.save inside DCP as "inline_container.cc: unexpected pos", without an errno.
             free = shutil.disk_usage(self.root).free
