@@ -773,12 +773,22 @@ def _add_plan(sub: Subparsers) -> None:
         action="store_true",
         help="also measure the best measurable layout on fake ranks (real parallelize)",
     )
+    plan.add_argument(
+        "--max-layouts",
+        type=int,
+        default=200_000,
+        help="stop the search after this many layouts (the report says so); a progress line every 5 s",
+    )
 
 
 def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.plan.cli import run_plan
 
-    print(run_plan(args.config, overrides, args.gpus, args.gpu, args.nodes_of, args.top, args.measure))
+    print(
+        run_plan(
+            args.config, overrides, args.gpus, args.gpu, args.nodes_of, args.top, args.measure, args.max_layouts
+        )
+    )
     return 0
 
 

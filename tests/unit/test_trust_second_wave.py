@@ -360,3 +360,22 @@ def test_argparse_errors_of_every_command_are_one_line(capsys):
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("tessera: error: "), (argv, err)
         assert "usage:" not in err and "--help" in err, (argv, err)
+
+
+# ---------------------------------------------------------------- the planner's search is bounded
+
+
+def test_a_million_gpu_plan_stops_at_its_cap_says_what_it_cut_and_shows_progress(capsys, monkeypatch):
+    from tessera.plan import planner
+
+    estimated = []
+    original = planner.estimate
+    monkeypatch.setattr(planner, "estimate", lambda *a, **k: estimated.append(1) or original(*a, **k))
+    monkeypatch.setattr(planner, "PROGRESS_EVERY_S", 0.0)  # a line per layout instead of one per 5 s
+    argv = ["plan", str(REPO / "configs/llama3-8b.toml"), "--gpus", "1048576", "--gpu", "h100-80gb"]
+    assert main([*argv, "train.batch_size=4194304", "--max-layouts", "300"]) == 0
+    out, err = capsys.readouterr()
+    assert len(estimated) <= 300 + 1  # the cap, plus the recipe's own layout
+    assert "note: the search stopped at its cap of 300 layouts (more exist for 1,048,576 GPUs)" in out
+    assert "300 layouts pass tessera's checks" in out and "plan: 300 layouts estimated in " in err
+    fails_with([*argv, "--max-layouts", "0"], capsys, "--max-layouts must be positive")
