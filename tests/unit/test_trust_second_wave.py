@@ -379,3 +379,43 @@ def test_a_million_gpu_plan_stops_at_its_cap_says_what_it_cut_and_shows_progress
     assert "note: the search stopped at its cap of 300 layouts (more exist for 1,048,576 GPUs)" in out
     assert "300 layouts pass tessera's checks" in out and "plan: 300 layouts estimated in " in err
     fails_with([*argv, "--max-layouts", "0"], capsys, "--max-layouts must be positive")
+
+
+# ---------------------------------------------------------------- a DeepSpeed import carries everything
+
+
+def _universal_checkpoint(hf: Path, ds: Path, step: int) -> None:
+    """What an HF Trainer + DeepSpeed run leaves: config.json and tokenizer beside global_stepN/zero/NAME/*.pt."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    folder = ds / f"global_step{step}"
+    for name, tensor in load_file(str(hf / "model.safetensors")).items():
+        (folder / "zero" / name).mkdir(parents=True)
+        torch.save({"param": tensor}, folder / "zero" / name / "fp32.pt")
+        torch.save(tensor * 0.01, folder / "zero" / name / "exp_avg.pt")
+        torch.save(tensor.square() * 0.01, folder / "zero" / name / "exp_avg_sq.pt")
+        torch.save(torch.tensor(float(step)), folder / "zero" / name / "step.pt")
+    for item in hf.iterdir():
+        if item.name != "model.safetensors":
+            shutil.copy(item, ds / item.name)
+    (ds / "latest").write_text(folder.name)
+
+
+def test_deepspeed_import_then_everything(bpe_run, tmp_path, capsys, cache_dir):
+    hf, ds, run = tmp_path / "hf", tmp_path / "ds", tmp_path / "imported"
+    assert main(["convert", "hf-export", str(bpe_run), str(hf)]) == 0
+    _universal_checkpoint(hf, ds, 2)
+    assert main(["convert", "deepspeed-import", str(ds), str(run)]) == 0
+    assert (run / "tokenizer.json").is_file() and (run / "tokenizer_config.json").is_file()
+    assert main(["generate", str(run), "--prompt", "def", "--max-new-tokens", "3"]) == 0
+    assert main(["status", str(run)]) == 0
+    assert main(["convert", "hf-export", str(run), str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "tokenizer.json").is_file()
+    capsys.readouterr()
+    resumed = ["train", str(run / "config.toml"), f"data.cache_dir={cache_dir}", "train.steps=4", "train.eval_every=0"]
+    assert main([*resumed, "data.max_chars=400000", "log.progress=none", "log.every=1", "train.sample_tokens=0"]) == 0
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [3, 4] and (run / "checkpoints" / "step_00000004").is_dir()  # resumed at the imported step 2
