@@ -419,3 +419,23 @@ def test_deepspeed_import_then_everything(bpe_run, tmp_path, capsys, cache_dir):
     assert main([*resumed, "data.max_chars=400000", "log.progress=none", "log.every=1", "train.sample_tokens=0"]) == 0
     steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert steps == [3, 4] and (run / "checkpoints" / "step_00000004").is_dir()  # resumed at the imported step 2
+
+
+# ---------------------------------------------------------------- issue 37: commands that take a run take an HF dir
+
+
+def test_commands_that_take_a_run_read_an_hf_directory_or_say_how_in_one_line(bpe_run, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    assert main(["convert", "hf-export", str(bpe_run), str(hf)]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(hf), "--prompt", "def", "--max-new-tokens", "3", "--greedy"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+    assert main(["inspect", "attention", str(hf), "--text", "def f(x):"]) == 0
+    capsys.readouterr()
+    for argv in (
+        ["convert", "hf-export", str(hf), str(tmp_path / "again")],
+        ["convert", "gqa", str(hf), "--kv-heads", "1", "--out", str(tmp_path / "gqa")],
+        ["prune", "heads", str(hf), "--fraction", "0.5", "--out", str(tmp_path / "pruned")],
+    ):
+        fails_with(argv, capsys, "is an HF", f"tessera convert hf-import {hf} RUN_DIR")
+    assert not (tmp_path / "again").exists() and not (tmp_path / "gqa").exists()
