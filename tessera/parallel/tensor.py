@@ -122,15 +122,16 @@ class LocalHeads(ParallelStyle):
         return module
 
 
-def _styles(prefix: str, tp_plan: dict[str, str], sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
+def _styles(prefix: str, tp_plan: dict[str, str] | None, sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
     """A component spec's TP plan (submodule -> "colwise" | "rowwise", see tessera.registry) as DTensor
-    styles for the submodules ``module`` has; row-parallel outputs reduce to the stream's layout."""
+    styles for the submodules ``module`` has; row-parallel outputs reduce to the stream's layout. A spec
+    without a plan (Mamba: compat refuses tp) splits nothing (what the planner reads)."""
     out = Shard(1) if sp else Replicate()
     make = {
         "colwise": ColwiseParallel,
         "rowwise": lambda: RowwiseParallel(output_layouts=out, use_local_output=not sp),
     }
-    return {f"{prefix}.{name}": make[style]() for name, style in tp_plan.items() if hasattr(module, name)}
+    return {f"{prefix}.{name}": make[style]() for name, style in (tp_plan or {}).items() if hasattr(module, name)}
 
 
 def _attention_plan(prefix: str, sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
