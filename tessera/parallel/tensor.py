@@ -118,22 +118,29 @@ class LocalHeads(ParallelStyle):
         return module
 
 
-def _attention_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
+def _attention_plan(attention: nn.Module, prefix: str, sp: bool) -> dict[str, ParallelStyle]:
     out = Shard(1) if sp else Replicate()
-    return {
+    plan: dict[str, ParallelStyle] = {
         f"{prefix}.q_proj": ColwiseParallel(),
         f"{prefix}.k_proj": ColwiseParallel(),
         f"{prefix}.v_proj": ColwiseParallel(),
         f"{prefix}.o_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
         prefix: ReplicateInput(sp),
     }
+    if getattr(attention, "q_norm", None) is not None and not attention.qk_norm_all:
+        # Per-head QK-norm (Qwen3) runs on this rank's heads (B, H/tp, T, D): its weight is shared by
+        # all heads, so its gradient is a sum over the tp ranks' heads. As a Replicate DTensor over a
+        # head-sharded (dim 1) input, DTensor reduces it; as a plain tensor each rank kept only its part.
+        plan[f"{prefix}.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        plan[f"{prefix}.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    return plan
 
 
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     out = Shard(1) if sp else Replicate()
-    plan = _attention_plan("attention", sp)
+    plan = _attention_plan(block.attention, "attention", sp)
     if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input
-        plan.update(_attention_plan("cross_attention", sp))
+        plan.update(_attention_plan(block.cross_attention, "cross_attention", sp))
     if sp:
         norms = ["attention_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention is not None else [])
         plan.update({name: SequenceParallel() for name in norms})

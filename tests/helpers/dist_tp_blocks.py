@@ -1,6 +1,6 @@
 """Under torchrun (2 ranks): every TP-sharded block's outputs and gradients equal the unsharded block's.
 
-For a dense and a MoE decoder, with and without sequence parallelism, the sharded copy of a
+For a dense and a MoE decoder (the MoE one with Qwen3's per-head QK-norm), with and without sequence parallelism, the sharded copy of a
 model and the original see the same tokens; each block's output (hooked) and every parameter
 gradient are compared after a forward and backward through the loss.
 """
@@ -104,6 +104,7 @@ def main() -> None:
             max_seq_len=32,
             moe_experts=4,
             moe_top_k=2,
+            attention={"qk_norm": True},  # Qwen3-MoE: per-head QK-norm, one weight shared by the tp ranks' heads
             tie_embeddings=False,
         )
         for cfg in (dense, moe):
