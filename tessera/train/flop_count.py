@@ -29,6 +29,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import dataclasses
+import math
+
 import torch
 from torch import nn
 
@@ -107,6 +110,9 @@ def _allowed_pairs(spec: MaskSpec, length: int, rows: int = 1024) -> float:
     attention, else counted by blocks of query rows."""
     if not spec.windowed:
         return length * (length + 1) / 2 if spec.causal else float(length * length)
+    if spec.kernel not in ("longformer", "bigbird") and spec.causal:  # a causal sliding window of w keys
+        w = min(spec.window, length)
+        return w * (w + 1) / 2 + (length - w) * w
     keys = torch.arange(length)[None]
     total = 0
     for start in range(0, length, rows):
@@ -230,17 +236,53 @@ def _recomputed(mode: str, every: int, index: int) -> bool:
     return mode == "full" or (mode == "selective" and index % every == 0)
 
 
+def _repeat(cfg: ModelConfig) -> tuple[int, int] | None:
+    """(first, period): layer ``i >= first`` is built like layer ``first + (i - first) % period`` (MoE every
+    n-th after the dense ones, the layer pattern); None when layers may all differ (heads per layer)."""
+    if cfg.attention.heads_per_layer:
+        return None
+    moe = cfg.moe
+    first = moe.first_dense if moe.experts else 0
+    return first, math.lcm(max(1, moe.every) if moe.experts else 1, max(1, len(cfg.layer_pattern)))
+
+
+def _reduced(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with only as many layers as :func:`_repeat` needs (the same depth modulo the period, so the
+    MTP blocks after the last layer are built alike)."""
+    repeat = _repeat(cfg)
+    if repeat is None:
+        return cfg
+    first, period = repeat
+
+    def depth(n: int) -> int:
+        return n if n <= first + 2 * period else first + period + (n - first) % period
+
+    decoder = depth(cfg.n_decoder_layers) if cfg.n_decoder_layers else 0
+    return dataclasses.replace(cfg, n_layers=depth(cfg.n_layers), n_decoder_layers=decoder)
+
+
+def _depths(model: nn.Module, cfg: ModelConfig) -> list[int]:
+    """The real depth of each stack of ``cfg``'s model, in :func:`_stack_lengths` order."""
+    if hasattr(model, "encoder"):
+        return [cfg.n_layers, cfg.n_decoder_layers or cfg.n_layers]
+    return [cfg.n_layers]
+
+
 def count_model(
     model: nn.Module, cfg: ModelConfig, lengths: Lengths, checkpoint: str = "none", every: int = 2
 ) -> FlopCount:
-    """Forward FLOPs of one sample through ``model`` (a zoo model, any device, meta included), with the
-    recompute of ``checkpoint`` ("none", "full", "selective" every ``every``-th block, "op")."""
+    """Forward FLOPs of one sample through ``cfg``'s model, from ``model`` (a zoo model, any device, meta
+    included; it may hold fewer layers when they repeat, see :func:`_reduced`), with the recompute of
+    ``checkpoint`` ("none", "full", "selective" every ``every``-th block, "op")."""
     count = FlopCount()
     top_k = cfg.moe.top_k if cfg.moe.experts else 0
-    for stack, length in _stack_lengths(model, lengths):
+    first, period = _repeat(cfg) or (0, 1)
+    for (stack, length), depth in zip(_stack_lengths(model, lengths), _depths(model, cfg)):
         main = _masking(stack, stack.mask_spec, length)
         wide = _masking(stack, stack.global_mask_spec, length) if stack.global_mask_spec else main
-        for index, block in enumerate(stack.layers.values()):
+        built = list(stack.layers.values())
+        for index in range(depth):
+            block = built[index] if index < len(built) else built[first + (index - first) % period]
             block = getattr(block, "_checkpoint_wrapped_module", block)
             conv_before = count.executed["mamba_conv"]
             executed = _block(count, block, wide if block.kind == "G" else main, (length, lengths.memory), top_k)
@@ -272,11 +314,20 @@ def _heads(count: FlopCount, model: nn.Module, cfg: ModelConfig, length: int, to
         count.backward.update({f"mtp_{term}": ratio for term, ratio in terms.backward.items()})
 
 
+_COUNTS: dict[tuple[str, int, str, int], FlopCount] = {}
+
+
 def count_config(cfg: ModelConfig, seq_len: int, checkpoint: str = "none", every: int = 2) -> FlopCount:
-    """:func:`count_model` of ``cfg`` built on the meta device, for ``seq_len`` training tokens per sample."""
-    with torch.device("meta"):
-        model = build_model(cfg)
-    return count_model(model, cfg, sample_lengths(cfg, seq_len), checkpoint, every)
+    """:func:`count_model` of ``cfg`` built on the meta device, for ``seq_len`` training tokens per sample
+    (kept per configuration: the planner asks for the same model under many layouts)."""
+    key = (repr(cfg), seq_len, checkpoint, every)
+    if key not in _COUNTS:
+        with torch.device("meta"):
+            model = build_model(_reduced(cfg))
+        if len(_COUNTS) > 64:
+            _COUNTS.clear()
+        _COUNTS[key] = count_model(model, cfg, sample_lengths(cfg, seq_len), checkpoint, every)
+    return _COUNTS[key]
 
 
 def per_token(total: float, seq_len: int) -> float:

@@ -30,7 +30,7 @@ from tessera.model.blocks import block_containers
 from tessera.model.moe import MoELog
 from tessera.model.mtp import MTPLog
 from tessera.parallel.activation import apply_activation_checkpointing
-from tessera.train.flop_count import count_model, sample_lengths
+from tessera.train.flop_count import count_config, count_model, sample_lengths
 from tessera.validate import load_config
 
 RECIPES = sorted(Path("configs/tiny").glob("*.toml"))
@@ -47,6 +47,8 @@ VARIANTS = {
     "mixtral+full_ac": ("mixtral", [], "full"),
     "deepseek_v3+selective_ac": ("deepseek_v3", [], "selective"),
     "jamba+op_ac": ("jamba", [], "op"),
+    "deepseek_v3+8_layers": ("deepseek_v3", ["model.n_layers=8", "model.moe.every=2", "model.mtp_depth=1"], "none"),
+    "jamba+16_layers": ("jamba", ["model.n_layers=16", "model.moe.every=2"], "selective"),
 }
 CASES = {path.stem: (path.stem, [], "none") for path in RECIPES} | VARIANTS
 
@@ -91,3 +93,6 @@ def test_count_matches_flop_counter(case):
     ))
     counted = count_model(model, cfg, lengths, checkpoint, job.parallel.ac_every).hardware_training * BATCH
     assert counted == pytest.approx(measured, rel=RTOL), f"{case}: counted {counted:.4g}, FlopCounterMode {measured:.4g}"
+    # what the trainer and planner use: a meta build of one period of the layers, repeated
+    reduced = count_config(cfg, SEQ, checkpoint, job.parallel.ac_every).hardware_training * BATCH
+    assert reduced == pytest.approx(measured, rel=RTOL), f"{case}: one period counts {reduced:.4g}"
