@@ -11,7 +11,11 @@ from tessera.compat import incompatibilities
 from tessera.config import JobConfig, ModelConfig, ParallelConfig, layer_heads
 from tessera.errors import ConfigError
 
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+# Two stages per rank in a V: rank r runs stage r and stage 2 pp - 1 - r (the last stage sits beside the first).
+V_SCHEDULES = ("zbv", "dualpipev")
+# Input and weight gradients in separate passes (the zero-bubble family): torch.compile cannot split them.
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
 
 
 def resolve_dp_shard(p: ParallelConfig, world_size: int) -> int:
@@ -95,9 +99,19 @@ def pipeline_blocks(m: ModelConfig) -> int:
     return m.n_layers + ((m.n_decoder_layers or m.n_layers) if m.arch == "encoder_decoder" else 0)
 
 
-def local_stage_ids(rank: int, pp: int, v: int) -> list[int]:
-    """The stage indices a pp rank runs, looped: ``rank + k*pp`` for each of its ``v`` stages."""
+def local_stage_ids(rank: int, pp: int, v: int, schedule: str = "1f1b") -> list[int]:
+    """The stage indices a pp rank runs: looped, ``rank + k*pp`` for each of its ``v`` stages, or in a V
+    for the V schedules (``rank`` and ``2 pp - 1 - rank``)."""
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(v)]
+
+
+def stage_rank(stage: int, pp: int, schedule: str = "1f1b") -> int:
+    """The pp rank that runs ``stage`` (the inverse of :func:`local_stage_ids`)."""
+    if schedule in V_SCHEDULES and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
 
 
 def check_layout(config: JobConfig, world_size: int | None = None) -> None:
@@ -264,6 +278,15 @@ def _check_pipeline_plan(config: JobConfig) -> None:
         f"parallel.pp_schedule='{schedule}' runs one stage per rank; "
         "set parallel.pp_virtual_stages=1 or use interleaved_1f1b / interleaved_zb",
     )
+    _require(
+        schedule not in V_SCHEDULES or v == 2,
+        f"parallel.pp_schedule='{schedule}' runs exactly two stages per rank (a V); set parallel.pp_virtual_stages=2 "
+        "(or 0)",
+    )
+    _require(
+        schedule != "dualpipev" or mb >= 2 * p.pp,
+        f"parallel.pp_schedule='dualpipev' needs microbatches >= 2 * pp = {2 * p.pp}, got parallel.microbatches={mb}",
+    )
     _check_stage_split(p, pipeline_blocks(m), p.pp * v, m.arch == "encoder_decoder")
     _require(
         schedule != "1f1b" or mb >= p.pp,
@@ -274,7 +297,7 @@ def _check_pipeline_plan(config: JobConfig) -> None:
         f"parallel.pp_schedule='{schedule}' needs parallel.microbatches to be a multiple of pp={p.pp}, got {mb}",
     )
     _require(
-        not (schedule == "interleaved_zb" and p.compile is True),
+        not (schedule in SPLIT_BACKWARD_SCHEDULES and p.compile is True),
         f"parallel.pp_schedule='{schedule}' splits the backward into input and weight parts, which "
         "torch.compile does not support; use 1f1b or interleaved_1f1b",
     )
