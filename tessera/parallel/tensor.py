@@ -139,7 +139,8 @@ def _qk_norm_plan(prefix: str, module: nn.Module) -> dict[str, ParallelStyle]:
     input, DTensor reduces it; as a plain tensor each rank kept only its part."""
     if getattr(module, "q_norm", None) is None or getattr(module, "qk_norm_all", True):
         return {}
-    return {f"{prefix}.{name}": SequenceParallel(sequence_dim=1, use_local_output=True) for name in ("q_norm", "k_norm")}
+    head_sharded = {name: SequenceParallel(sequence_dim=1, use_local_output=True) for name in ("q_norm", "k_norm")}
+    return {f"{prefix}.{name}": style for name, style in head_sharded.items()}
 
 
 def _attention_plan(prefix: str, sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
