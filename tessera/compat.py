@@ -61,9 +61,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "cp": "which tokens an expert drops depends on their order across the ranks' slices; use "
         "model.moe.capacity_factor=0 (dropless)",
     },
-    "QK-norm over all heads": {
-        "tp": "the norm spans every head's channels, which tensor parallelism splits over ranks",
-    },
+    "QK-norm over all heads": {},
     "Mamba layers": {
         "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
         "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
@@ -79,11 +77,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "cp": "the teacher would need the whole sequence; use data parallelism",
         "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' with data parallelism",
     },
-    "latent attention": {
-        "tp": "the tensor-parallel plan does not cover latent attention's projections",
-        "cp": "context parallelism's attention (all-gather or ring) exchanges standard attention's keys and values, "
-        "not the latent cache",
-    },
+    "latent attention": {},
 }
 
 

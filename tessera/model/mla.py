@@ -95,16 +95,21 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
+        # A sequence split (context parallelism) brings its own core over the other ranks' keys.
+        out = ctx.attend(self, q, k, v, ctx) if ctx.attend is not None else self.attend(q, k, v, ctx)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """The core: (B, H, Tq, nope + rope) queries over (B, H, Tk, .) keys and (B, H, Tk, v_head_dim) values."""
         if self.weights_observer is not None:
             scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
             allowed = _allowed(ctx, q.shape[2], k.shape[2], q.device)
             scores = scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
             self.weights_observer(scores.softmax(dim=-1))
         dropout = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q, k, v, attn_mask=ctx.mask, dropout_p=dropout, is_causal=ctx.is_causal, scale=self.scale
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> LatentCache:
         """An empty latent cache for ``max_len`` positions."""

@@ -30,6 +30,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tessera.model.mla import LatentAttention
+from tessera.parallel.tensor_attention import all_heads_norm_plan, latent_attention_plan
+
 
 class ReplicateInput(ParallelStyle):
     """Before the module runs, make its first input a replicated DTensor over the tp mesh.
@@ -118,7 +121,9 @@ class LocalHeads(ParallelStyle):
         return module
 
 
-def _attention_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
+def _attention_plan(prefix: str, attention: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
+    if isinstance(attention, LatentAttention):
+        return latent_attention_plan(prefix, attention, sp)
     out = Shard(1) if sp else Replicate()
     return {
         f"{prefix}.q_proj": ColwiseParallel(),
@@ -126,14 +131,15 @@ def _attention_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
         f"{prefix}.v_proj": ColwiseParallel(),
         f"{prefix}.o_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
         prefix: ReplicateInput(sp),
+        **all_heads_norm_plan(prefix, attention),
     }
 
 
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     out = Shard(1) if sp else Replicate()
-    plan = _attention_plan("attention", sp)
+    plan = _attention_plan("attention", block.attention, sp)
     if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input
-        plan.update(_attention_plan("cross_attention", sp))
+        plan.update(_attention_plan("cross_attention", block.cross_attention, sp))
     if sp:
         norms = ["attention_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention is not None else [])
         plan.update({name: SequenceParallel() for name in norms})
