@@ -16,6 +16,7 @@ from tessera.config import ModelConfig, layer_heads
 from tessera.model.attention import Attention, AttnContext, KVCache, SlidingKVCache
 from tessera.model.ffn import FeedForward, ffn_hidden_size
 from tessera.model.mamba import MambaCache, build_mamba
+from tessera.model.dsa import latent_attention
 from tessera.model.mla import LatentAttention, LatentCache
 from tessera.model.moe import MoE, is_moe_layer
 from tessera.model.norm import build_norm
@@ -58,7 +59,7 @@ class TransformerBlock(nn.Module):
         else:
             self.attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
             self.attention = (
-                LatentAttention(cfg) if cfg.mla.kv_rank else Attention(layer_attention_config(cfg, layer_id))
+                latent_attention(cfg) if cfg.mla.kv_rank else Attention(layer_attention_config(cfg, layer_id))
             )
             if cfg.attention.scale_by_layer:
                 self.attention.scale /= layer_id + 1
