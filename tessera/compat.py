@@ -78,6 +78,12 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' with data parallelism",
     },
     "latent attention": {},
+    "DeepSeek sparse attention": {
+        "tp": "the sparse core reads kv_b_proj's whole weight (absorbed into the queries); use data, expert or "
+        "pipeline parallelism",
+        "cp": "the indexer's top-k would have to range over every rank's keys; use data, expert or pipeline "
+        "parallelism",
+    },
 }
 
 
@@ -160,6 +166,8 @@ def job_features(config: Any) -> set[str]:
         features.add("Mamba layers")
     if m.mla.kv_rank:
         features.add("latent attention")
+    if m.dsa.topk:
+        features.add("DeepSeek sparse attention")
     if m.mtp_depth:
         features.add("multi-token prediction")
     if config.train.distill.teacher:

@@ -216,7 +216,28 @@ def _validate_mixers(m: ModelConfig) -> None:
             m.position.kind == "rope" and m.attention.kernel in ("sdpa", "eager"),
             "model.mla needs model.position.kind='rope' and model.attention.kernel sdpa or eager",
         )
+    _validate_dsa(m)
     require(0.0 <= m.moe.jitter < 1.0, f"model.moe.jitter must be in [0, 1), got {m.moe.jitter}")
+
+
+def _validate_dsa(m: ModelConfig) -> None:
+    """[model.dsa]: the indexer reads the latent query and rotates its first rope_head_dim channels."""
+    dsa = m.dsa
+    require(dsa.topk >= 0, f"model.dsa.topk must be >= 0 (0 = dense latent attention), got {dsa.topk}")
+    if not dsa.topk:
+        return
+    require(
+        m.mla.kv_rank > 0 and m.mla.q_rank > 0,
+        "model.dsa (sparse attention) runs on latent attention with a query bottleneck: set model.mla.kv_rank and "
+        "model.mla.q_rank",
+    )
+    require_all("model.dsa", dsa, ("index_heads", "index_head_dim"), positive=True)
+    require(
+        dsa.index_head_dim >= m.mla.rope_head_dim,
+        f"model.dsa.index_head_dim={dsa.index_head_dim} must be >= model.mla.rope_head_dim={m.mla.rope_head_dim} "
+        "(the indexer rotates that many channels)",
+    )
+    require(dsa.indexer_loss_coef >= 0, f"model.dsa.indexer_loss_coef must be >= 0, got {dsa.indexer_loss_coef}")
 
 
 def _validate_mamba(m: ModelConfig) -> None:
