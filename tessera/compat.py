@@ -79,10 +79,12 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "latent attention": {},
     "DeepSeek sparse attention": {
-        "tp": "the sparse core reads kv_b_proj's whole weight (absorbed into the queries); use data, expert or "
-        "pipeline parallelism",
-        "cp": "the indexer's top-k would have to range over every rank's keys; use data, expert or pipeline "
-        "parallelism",
+        "tp": "the sparse core reads kv_b_proj's whole weight (absorbed into the queries); use data, expert, "
+        "context or pipeline parallelism",
+    },
+    "DeepSeek sparse attention with cp_method=ring": {
+        "cp": "each query's top-k ranges over every rank's keys, which the ring never holds at once; use "
+        "parallel.cp_method=allgather",
     },
 }
 
@@ -168,6 +170,8 @@ def job_features(config: Any) -> set[str]:
         features.add("latent attention")
     if m.dsa.topk:
         features.add("DeepSeek sparse attention")
+        if p.cp_method == "ring":
+            features.add("DeepSeek sparse attention with cp_method=ring")
     if m.mtp_depth:
         features.add("multi-token prediction")
     if config.train.distill.teacher:

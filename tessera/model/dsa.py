@@ -166,26 +166,58 @@ class SparseLatentAttention(LatentAttention):
         q_rope = apply_rope(q_rope, ctx.cos, ctx.sin)
         k_rope = apply_rope(k_rope[:, None], ctx.cos, ctx.sin)[:, 0]
         # The indexer learns only from its KL term: its inputs are detached from the main model.
-        ix, ix_resid = x.detach(), q_resid.detach()
+        ix = x.detach()
         index_keys = self.indexer.keys(ix, ctx)
         if cache is not None:
             latent, k_rope = cache.update(latent, k_rope, start)
             index_keys = cache.update_index(index_keys, start)
-        allowed = _allowed_3d(ctx, t, latent.shape[1], x.device)
-        iq, iw = self.indexer.queries(ix, ix_resid, ctx)
-        learn = self.training and torch.is_grad_enabled()
-        if self.stage == "warmup" or self.topk >= latent.shape[1]:
-            out = self._dense(q_nope, q_rope, latent, k_rope, ctx)
-            loss = self._dense_kl(q_nope, q_rope, latent, k_rope, allowed, iq, iw, index_keys) if learn else None
-        else:
-            idx, valid = self.indexer.select(iq, iw, index_keys, allowed, self.topk)
-            out, target = self._sparse(q_nope, q_rope, latent, k_rope, idx, valid)
-            loss = _kl(target, self.indexer.scores(iq, iw, gather_tokens(index_keys, idx)), valid) if learn else None
+        queries = (q_nope, q_rope, *self.indexer.queries(ix, q_resid.detach(), ctx))
+        if ctx.attend is None:
+            allowed = _allowed_3d(ctx, t, latent.shape[1], x.device)
+            out, loss = self._core(queries, latent, k_rope, index_keys, allowed)
+        else:  # a split sequence: its attention gathers every rank's keys (packed) and builds the global mask
+            out, loss = self._split_core(queries, latent, k_rope, index_keys, ctx)
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if loss is None:
             return out
         self.last_indexer_loss = loss.detach()
         return AttachLoss.apply(out, loss * self.loss_coef)
+
+    def _core(self, queries, latent, k_rope, index_keys, allowed) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, H, Tq, v_head_dim) attention over the selected (or, in warm-up, all) keys and the indexer's KL
+        (training only)."""
+        q_nope, q_rope, iq, iw = queries
+        learn = self.training and torch.is_grad_enabled()
+        if self.stage == "warmup" or self.topk >= latent.shape[1]:
+            out = self._dense(q_nope, q_rope, latent, k_rope, AttnContext(mask=allowed[:, None]))
+            loss = self._dense_kl(q_nope, q_rope, latent, k_rope, allowed, iq, iw, index_keys) if learn else None
+            return out, loss
+        idx, valid = self.indexer.select(iq, iw, index_keys, allowed, self.topk)
+        out, target = self._sparse(q_nope, q_rope, latent, k_rope, idx, valid)
+        loss = _kl(target, self.indexer.scores(iq, iw, gather_tokens(index_keys, idx)), valid) if learn else None
+        return out, loss
+
+    def _split_core(self, queries, latent, k_rope, index_keys, ctx: AttnContext):
+        """:meth:`_core` under a sequence split (context parallelism, all-gather): the latents, RoPE keys and
+        indexer keys travel as one (B, 1, T, C) "key" through the split's attention, whose mask spans every
+        rank's keys, so each query's top-k is global over the sequence."""
+        widths = [self.kv_rank, self.rope, index_keys.shape[-1]]
+        packed = torch.cat([latent, k_rope, index_keys], dim=-1)[:, None]
+        found: dict[str, torch.Tensor] = {}
+
+        class Gathered:  # stands in for an attention layer: receives the gathered keys and the global mask
+            scale = self.scale
+
+            @staticmethod
+            def attend(_q, keys: torch.Tensor, _v, gctx: AttnContext) -> torch.Tensor:
+                found["keys"], found["mask"] = keys, gctx.mask
+                return _q
+
+        ctx.attend(Gathered, queries[0], packed, packed[..., :1], ctx)
+        mask = found["mask"]
+        allowed = (mask if mask.dtype == torch.bool else mask == 0)[:, 0]
+        latent, k_rope, index_keys = found["keys"][:, 0].split(widths, dim=-1)
+        return self._core(queries, latent, k_rope, index_keys, allowed)
 
     def _dense(self, q_nope, q_rope, latent, k_rope, ctx: AttnContext) -> torch.Tensor:
         """Dense latent attention (the parent's core), (B, H, Tq, v_head_dim)."""

@@ -1,5 +1,6 @@
-"""Latent attention (a tiny DeepSeek-V3 recipe: MLA with a query bottleneck, sigmoid-routed experts) and
-QK-norm over all heads (an OLMo 2-style dense decoder) under tensor, sequence, expert and context
+"""Latent attention (a tiny DeepSeek-V3 recipe: MLA with a query bottleneck, sigmoid-routed experts),
+QK-norm over all heads (an OLMo 2-style dense decoder) and DeepSeek Sparse Attention (the V3 recipe plus
+a lightning indexer, top-k global over the sequence) under tensor, sequence, expert and context
 parallelism match the single-process run: losses and grad norms per step and the final parameters
 (fp32, 1e-5 relative). One 2-process world trains every layout (tests/helpers/dist_variants.py)."""
 
@@ -39,6 +40,9 @@ OLMO2 = [
     "model.attention.qk_norm=true",
     "model.attention.qk_norm_scope=all",
 ]
+# DeepSeek-V3.2: each query attends to the 8 keys (of up to 32) an 8-head lightning indexer picks
+# (enough heads that no two keys tie at an all-zero score: ties break by key order, which cp permutes).
+DSA = ["model.dsa.topk=8", "model.dsa.index_heads=8", "model.dsa.index_head_dim=16"]
 ONE_RANK = ["parallel.dp_shard=1"]
 LAYOUTS = {
     "mla_tp2_sp": [*ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -46,6 +50,7 @@ LAYOUTS = {
     "mla_cp2_allgather": [*ONE_RANK, "parallel.cp=2", "parallel.cp_method=allgather"],
     "mla_cp2_ring": [*ONE_RANK, "parallel.cp=2", "parallel.cp_method=ring"],
     "olmo2_tp2_sp": [*OLMO2, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "dsa_cp2_allgather": [*DSA, *ONE_RANK, "parallel.cp=2", "parallel.cp_method=allgather"],  # global top-k
 }
 
 
@@ -57,6 +62,7 @@ def test_latent_attention_and_all_heads_qk_norm_layouts_match_one_process(tmp_pa
     references = {
         "mla": train(load_config(recipe, [f"train.run_dir={tmp_path}/mla_single"])).run_dir,
         "olmo2": train(load_config(recipe, [*OLMO2, f"train.run_dir={tmp_path}/olmo2_single"])).run_dir,
+        "dsa": train(load_config(recipe, [*DSA, f"train.run_dir={tmp_path}/dsa_single"])).run_dir,
     }
     torchrun(2, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps(LAYOUTS))
     for name in LAYOUTS:
