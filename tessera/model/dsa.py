@@ -31,8 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tessera import registry
 from tessera.config import ModelConfig
-from tessera.model.attention import AttnContext, _allowed
+from tessera.config.checks import require, require_all
+from tessera.model.attention import AttnContext, _allowed, scaled_by_layer
 from tessera.model.mla import LatentAttention, LatentCache
 from tessera.model.position import apply_rope
 
@@ -287,6 +289,71 @@ def freeze_for_indexer_warmup(model: nn.Module) -> None:
         param.requires_grad_(".indexer." in f".{name}")
 
 
-def latent_attention(cfg: ModelConfig) -> LatentAttention:
-    """The latent attention of ``cfg``: sparse (DSA) when ``model.dsa.topk`` is set, else dense MLA."""
-    return SparseLatentAttention(cfg) if cfg.dsa.topk else LatentAttention(cfg)
+
+def check_dsa(m: ModelConfig) -> None:
+    """[model.dsa]: the indexer reads the latent query and rotates its first rope_head_dim channels."""
+    dsa = m.dsa
+    require(dsa.topk > 0, f"model.dsa.topk must be >= 0 (0 = dense latent attention), got {dsa.topk}")
+    require(
+        m.mla.kv_rank > 0 and m.mla.q_rank > 0,
+        "model.dsa (sparse attention) runs on latent attention with a query bottleneck: set model.mla.kv_rank and "
+        "model.mla.q_rank",
+    )
+    require_all("model.dsa", dsa, ("index_heads", "index_head_dim"), positive=True)
+    require(
+        dsa.index_head_dim >= m.mla.rope_head_dim,
+        f"model.dsa.index_head_dim={dsa.index_head_dim} must be >= model.mla.rope_head_dim={m.mla.rope_head_dim} "
+        "(the indexer rotates that many channels)",
+    )
+    require(dsa.indexer_loss_coef >= 0, f"model.dsa.indexer_loss_coef must be >= 0, got {dsa.indexer_loss_coef}")
+
+
+def _sparse_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Per token: the score and value products over ``topk`` keys (not the causal average), and the indexer's
+    scores over every key (one head-dim product per indexer head, forward and backward of its KL)."""
+    keys = min(cfg.dsa.topk, seq_len)
+    qk, heads = cfg.mla.nope_head_dim + cfg.mla.rope_head_dim, cfg.n_heads
+    attention = 6 * heads * keys * (qk + cfg.mla.v_head_dim)
+    return attention + 6 * cfg.dsa.index_heads * cfg.dsa.index_head_dim * seq_len / 2
+
+
+def _build(cfg: ModelConfig, layer_id: int) -> SparseLatentAttention:
+    return scaled_by_layer(SparseLatentAttention(cfg), cfg, layer_id)
+
+
+MIXER = registry.register(
+    registry.MixerSpec(
+        name="sparse_latent",
+        feature="DeepSeek sparse attention",
+        keys=("model.dsa", "model.mla"),
+        uses=lambda m: bool(m.mla.kv_rank and m.dsa.topk),
+        unsupported={
+            "tp": "the sparse core reads kv_b_proj's whole weight (absorbed into the queries); use data, expert, "
+            "context or pipeline parallelism",
+        },
+        checks=(check_dsa,),
+        terms=registry.Terms(flops=_sparse_flops, memory=registry.TRACED),
+        letters={"A": "attention", "G": "global attention"},
+        selects=lambda m: bool(m.mla.kv_rank and m.dsa.topk),
+        attr="attention",
+        build=_build,
+        forward=lambda module, h, ctx, cache, start: module(h, ctx, cache, start),
+        new_cache=lambda module, batch, max_len, dtype, device: module.new_cache(batch, max_len, dtype, device),
+    )
+)
+
+RING = registry.register(
+    registry.Spec(
+        kind="option",
+        name="dsa_ring",
+        feature="DeepSeek sparse attention with cp_method=ring",
+        keys=("model.dsa.topk", "parallel.cp_method"),
+        scope="job",
+        uses=lambda job: bool(job.model.dsa.topk) and job.parallel.cp_method == "ring",
+        unsupported={
+            "cp": "each query's top-k ranges over every rank's keys, which the ring never holds at once; use "
+            "parallel.cp_method=allgather",
+        },
+        checks=(),
+    )
+)
