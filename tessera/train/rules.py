@@ -25,6 +25,9 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
         f"train.device={t.device!r} must be auto, cpu or cuda",
     )
     require(t.threads >= 0, f"train.threads must be >= 0 (0 = auto), got {t.threads}")
+    require(
+        0 <= t.upcycle_noise < float("inf"), f"train.upcycle_noise must be a finite number >= 0, got {t.upcycle_noise}"
+    )
     require(t.mtp_loss_weight >= 0, f"train.mtp_loss_weight must be >= 0, got {t.mtp_loss_weight}")
     require(t.distill.temperature > 0, f"train.distill.temperature must be positive, got {t.distill.temperature}")
     require(0.0 <= t.distill.alpha <= 1.0, f"train.distill.alpha must be in [0, 1], got {t.distill.alpha}")
