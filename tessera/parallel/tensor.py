@@ -30,6 +30,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tessera import registry
+from tessera.model.ffn import DENSE
+from tessera.parallel.head_params import HeadSharded
 from tessera.model.mla import LatentAttention
 from tessera.parallel.tensor_attention import all_heads_norm_plan, latent_attention_plan
 
@@ -121,25 +124,33 @@ class LocalHeads(ParallelStyle):
         return module
 
 
-def _attention_plan(prefix: str, attention: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
-    if isinstance(attention, LatentAttention):
-        return latent_attention_plan(prefix, attention, sp)
+def _styles(prefix: str, tp_plan: dict[str, str], sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
+    """A component spec's TP plan (submodule -> "colwise" | "rowwise", see tessera.registry) as DTensor
+    styles for the submodules ``module`` has; row-parallel outputs reduce to the stream's layout."""
     out = Shard(1) if sp else Replicate()
-    return {
-        f"{prefix}.q_proj": ColwiseParallel(),
-        f"{prefix}.k_proj": ColwiseParallel(),
-        f"{prefix}.v_proj": ColwiseParallel(),
-        f"{prefix}.o_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
-        prefix: ReplicateInput(sp),
-        **all_heads_norm_plan(prefix, attention),
+    make = {
+        "colwise": ColwiseParallel,
+        "rowwise": lambda: RowwiseParallel(output_layouts=out, use_local_output=not sp),
     }
+    return {f"{prefix}.{name}": make[style]() for name, style in tp_plan.items() if hasattr(module, name)}
+
+
+def _attention_plan(prefix: str, sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
+    return {**_styles(prefix, registry.ATTENTION_TP, sp, module), prefix: ReplicateInput(sp)}
 
 
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
-    out = Shard(1) if sp else Replicate()
-    plan = _attention_plan("attention", block.attention, sp)
+    mixer = block.mixer_spec  # compat refuses tp for a mixer without a TP plan
+    module = getattr(block, mixer.attr)
+    if isinstance(module, LatentAttention):  # heads split after the low-rank projections
+        plan = latent_attention_plan(mixer.attr, module, sp)
+    else:
+        plan = {**_styles(mixer.attr, mixer.tp_plan, sp, module), mixer.attr: ReplicateInput(sp)}
+        plan.update(all_heads_norm_plan(mixer.attr, module))  # QK-norm over all heads: statistics over the ranks
+    if getattr(getattr(block, mixer.attr), "sinks", None) is not None:  # per-head sink logits follow the heads
+        plan[f"{mixer.attr}.sinks"] = HeadSharded()
     if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input
-        plan.update(_attention_plan("cross_attention", block.cross_attention, sp))
+        plan.update(_attention_plan("cross_attention", sp, block.cross_attention))
     if sp:
         norms = ["attention_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention is not None else [])
         plan.update({name: SequenceParallel() for name in norms})
@@ -148,10 +159,7 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
             plan["moe"] = ReplicatedRegion()
         return plan
     ffn = block.feed_forward
-    plan["feed_forward.up_proj"] = ColwiseParallel()
-    plan["feed_forward.down_proj"] = RowwiseParallel(output_layouts=out, use_local_output=not sp)
-    if getattr(ffn, "gate_proj", None) is not None:
-        plan["feed_forward.gate_proj"] = ColwiseParallel()
+    plan.update(_styles("feed_forward", DENSE.tp_plan, sp, ffn))
     plan["feed_forward"] = ReplicateInput(sp)
     return plan
 
