@@ -117,6 +117,21 @@ class MLAConfig:
 
 
 @dataclass
+class DSAConfig:
+    """[model.dsa]: DeepSeek Sparse Attention (DeepSeek-V3.2) on top of [model.mla].
+
+    A lightning indexer scores every key for each query; the query attends to its ``topk`` best. The
+    indexer learns from a KL term against the main attention's distribution (its inputs detached).
+    """
+
+    topk: int = 0  # index_topk: keys each query attends to; 0 keeps dense latent attention
+    index_heads: int = 64  # index_n_heads
+    index_head_dim: int = 128  # index_head_dim (its first rope_head_dim channels are rotated)
+    stage: Literal["warmup", "sparse"] = "sparse"  # warmup: dense attention, only the indexer trains
+    indexer_loss_coef: float = 1.0  # weight of the indexer's KL loss (its gradient reaches only the indexer)
+
+
+@dataclass
 class ModelConfig:
     """Architecture of the transformer (the zoo picks components from these names)."""
 
@@ -157,6 +172,7 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     mamba: MambaConfig = field(default_factory=MambaConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
+    dsa: DSAConfig = field(default_factory=DSAConfig)
 
 
 def layer_heads(m: ModelConfig) -> list[int]:

@@ -289,6 +289,7 @@ def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
     drop |= {"mamba.head_dim", "mamba.groups"} if cfg.mamba.version == 1 else {"mamba.dt_rank", "mamba.dt_norm"}
     if not cfg.mla.kv_rank:
         drop.add("mla.")
+    drop |= {"dsa."} if not cfg.dsa.topk else {"dsa.indexer_loss_coef"}
     if not cfg.moe.experts:
         drop.add("moe.")
     if not cfg.attention.qk_norm:
@@ -317,7 +318,7 @@ def detect_family(cfg: ModelConfig) -> str:
     if "M" in kinds:
         return "jamba" if kinds != {"M"} or cfg.mamba.ffn else "mamba2" if cfg.mamba.version == 2 else "mamba"
     if cfg.mla.kv_rank:
-        return "deepseek_v3"
+        return "deepseek_v32" if cfg.dsa.topk else "deepseek_v3"
     if cfg.moe.experts:
         return _moe_family(cfg)
     if cfg.position.kind == "learned":
@@ -369,6 +370,8 @@ def save_hf(model: nn.Module, path: str | Path, family: str | None = None) -> st
     hf_config, family = export_config(cfg, family)
     state = {k: v.float() for k, v in model.state_dict().items()}
     tensors = _to_hf_tensors(FAMILIES[family].rules(cfg, family), state)
+    if FAMILIES[family].finish is not None:
+        FAMILIES[family].finish(cfg, tensors)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

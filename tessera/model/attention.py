@@ -267,7 +267,7 @@ QK_NORM_ALL = registry.register(
         feature="QK-norm over all heads",
         keys=("model.attention.qk_norm", "model.attention.qk_norm_scope"),
         uses=lambda m: m.attention.qk_norm and m.attention.qk_norm_scope == "all",
-        unsupported={"tp": "the norm spans every head's channels, which tensor parallelism splits over ranks"},
+        unsupported={},  # under tp its statistics are reduced over the ranks (parallel/tensor_attention.py)
         checks=(),
     )
 )

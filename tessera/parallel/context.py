@@ -212,7 +212,7 @@ class RingAttention(torch.autograd.Function):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         b, hkv = k.shape[:2]
         q5 = q.float().view(b, hkv, -1, *q.shape[2:])
-        out = torch.zeros_like(q5)
+        out = q5.new_zeros(*q5.shape[:-1], v.shape[-1])  # values may be narrower than keys (latent attention)
         lse = torch.full(q5.shape[:-1], float("-inf"), device=q.device)
         if sinks is not None:
             lse = ring_start(sinks, lse.shape)
@@ -234,14 +234,14 @@ class RingAttention(torch.autograd.Function):
                 kk, vv = wait()
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.step_mask, ctx.scale, ctx.group = step_mask, scale, group
-        return out.view_as(q).to(q.dtype)
+        return out.view(*q.shape[:-1], v.shape[-1]).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):
         """A second ring pass recomputing each block's probabilities from the saved log-sum-exp."""
         q, k, v, out, lse, sinks = ctx.saved_tensors
         rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        q5 = q.float().view_as(out)
+        q5 = q.float().view(*out.shape[:-1], q.shape[-1])
         dout5 = dout.float().view_as(out)
         delta = (dout5 * out).sum(-1)
         dq = torch.zeros_like(q5)

@@ -33,6 +33,8 @@ from torch.distributed.tensor.parallel import (
 from tessera import registry
 from tessera.model.ffn import DENSE
 from tessera.parallel.head_params import HeadSharded
+from tessera.model.mla import LatentAttention
+from tessera.parallel.tensor_attention import all_heads_norm_plan, latent_attention_plan
 
 
 class ReplicateInput(ParallelStyle):
@@ -150,8 +152,13 @@ def _attention_plan(prefix: str, sp: bool, module: nn.Module) -> dict[str, Paral
 
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     mixer = block.mixer_spec  # compat refuses tp for a mixer without a TP plan
-    plan = {**_styles(mixer.attr, mixer.tp_plan, sp, getattr(block, mixer.attr)), mixer.attr: ReplicateInput(sp)}
-    plan.update(_qk_norm_plan(mixer.attr, getattr(block, mixer.attr)))
+    module = getattr(block, mixer.attr)
+    if isinstance(module, LatentAttention):  # heads split after the low-rank projections
+        plan = latent_attention_plan(mixer.attr, module, sp)
+    else:
+        plan = {**_styles(mixer.attr, mixer.tp_plan, sp, module), mixer.attr: ReplicateInput(sp)}
+        plan.update(all_heads_norm_plan(mixer.attr, module))  # QK-norm over all heads: statistics over the ranks
+        plan.update(_qk_norm_plan(mixer.attr, module))  # per-head QK-norm: its weight's gradient over the ranks
     if getattr(getattr(block, mixer.attr), "sinks", None) is not None:  # per-head sink logits follow the heads
         plan[f"{mixer.attr}.sinks"] = HeadSharded()
     if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input

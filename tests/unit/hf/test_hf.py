@@ -100,6 +100,29 @@ def _deepseek(**kw) -> transformers.PreTrainedModel:
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
+def _deepseek_v32() -> transformers.PreTrainedModel:
+    """DeepSeek Sparse Attention: each query attends to the 8 keys (of up to 28) its lightning indexer picks."""
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        index_topk=8,
+        index_n_heads=4,
+        index_head_dim=16,
+        max_position_embeddings=128,
+        **_DEEPSEEK_MOE,
+    )
+    return transformers.DeepseekV32ForCausalLM(cfg)
+
+
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 # DeepSeek-V3 routing: sigmoid scores, 2 groups of which the best 1 is searched, scaled weights, a shared expert
 _DEEPSEEK_MOE = dict(
@@ -197,6 +220,7 @@ HF_MODELS = {
         transformers.Qwen2MoeConfig(**_LLAMA_LIKE, **_QWEN_MOE, shared_expert_intermediate_size=24)
     ),
     "deepseek_v3_moe": lambda: _deepseek(q_lora_rank=16, **_DEEPSEEK_MOE),
+    "deepseek_v32": _deepseek_v32,
     "deepseek_v3_yarn": lambda: _deepseek(
         q_lora_rank=16,
         rope_parameters={
