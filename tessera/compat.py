@@ -68,6 +68,11 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
         "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
     },
+    "Gated DeltaNet layers": {
+        "tp": "the tensor-parallel plan does not shard the Gated DeltaNet mixer yet (heads and convolution channels)",
+        "cp": "the delta-rule state is not passed between context-parallel ranks yet",
+    },
+    "gated attention": {},
     "multi-token prediction": {
         "cp": "the MTP modules read the tokens ahead of each position, which context parallelism puts on other ranks",
         "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' (FSDP/DDP/TP/PP)",
@@ -164,6 +169,10 @@ def job_features(config: Any) -> set[str]:
         features.add("QK-norm over all heads")
     if "M" in m.layer_pattern:
         features.add("Mamba layers")
+    if "D" in m.layer_pattern:
+        features.add("Gated DeltaNet layers")
+    if m.attention.output_gate:
+        features.add("gated attention")
     if m.mla.kv_rank:
         features.add("latent attention")
     if m.mtp_depth:

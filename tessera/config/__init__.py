@@ -19,6 +19,7 @@ from tessera.config.job import SECTIONS, JobConfig
 from tessera.config.load import config_from_data, model_config, override_config, parse_overrides, read_config
 from tessera.config.model import (
     AttentionConfig,
+    GatedDeltaNetConfig,
     MambaConfig,
     MLAConfig,
     ModelConfig,
@@ -48,6 +49,7 @@ __all__ = [
     "JobConfig",
     "LogConfig",
     "MLAConfig",
+    "GatedDeltaNetConfig",
     "MambaConfig",
     "ModelConfig",
     "MoEConfig",

@@ -1,4 +1,5 @@
-"""One block: a mixer (attention, latent attention or Mamba), optional cross-attention, then a dense FFN or MoE.
+"""One block: a mixer (attention, latent attention, Mamba or Gated DeltaNet), optional cross-attention, then a
+dense FFN or MoE.
 
 Pre-norm (``x + f(norm(x))``, GPT-2/Llama/T5) or post-norm (``norm(x + f(x))``, BERT). Which mixer
 a layer gets is the letter of ``model.layer_pattern`` at its index (see :func:`layer_kind`).
@@ -15,6 +16,7 @@ from torch import nn
 from tessera.config import ModelConfig, layer_heads
 from tessera.model.attention import Attention, AttnContext, KVCache, SlidingKVCache
 from tessera.model.ffn import FeedForward, ffn_hidden_size
+from tessera.model.gated_deltanet import GatedDeltaNet
 from tessera.model.mamba import MambaCache, build_mamba
 from tessera.model.mla import LatentAttention, LatentCache
 from tessera.model.moe import MoE, is_moe_layer
@@ -24,7 +26,8 @@ LayerCache = KVCache | SlidingKVCache | LatentCache | MambaCache
 
 
 def layer_kind(cfg: ModelConfig, layer_id: int) -> str:
-    """The ``model.layer_pattern`` letter of layer ``layer_id``: A (attention), G (global attention), M (Mamba)."""
+    """The ``model.layer_pattern`` letter of layer ``layer_id``: A (attention), G (global attention), M (Mamba),
+    D (Gated DeltaNet)."""
     pattern = cfg.layer_pattern or "A"
     return pattern[layer_id % len(pattern)]
 
@@ -42,19 +45,22 @@ def layer_attention_config(cfg: ModelConfig, layer_id: int) -> ModelConfig:
 class TransformerBlock(nn.Module):
     """A mixer (+ cross-attention) and a feed-forward sublayer with residuals and dropout.
 
-    Attention layers hold ``attention_norm``/``attention``; Mamba layers ``mamba_norm``/``mamba``
-    (the others are None). ``moe`` or ``feed_forward`` is the FFN; a Mamba layer without one
-    (``[model.mamba].ffn = false``, as in Mamba itself) has neither.
+    Attention layers hold ``attention_norm``/``attention``; Mamba layers ``mamba_norm``/``mamba``; Gated
+    DeltaNet layers ``gdn_norm``/``gdn`` (the others are None). ``moe`` or ``feed_forward`` is the FFN; a
+    Mamba layer without one (``[model.mamba].ffn = false``, as in Mamba itself) has neither.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0, cross: bool = False) -> None:
         super().__init__()
         self.kind = layer_kind(cfg, layer_id)
         self.post_norm = cfg.norm_position == "post"
-        self.attention_norm = self.attention = self.mamba_norm = self.mamba = None
+        self.attention_norm = self.attention = self.mamba_norm = self.mamba = self.gdn_norm = self.gdn = None
         if self.kind == "M":
             self.mamba_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
             self.mamba = build_mamba(cfg)
+        elif self.kind == "D":
+            self.gdn_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
+            self.gdn = GatedDeltaNet(cfg)
         else:
             self.attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
             self.attention = (
@@ -98,6 +104,8 @@ class TransformerBlock(nn.Module):
         """The block applied to ``x`` (B, T, dim); ``memory`` is the encoder output for cross-attention."""
         if self.mamba is not None:
             x = self._sublayer(x, self.mamba_norm, lambda h: self.mamba(h, cache, start))
+        elif self.gdn is not None:
+            x = self._sublayer(x, self.gdn_norm, lambda h: self.gdn(h, cache, start, ctx.document_ids))
         else:
             x = self._sublayer(x, self.attention_norm, lambda h: self.attention(h, ctx, cache, start))
         if self.cross_attention is not None:
@@ -116,6 +124,8 @@ class TransformerBlock(nn.Module):
         """An empty decoding cache of this layer's mixer (KV, latent or SSM state) for ``max_len`` positions."""
         if self.mamba is not None:
             return self.mamba.new_cache(batch, device)
+        if self.gdn is not None:
+            return self.gdn.new_cache(batch, device)
         if isinstance(self.attention, LatentAttention):
             return self.attention.new_cache(batch, max_len, dtype, device)
         return KVCache(batch, self.attention.n_kv_heads, self.attention.head_dim, max_len, dtype, device)

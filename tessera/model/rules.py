@@ -98,6 +98,7 @@ def _validate_heads_per_layer(m: ModelConfig) -> None:
         (m.position.kind in ("t5_bias", "alibi"), f"position.kind='{m.position.kind}' (a bias per head)"),
         (m.mla.kv_rank > 0, "model.mla (latent attention)"),
         ("M" in m.layer_pattern, "Mamba layers"),
+        ("D" in m.layer_pattern, "Gated DeltaNet layers"),
     ]
     unsupported = next((name for hit, name in refused if hit), "")
     require(
@@ -178,7 +179,7 @@ def _validate_moe(moe: MoEConfig) -> None:
     )
 
 
-LAYER_KINDS = {"A": "attention", "G": "global attention", "M": "Mamba"}
+LAYER_KINDS = {"A": "attention", "G": "global attention", "M": "Mamba", "D": "Gated DeltaNet"}
 
 
 def _validate_mixers(m: ModelConfig) -> None:
@@ -208,6 +209,8 @@ def _validate_mixers(m: ModelConfig) -> None:
     )
     if "M" in pattern:
         _validate_mamba(m)
+    if "D" in pattern:
+        _validate_gdn(m)
     mla = m.mla
     if mla.kv_rank:
         require_all("model.mla", mla, ("rope_head_dim", "v_head_dim"), positive=True)
@@ -232,6 +235,17 @@ def _validate_mamba(m: ModelConfig) -> None:
             f"model.mamba: the inner width expand*dim={inner} must split into heads of head_dim={mamba.head_dim}, "
             f"and the heads into groups={mamba.groups}",
         )
+
+
+def _validate_gdn(m: ModelConfig) -> None:
+    gdn = m.gdn
+    require_all("model.gdn", gdn, ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv", "chunk"),
+                positive=True)
+    require(
+        gdn.value_heads % gdn.key_heads == 0,
+        f"model.gdn.value_heads={gdn.value_heads} must be a multiple of model.gdn.key_heads={gdn.key_heads} (each key "
+        "head serves a group of value heads)",
+    )
 
 
 def check_mamba_documents(job: JobConfig) -> None:

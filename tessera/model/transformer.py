@@ -206,7 +206,7 @@ class Stack(nn.Module):
         # Score biases are relative: padding shifts queries and keys alike, so they keep the slot positions.
         ctx_positions = positions if left_pad is None or self.rel_bias is None else None
         ctx = self.context(b, t, start, ctx_positions, document_ids, h.device, kv_start)
-        ctx.moe_log = moe_log
+        ctx.moe_log, ctx.document_ids = moe_log, document_ids
         global_ctx = (
             self.global_context(ctx, t, start, document_ids, h.device) if self.global_mask_spec is not None else ctx
         )
@@ -232,7 +232,7 @@ class Stack(nn.Module):
                 "different lengths one at a time"
             )
         if self.cfg.attention.kernel in LINEAR_KERNELS or any(
-            layer.mamba is not None for layer in self.layers.values()
+            layer.mamba is not None or layer.gdn is not None for layer in self.layers.values()
         ):
             raise ValueError(
                 "left padding needs softmax attention in every layer (linear kernels and Mamba layers would carry "

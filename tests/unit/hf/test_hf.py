@@ -80,6 +80,20 @@ def _jamba() -> transformers.PreTrainedModel:
     return transformers.JambaForCausalLM(cfg)
 
 
+def _qwen3_next(**kw) -> transformers.PreTrainedModel:
+    """Gated DeltaNet layers 0-2, gated attention in layer 3 (HF's default 3:1 interval), partial rotary."""
+    cfg = transformers.Qwen3NextConfig(
+        **{**_LLAMA_LIKE, "num_hidden_layers": 4},
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        **kw,
+    )
+    return transformers.Qwen3NextForCausalLM(cfg)
+
+
 def _deepseek(**kw) -> transformers.PreTrainedModel:
     """Latent attention in every layer; dense FFNs unless first_k_dense_replace says otherwise."""
     kw = {"first_k_dense_replace": 2, **kw}
@@ -181,6 +195,8 @@ HF_MODELS = {
         )
     ),
     "jamba": _jamba,
+    "qwen3_next": lambda: _qwen3_next(num_experts=0),
+    "qwen3_next_moe": lambda: _qwen3_next(**_QWEN_MOE, shared_expert_intermediate_size=24, decoder_sparse_step=2),
     "deepseek_v3": lambda: _deepseek(rope_interleave=True, q_lora_rank=16),
     "deepseek_v3_plain_rope": lambda: _deepseek(rope_interleave=False, q_lora_rank=None),
     # DeepSeek's YaRN: mscale = mscale_all_dim (cos/sin magnitude 1) and the softmax scale times mscale(40)^2
