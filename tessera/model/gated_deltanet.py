@@ -177,8 +177,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * key_dim + value_dim
         self.in_proj_qkvz = nn.Linear(cfg.dim, 2 * key_dim + 2 * value_dim, bias=False)
         self.in_proj_ba = nn.Linear(cfg.dim, 2 * g.value_heads, bias=False)
-        width = g.conv
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, width, groups=self.conv_dim, padding=width - 1, bias=False)
+        channels = self.conv_dim
+        self.conv1d = nn.Conv1d(channels, channels, g.conv, groups=channels, padding=g.conv - 1, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(g.value_heads))
         self.A_log = nn.Parameter(torch.empty(g.value_heads))
         self.norm = GatedOutputNorm(g.value_head_dim, cfg.norm_eps)
