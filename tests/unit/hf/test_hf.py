@@ -297,6 +297,23 @@ def test_hf_parity_and_roundtrip(family, tmp_path):
     assert (_logits(back, x, y, hf=True) - ref).abs().max().item() <= TOL
 
 
+def test_qwen3_next_recipe_exports_to_the_published_size():
+    """The full-size recipe's exported config builds (on meta) an HF model with as many parameters as ours."""
+    from pathlib import Path
+
+    from tessera.hf.weights import export_config
+    from tessera.model import count_parameters
+    from tessera.validate import load_config
+
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / "qwen3-next-80b-a3b.toml")
+    hf_config, family = export_config(config.model)
+    assert family == "qwen3_next"
+    with torch.device("meta"):
+        hf = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**hf_config))
+        ours = build_model(config.model)
+    assert sum(p.numel() for p in hf.parameters()) == count_parameters(ours) == 79_674_391_296
+
+
 def test_untied_t5_from_a_transformers_4_checkpoint(tmp_path):
     """A T5 v1.1-style checkpoint (own lm_head, tie_word_embeddings false, so no output scaling) imports and exports."""
     hf = _randomize(_t5("gated-gelu"), seed=1)

@@ -16,7 +16,9 @@ from tessera.model.gated_deltanet import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
+from tessera.model.attention import Attention, AttnContext
 from tessera.model.norm import ZeroCenteredRMSNorm
+from tessera.model.position import RotaryEmbedding
 
 TOL = 1e-5
 _GDN = dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=6, conv=4, chunk=8)
@@ -141,10 +143,7 @@ def test_document_conv_restarts_the_window():
     _close(got, want)
 
 
-def test_zero_centered_rmsnorm_and_gated_attention_match_hf():
-    hfc = transformers.Qwen3NextConfig(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=1
-    )
+def test_zero_centered_rmsnorm_matches_hf():
     norm = hf_next.Qwen3NextRMSNorm(32, eps=1e-6)
     with torch.no_grad():
         norm.weight.normal_()
@@ -152,4 +151,41 @@ def test_zero_centered_rmsnorm_and_gated_attention_match_hf():
     ours.load_state_dict(norm.state_dict())
     x = torch.randn(3, 32)
     _close(ours(x), norm(x))
-    assert isinstance(hfc.rope_parameters, dict)
+    assert torch.equal(ZeroCenteredRMSNorm(4).weight, torch.zeros(4))  # a unit gain at initialization
+
+
+def test_gated_attention_with_partial_rotary_matches_hf():
+    """Qwen3NextAttention: a sigmoid output gate from q_proj, zero-centred per-head QK-norm, a quarter of each head
+    rotated; outputs and gradients."""
+    hfc = transformers.Qwen3NextConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1
+    )
+    hfc._attn_implementation = "eager"
+    hf = hf_next.Qwen3NextAttention(hfc, 0)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    cfg = model_config(
+        dim=32, n_heads=4, n_kv_heads=2, head_dim=16, norm="zero_centered_rmsnorm", norm_eps=1e-6, max_seq_len=64,
+        attention=dict(qk_norm=True, output_gate=True, kernel="eager"), position=dict(rotary_fraction=0.25),
+    )
+    ours = Attention(cfg)
+    ours.load_state_dict(hf.state_dict())
+    rope = RotaryEmbedding(16, 64, hfc.rope_parameters["rope_theta"], fraction=0.25)
+    x = torch.randn(2, 12, 32, generator=gen)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    cos, sin = hf_next.Qwen3NextRotaryEmbedding(hfc)(x, torch.arange(12)[None])
+    mask = torch.full((12, 12), float("-inf")).triu(1)[None, None]
+    want, _ = hf(xa, (cos, sin), mask)
+    ctx_cos, ctx_sin = rope(0, 12)
+    got = ours(xb, AttnContext(is_causal=True, causal=True, cos=ctx_cos, sin=ctx_sin))
+    _close(got, want)
+    assert cos.shape[-1] == 4 and want.std() > 0.1
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    got.backward(grad)
+    _close(xb.grad, xa.grad)
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        _close(p.grad, theirs[name].grad)
