@@ -103,7 +103,7 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         """The block applied to ``x`` (B, T, dim); ``memory`` is the encoder output for cross-attention."""
         if self.mamba is not None:
-            x = self._sublayer(x, self.mamba_norm, lambda h: self.mamba(h, cache, start))
+            x = self._sublayer(x, self.mamba_norm, lambda h: self.mamba(h, cache, start, ctx.document_ids))
         elif self.gdn is not None:
             x = self._sublayer(x, self.gdn_norm, lambda h: self.gdn(h, cache, start, ctx.document_ids))
         else:

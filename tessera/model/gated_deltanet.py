@@ -30,6 +30,7 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.model.mamba import MambaCache
+from tessera.model.recurrent import causal_depthwise_conv, chunk_document_masks, continues_document
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -37,35 +38,12 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
-    """Causal depthwise convolution of ``x`` (B, C, T) with ``weight`` (C, 1, W), no activation.
-
-    With ``document_ids`` (B, T) a position sees only the inputs of its own document (the window
-    restarts at every boundary).
-    """
-    width, length = weight.shape[-1], x.shape[-1]
-    if document_ids is None:
-        return F.conv1d(F.pad(x, (width - 1, 0)), weight, groups=x.shape[1])
-    padded = F.pad(x, (width - 1, 0))
-    docs = F.pad(document_ids, (width - 1, 0), value=-1)
-    out = torch.zeros_like(x)
-    for w in range(width):
-        same = (docs[:, w : w + length] == document_ids)[:, None]  # (B, 1, T)
-        out = out + weight[:, 0, w, None] * padded[..., w : w + length] * same
-    return out
-
-
 def _chunk_masks(docs: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
-    """Document masks of the chunked form from padded ids (B, n*L): same-document pairs (B, 1, n, L, L), whether a
-    position reads the entering state (B, 1, n, L), writes the leaving one (B, 1, n, L), and whether the state
-    crosses the chunk (B, 1, n). The state entering the first chunk belongs to the first position's document."""
+    """:func:`chunk_document_masks` of padded ids (B, n*L) as (B, 1, n, ...): the state entering the first chunk
+    belongs to the first position's document."""
     ids = docs.view(docs.shape[0], 1, -1, chunk)
     before = torch.cat([docs[:, None, :1], docs[:, None, chunk - 1 : -1 : chunk]], dim=-1)
-    same = ids[..., :, None] == ids[..., None, :]
-    reads = ids == before[..., None]
-    writes = ids == ids[..., -1:]
-    carries = ids[..., -1] == before
-    return same, reads, writes, carries
+    return chunk_document_masks(ids, before)
 
 
 def chunk_gated_delta_rule(
@@ -130,11 +108,12 @@ def recurrent_gated_delta_rule(
     """The gated delta rule one position at a time (shapes as :func:`chunk_gated_delta_rule`)."""
     batch, heads, length, dk = k.shape
     s = state.float() if state is not None else q.new_zeros(batch, heads, dk, v.shape[-1])
+    continues = continues_document(document_ids) if document_ids is not None else None
     outputs = []
     for t in range(length):
         keep = g[:, :, t].exp()[..., None, None]
-        if document_ids is not None and t > 0:
-            keep = keep * (document_ids[:, t] == document_ids[:, t - 1])[:, None, None, None]
+        if document_ids is not None:
+            keep = keep * continues[:, t, None, None, None]
         s = s * keep
         delta = (v[:, :, t] - (s * k[:, :, t, :, None]).sum(-2)) * beta[:, :, t, None]
         s = s + k[:, :, t, :, None] * delta[:, :, None, :]

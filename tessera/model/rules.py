@@ -248,10 +248,12 @@ def _validate_gdn(m: ModelConfig) -> None:
     )
 
 
-def check_mamba_documents(job: JobConfig) -> None:
-    """Packed-document masks need attention layers: a Mamba scan carries state across the boundary."""
+def check_document_masks(job: JobConfig) -> None:
+    """Packed-document masks reset every recurrent state (Mamba, Mamba-2, Gated DeltaNet) at each boundary; the
+    linear attention kernels' prefix sums (elu+1, Performer) cannot stop at one yet."""
+    kernel = job.model.attention.kernel
     require(
-        not (job.data.document_mask and "M" in job.model.layer_pattern),
-        "data.document_mask cannot reset Mamba layers' state at document boundaries; set data.document_mask=false "
-        "or use attention layers only",
+        not (job.data.document_mask and kernel in ("linear", "performer")),
+        f"data.document_mask cannot stop model.attention.kernel='{kernel}' at document boundaries; set "
+        "data.document_mask=false or use the sdpa or eager kernel",
     )

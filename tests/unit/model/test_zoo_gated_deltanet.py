@@ -12,12 +12,12 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 from tessera.config import model_config
 from tessera.model.gated_deltanet import (
     GatedDeltaNet,
-    causal_depthwise_conv,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
 from tessera.model.attention import Attention, AttnContext
 from tessera.model.norm import ZeroCenteredRMSNorm
+from tessera.model.recurrent import causal_depthwise_conv
 from tessera.model.position import RotaryEmbedding
 
 TOL = 1e-5
