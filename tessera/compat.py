@@ -69,7 +69,6 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
     },
     "Gated DeltaNet layers": {
-        "tp": "the tensor-parallel plan does not shard the Gated DeltaNet mixer yet (heads and convolution channels)",
         "cp": "the delta-rule state is not passed between context-parallel ranks yet",
     },
     "gated attention": {},

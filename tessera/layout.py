@@ -156,6 +156,11 @@ def _check_tensor_parallel(config: JobConfig) -> None:
     )
     _check_layer_heads(m, p.tp)
     _require(
+        "D" not in m.layer_pattern or m.gdn.key_heads % p.tp == 0,
+        f"model.gdn.key_heads={m.gdn.key_heads} is not divisible by parallel.tp={p.tp} (each rank holds whole "
+        "Gated DeltaNet key-head groups); pick a tp that divides it",
+    )
+    _require(
         m.vocab_size % p.tp == 0,
         f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
         "round the vocabulary up to a multiple of tp",

@@ -30,6 +30,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tessera.parallel.recurrent import GatedDeltaNetHeads, sum_grads_over
+
 
 class ReplicateInput(ParallelStyle):
     """Before the module runs, make its first input a replicated DTensor over the tp mesh.
@@ -129,13 +131,25 @@ def _attention_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
     }
 
 
+def _gated_deltanet_plan(sp: bool) -> dict[str, ParallelStyle]:
+    """Whole key-head groups per rank: the fused projections (laid out group by group) column-parallel."""
+    out = Shard(1) if sp else Replicate()
+    return {
+        "gdn.in_proj_qkvz": ColwiseParallel(),
+        "gdn.in_proj_ba": ColwiseParallel(),
+        "gdn.out_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
+        "gdn": ReplicateInput(sp),
+    }
+
+
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     out = Shard(1) if sp else Replicate()
-    plan = _attention_plan("attention", sp)
+    plan = _attention_plan("attention", sp) if block.gdn is None else _gated_deltanet_plan(sp)
     if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input
         plan.update(_attention_plan("cross_attention", sp))
     if sp:
-        norms = ["attention_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention is not None else [])
+        mixer_norm = "attention_norm" if block.gdn is None else "gdn_norm"
+        norms = [mixer_norm, "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention is not None else [])
         plan.update({name: SequenceParallel() for name in norms})
     if block.moe is not None:
         if sp:
@@ -232,6 +246,16 @@ def _stack_plan(stack: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
+def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The Gated DeltaNet's per-channel parameters (sliced per rank) and per-head QK-norm gains (each rank
+    sees its heads): gradients summed over the tp ranks."""
+    if block.gdn is not None:
+        parallelize_module(block.gdn, tp_mesh, GatedDeltaNetHeads())
+    attention = block.attention
+    if getattr(attention, "q_norm", None) is not None and not getattr(attention, "qk_norm_all", True):
+        sum_grads_over([attention.q_norm.weight, attention.k_norm.weight], tp_mesh)
+
+
 def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """The plan's entries whose module exists (a pipeline stage lacks the other stages' parts)."""
     out = {}
@@ -258,6 +282,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         for block in blocks:
             # Attention derives its local head count from the sharded projections' widths.
             parallelize_module(block, tp_mesh, _block_plan(block, sp))
+            _replicated_partial_grads(block, tp_mesh)
         if sp and replicated_embedding and blocks:
             parallelize_module(blocks[0], tp_mesh, ShardSequence())
     for module in (getattr(model, "mtp", None) or {}).values():  # multi-token prediction (on the last stage)
