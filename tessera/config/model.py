@@ -11,7 +11,7 @@ from typing import Literal
 class AttentionConfig:
     """[model.attention]: the attention kernel and its options."""
 
-    kernel: Literal["sdpa", "eager", "longformer", "bigbird", "linear", "performer"] = "sdpa"  # eager: fp32 softmax
+    kernel: str = "sdpa"  # a registered kernel (docs/reference/components.md): sdpa, eager (fp32 softmax), ...
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2, GPT-2, BERT)
     o_bias: bool = False  # a bias on o_proj also when model.bias is false (Llama attention_bias)
     dropout: float = 0.0  # on the attention weights

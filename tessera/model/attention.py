@@ -1,4 +1,5 @@
-"""Multi-head attention: MHA/MQA/GQA, self or cross, KV cache, and the kernels of ``model.attention``.
+"""Multi-head attention: MHA/MQA/GQA, self or cross, KV cache; the kernel of ``model.attention.kernel``
+is looked up in the registry (one file per kernel in ``tessera/model/kernels/``).
 
 ``sdpa`` calls ``F.scaled_dot_product_attention`` (flash/memory-efficient on GPU); ``eager`` writes
 softmax(QK^T * scale + bias)V out in float32 and hands the weights to ``weights_observer`` when an
@@ -14,16 +15,21 @@ O(length x window). Decoding with a sliding window keeps only the window in a ri
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tessera.config import ModelConfig
+from tessera import registry
+from tessera.config import ModelConfig, layer_heads
+from tessera.model import kernels  # noqa: F401  (registers the kernels)
+from tessera.model.kernels.common import allowed_mask as _allowed  # noqa: F401  (re-exported)
+from tessera.model.kernels.linear import PerformerFeatures, linear_attention  # noqa: F401  (re-exported)
+from tessera.model.kernels.sdpa import block_sparse_attention  # noqa: F401  (re-exported)
 from tessera.model.masks import BlockLayout, MaskSpec
 from tessera.model.norm import RMSNorm, ZeroCenteredRMSNorm
 from tessera.model.position import apply_rope
@@ -31,7 +37,13 @@ from tessera.model.position import apply_rope
 if TYPE_CHECKING:
     from tessera.model.moe import MoELog
 
-LINEAR_KERNELS = ("linear", "performer")
+def kernel_spec(name: str) -> registry.KernelSpec:
+    """The registered attention kernel ``name`` (``model.attention.kernel``)."""
+    return registry.get("attention_kernel", name)
+
+
+# The kernels without a score matrix (no masks, windows, biases): read from their specs.
+LINEAR_KERNELS = tuple(s.name for s in registry.specs("attention_kernel") if not s.scores)
 
 
 class KVCache:
@@ -88,44 +100,6 @@ class SlidingKVCache:
         return keys, values
 
 
-def block_sparse_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, scale: float, dropout: float = 0.0
-) -> torch.Tensor:
-    """softmax(QK^T)V of (B, H, T, D) queries restricted to ``layout``'s blocks (see masks.block_layout).
-
-    Each query block and its gathered key blocks (plus the global keys) form one item of a batched
-    sdpa call; the global query rows are one more dense call over all keys. Keys and values may
-    have fewer heads than queries (GQA).
-    """
-    b, n, t = layout.block, layout.n_blocks, q.shape[2]
-    batch, heads, _, dim = q.shape
-    pad = n * b - t
-    qb = F.pad(q, (0, 0, 0, pad)).view(batch, heads, n, b, dim).transpose(1, 2).reshape(batch * n, heads, b, dim)
-    kb, vb = _key_blocks(k, layout, pad), _key_blocks(v, layout, pad)
-    mask = layout.mask.expand(batch, *layout.mask.shape[1:]).reshape(batch * n, 1, b, -1)
-    gqa = kb.shape[1] != heads
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
-    out = out.view(batch, n, heads, b, dim).transpose(1, 2).reshape(batch, heads, n * b, dim)[:, :, :t]
-    g = layout.n_global
-    if not g:
-        return out
-    rows = F.scaled_dot_product_attention(
-        q[:, :, :g], k, v, attn_mask=layout.global_mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
-    )
-    return torch.cat([rows, out[:, :, g:]], dim=2)
-
-
-def _key_blocks(x: torch.Tensor, layout: BlockLayout, pad: int) -> torch.Tensor:
-    """(B, H, T, D) keys or values -> (B * n_blocks, H, slots * block + n_global, D) per query block."""
-    batch, heads, _, dim = x.shape
-    n, b = layout.n_blocks, layout.block
-    blocks = F.pad(x, (0, 0, 0, pad)).view(batch, heads, n, b, dim)[:, :, layout.key_blocks].flatten(3, 4)
-    if layout.n_global:
-        glob = x[:, :, None, : layout.n_global].expand(batch, heads, n, layout.n_global, dim)
-        blocks = torch.cat([blocks, glob], dim=3)
-    return blocks.transpose(1, 2).reshape(batch * n, heads, -1, dim)
-
-
 @dataclass
 class AttnContext:
     """What all layers of one forward share: the mask, a score bias and the RoPE tables."""
@@ -166,59 +140,6 @@ class SequenceSplit(Protocol):
         ...
 
 
-def _allowed(ctx: AttnContext, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
-    """The context's boolean mask, materializing the implicit causal one when needed."""
-    if ctx.mask is None and ctx.is_causal:
-        return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
-    return ctx.mask
-
-
-class PerformerFeatures(nn.Module):
-    """FAVOR+ positive orthogonal random features (Choromanski et al. 2021) for one head size."""
-
-    def __init__(self, head_dim: int, n_features: int) -> None:
-        super().__init__()
-        self.head_dim, self.n_features = head_dim, n_features
-        self.register_buffer("projection", torch.empty(n_features, head_dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Draw blocks of orthogonal rows, scaled to the norms of Gaussian vectors."""
-        d = self.head_dim
-        blocks = []
-        for _ in range(-(-self.n_features // d)):
-            q, _ = torch.linalg.qr(torch.randn(d, d, device=self.projection.device))
-            blocks.append(q.T)
-        rows = torch.cat(blocks)[: self.n_features]
-        norms = torch.randn(self.n_features, d, device=self.projection.device).norm(dim=-1, keepdim=True)
-        with torch.no_grad():
-            self.projection.copy_(rows * norms)
-
-    def forward(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        """phi(x) = exp(w.x - |x|^2 / 2) / sqrt(m), with x scaled by d^-1/4 and a cancelling stabilizer."""
-        x = x.float() * self.head_dim**-0.25
-        proj = x @ self.projection.T
-        sq = x.pow(2).sum(-1, keepdim=True) / 2
-        # Subtracting a max per query row, or one max over all keys, cancels in numerator / denominator.
-        stab = proj.amax(dim=-1, keepdim=True) if is_query else proj.amax(dim=(-1, -2), keepdim=True)
-        return torch.exp(proj - sq - stab) / math.sqrt(self.n_features) + 1e-6
-
-
-def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j), over j <= i when causal (prefix sums)."""
-    v = v.float()
-    if not causal:
-        kv = torch.einsum("bhtf,bhtd->bhfd", phi_k, v)
-        num = torch.einsum("bhtf,bhfd->bhtd", phi_q, kv)
-        den = torch.einsum("bhtf,bhf->bht", phi_q, phi_k.sum(2))
-    else:
-        q_len = phi_q.shape[2]
-        kv = torch.einsum("bhtf,bhtd->bhtfd", phi_k, v).cumsum(2)[:, :, -q_len:]
-        num = torch.einsum("bhtf,bhtfd->bhtd", phi_q, kv)
-        den = torch.einsum("bhtf,bhtf->bht", phi_q, phi_k.cumsum(2)[:, :, -q_len:])
-    return num / den[..., None].clamp_min(1e-12)
-
-
 class Attention(nn.Module):
     """Self- or cross-attention; ``n_kv_heads`` < ``n_heads`` gives GQA (1 gives MQA)."""
 
@@ -241,11 +162,8 @@ class Attention(nn.Module):
         qk_norm = ZeroCenteredRMSNorm if cfg.norm == "zero_centered_rmsnorm" else RMSNorm
         self.q_norm = qk_norm(q_width * self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
         self.k_norm = qk_norm(k_width * self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
-        self.features = (
-            PerformerFeatures(self.head_dim, cfg.attention.performer_features)
-            if cfg.attention.kernel == "performer"
-            else None
-        )
+        state = kernel_spec(self.kernel).state
+        self.features = state(cfg, self.head_dim) if state is not None else None
         # Set only while a tool inspects attention (eager kernel): called with each forward's weights.
         self.weights_observer: Callable[[torch.Tensor], None] | None = None
         # Set only while QK-clip (tessera/train/qk_clip.py) watches the logits: called with q, k and the context.
@@ -288,67 +206,74 @@ class Attention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate) if gate is not None else out)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        """The kernel: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys/values under ``ctx``'s mask."""
-        if self.kernel in LINEAR_KERNELS:
-            return self._linear(q, k, v, ctx)
+        """The kernel: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys/values under ``ctx``'s mask.
+
+        Looked up by name on every call: inspection tools switch a layer's ``kernel`` for one forward."""
         dropout = self.attn_dropout if self.training else 0.0
-        if ctx.blocks is not None:
-            return block_sparse_attention(q, k, v, ctx.blocks, self.scale, dropout)
-        if self.kernel != "eager":
-            gqa = k.shape[1] != q.shape[1]
-            if ctx.bias is None:
-                return F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=ctx.mask,
-                    dropout_p=dropout,
-                    is_causal=ctx.is_causal,
-                    scale=self.scale,
-                    enable_gqa=gqa,
-                )
-            allowed = _allowed(ctx, q.shape[2], k.shape[2], q.device)
-            bias = ctx.bias.to(q.dtype)
-            mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale, enable_gqa=gqa
-            )
-        return self._eager(q, k, v, ctx, dropout)
+        return kernel_spec(self.kernel).attend(self, q, k, v, ctx, dropout)
 
-    @staticmethod
-    def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rep = q.shape[1] // k.shape[1]
-        return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
-    def _eager(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
-    ) -> torch.Tensor:
-        k, v = self._repeat_kv(q, k, v)
-        scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
-        if ctx.bias is not None:
-            scores = scores + ctx.bias
-        mask = _allowed(ctx, q.shape[2], k.shape[2], q.device)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = scores.softmax(dim=-1)
-        if self.weights_observer is not None:
-            self.weights_observer(weights.detach())
-        weights = F.dropout(weights, p=dropout, training=dropout > 0)
-        return (weights @ v.float()).to(q.dtype)
+def layer_attention_config(cfg: ModelConfig, layer_id: int) -> ModelConfig:
+    """``cfg`` with layer ``layer_id``'s query and KV head counts (``model.attention.heads_per_layer``:
+    whole GQA groups, so the group size and the head size stay the model's)."""
+    if not cfg.attention.heads_per_layer:
+        return cfg
+    heads = layer_heads(cfg)[layer_id]
+    kv = heads * (cfg.n_kv_heads or cfg.n_heads) // cfg.n_heads
+    return dataclasses.replace(cfg, n_heads=heads, n_kv_heads=kv, head_dim=cfg.head_dim or cfg.dim // cfg.n_heads)
 
-    def _linear(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        if ctx.mask is not None or ctx.bias is not None:
-            raise ValueError(
-                f"model.attention='{self.kernel}' supports only causal or full attention (no document_ids, windows or "
-                "score biases)"
-            )
-        k, v = self._repeat_kv(q, k, v)
-        if self.features is not None:
-            phi_q, phi_k = self.features(q, is_query=True), self.features(k, is_query=False)
-        else:
-            phi_q, phi_k = F.elu(q.float()) + 1, F.elu(k.float()) + 1
-        if self.weights_observer is not None:  # the implicit weights phi(q).phi(k) / sum_k, exactly as applied
-            scores = phi_q @ phi_k.transpose(-2, -1)
-            scores = scores.tril(scores.shape[-1] - scores.shape[-2]) if ctx.causal else scores
-            self.weights_observer(scores / scores.sum(-1, keepdim=True).clamp_min(1e-12))
-        return linear_attention(phi_q, phi_k, v, ctx.causal).to(q.dtype)
+
+def scaled_by_layer(module: nn.Module, cfg: ModelConfig, layer_id: int) -> nn.Module:
+    """``module`` with its score scale divided by ``layer_id + 1`` when ``model.attention.scale_by_layer``."""
+    if cfg.attention.scale_by_layer:
+        module.scale /= layer_id + 1
+    return module
+
+
+def kernel_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """An attention layer's score-product FLOPs per token: its kernel's term."""
+    return kernel_spec(cfg.attention.kernel).terms.flops(cfg, seq_len)
+
+
+def _build(cfg: ModelConfig, layer_id: int) -> Attention:
+    return scaled_by_layer(Attention(layer_attention_config(cfg, layer_id)), cfg, layer_id)
+
+
+def _forward(module: Attention, h: torch.Tensor, ctx: AttnContext, cache: KVCache | None, start: int) -> torch.Tensor:
+    return module(h, ctx, cache, start)
+
+
+def _new_cache(module: Attention, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+    return KVCache(batch, module.n_kv_heads, module.head_dim, max_len, dtype, device)
+
+
+MIXER = registry.register(
+    registry.MixerSpec(
+        name="attention",
+        feature="attention layers (MHA, GQA, MQA)",
+        keys=("model.n_heads", "model.n_kv_heads", "model.head_dim", "model.attention"),
+        uses=lambda m: not m.mla.kv_rank and bool(set(m.layer_pattern or "A") & {"A", "G"}),
+        unsupported={},
+        checks=(),
+        terms=registry.Terms(flops=kernel_flops, memory="kernel"),
+        tp_plan=registry.ATTENTION_TP,
+        letters={"A": "attention", "G": "global attention"},
+        selects=lambda m: not m.mla.kv_rank,
+        attr="attention",
+        build=_build,
+        forward=_forward,
+        new_cache=_new_cache,
+    )
+)
+
+QK_NORM_ALL = registry.register(
+    registry.Spec(
+        kind="option",
+        name="qk_norm_all",
+        feature="QK-norm over all heads",
+        keys=("model.attention.qk_norm", "model.attention.qk_norm_scope"),
+        uses=lambda m: m.attention.qk_norm and m.attention.qk_norm_scope == "all",
+        unsupported={"tp": "the norm spans every head's channels, which tensor parallelism splits over ranks"},
+        checks=(),
+    )
+)

@@ -7,39 +7,24 @@ a layer gets is the letter of ``model.layer_pattern`` at its index (see :func:`l
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from tessera.config import ModelConfig, layer_heads
+from tessera import registry
+from tessera.config import ModelConfig
 from tessera.model.attention import Attention, AttnContext, KVCache, SlidingKVCache
+from tessera.model.attention import layer_attention_config  # noqa: F401  (re-exported)
+from tessera.model.mixers import layer_kind, mixer_for  # noqa: F401  (layer_kind re-exported)
 from tessera.model.ffn import FeedForward, ffn_hidden_size
-from tessera.model.gated_deltanet import GatedDeltaNet
-from tessera.model.mamba import MambaCache, build_mamba
-from tessera.model.mla import LatentAttention, LatentCache
+from tessera.model.mamba import MambaCache
+from tessera.model.mla import LatentCache
 from tessera.model.moe import MoE, is_moe_layer
 from tessera.model.norm import build_norm
+from tessera.registry import MixerSpec
 
 LayerCache = KVCache | SlidingKVCache | LatentCache | MambaCache
-
-
-def layer_kind(cfg: ModelConfig, layer_id: int) -> str:
-    """The ``model.layer_pattern`` letter of layer ``layer_id``: A (attention), G (global attention), M (Mamba),
-    D (Gated DeltaNet)."""
-    pattern = cfg.layer_pattern or "A"
-    return pattern[layer_id % len(pattern)]
-
-
-def layer_attention_config(cfg: ModelConfig, layer_id: int) -> ModelConfig:
-    """``cfg`` with layer ``layer_id``'s query and KV head counts (``model.attention.heads_per_layer``:
-    whole GQA groups, so the group size and the head size stay the model's)."""
-    if not cfg.attention.heads_per_layer:
-        return cfg
-    heads = layer_heads(cfg)[layer_id]
-    kv = heads * (cfg.n_kv_heads or cfg.n_heads) // cfg.n_heads
-    return dataclasses.replace(cfg, n_heads=heads, n_kv_heads=kv, head_dim=cfg.head_dim or cfg.dim // cfg.n_heads)
 
 
 class TransformerBlock(nn.Module):
@@ -55,22 +40,14 @@ class TransformerBlock(nn.Module):
         self.kind = layer_kind(cfg, layer_id)
         self.post_norm = cfg.norm_position == "post"
         self.attention_norm = self.attention = self.mamba_norm = self.mamba = self.gdn_norm = self.gdn = None
-        if self.kind == "M":
-            self.mamba_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
-            self.mamba = build_mamba(cfg)
-        elif self.kind == "D":
-            self.gdn_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
-            self.gdn = GatedDeltaNet(cfg)
-        else:
-            self.attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
-            self.attention = (
-                LatentAttention(cfg) if cfg.mla.kv_rank else Attention(layer_attention_config(cfg, layer_id))
-            )
-            if cfg.attention.scale_by_layer:
-                self.attention.scale /= layer_id + 1
+        # The registry's mixer for this layer's letter; it sits at ``<attr>`` with its norm at ``<attr>_norm``.
+        spec = mixer_for(cfg, layer_id)
+        self.mixer = spec.name  # a name, not the spec: the module stays picklable
+        setattr(self, f"{spec.attr}_norm", build_norm(cfg.norm, cfg.dim, cfg.norm_eps))
+        setattr(self, spec.attr, spec.build(cfg, layer_id))
         self.cross_attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cross else None
         self.cross_attention = Attention(cfg, cross=True) if cross else None
-        has_ffn = self.kind != "M" or cfg.mamba.ffn
+        has_ffn = spec.has_ffn(cfg)
         self.ffn_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if has_ffn else None
         # At most one of the two is set: a block says what it contains (parallel plans ask).
         self.moe: MoE | None = MoE(cfg) if has_ffn and is_moe_layer(cfg, layer_id) else None
@@ -81,6 +58,11 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(cfg.dim, hidden, cfg.activation, bias=bias, dropout=cfg.dropout)
         self.jitter = cfg.moe.jitter
         self.dropout = nn.Dropout(cfg.dropout)
+
+    @property
+    def mixer_spec(self) -> MixerSpec:
+        """This layer's registered mixer (see tessera.registry.MixerSpec)."""
+        return registry.get("mixer", self.mixer)
 
     def _sublayer(self, x: torch.Tensor, norm: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if self.post_norm:
@@ -102,12 +84,9 @@ class TransformerBlock(nn.Module):
         cross_ctx: AttnContext | None = None,
     ) -> torch.Tensor:
         """The block applied to ``x`` (B, T, dim); ``memory`` is the encoder output for cross-attention."""
-        if self.mamba is not None:
-            x = self._sublayer(x, self.mamba_norm, lambda h: self.mamba(h, cache, start, ctx.document_ids))
-        elif self.gdn is not None:
-            x = self._sublayer(x, self.gdn_norm, lambda h: self.gdn(h, cache, start, ctx.document_ids))
-        else:
-            x = self._sublayer(x, self.attention_norm, lambda h: self.attention(h, ctx, cache, start))
+        spec = self.mixer_spec
+        mixer, norm = getattr(self, spec.attr), getattr(self, f"{spec.attr}_norm")
+        x = self._sublayer(x, norm, lambda h: spec.forward(mixer, h, ctx, cache, start))
         if self.cross_attention is not None:
             x = self._sublayer(
                 x,
@@ -122,10 +101,4 @@ class TransformerBlock(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> LayerCache:
         """An empty decoding cache of this layer's mixer (KV, latent or SSM state) for ``max_len`` positions."""
-        if self.mamba is not None:
-            return self.mamba.new_cache(batch, device)
-        if self.gdn is not None:
-            return self.gdn.new_cache(batch, device)
-        if isinstance(self.attention, LatentAttention):
-            return self.attention.new_cache(batch, max_len, dtype, device)
-        return KVCache(batch, self.attention.n_kv_heads, self.attention.head_dim, max_len, dtype, device)
+        return self.mixer_spec.new_cache(getattr(self, self.mixer_spec.attr), batch, max_len, dtype, device)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tessera import registry
 
 ACTIVATIONS = {
     "swiglu": F.silu,
@@ -44,3 +47,36 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
         return self.down_proj(self.dropout(h))
+
+
+def hidden_bytes(hidden: int, gated: bool, compute: int) -> float:
+    """Saved bytes per token inside a FFN: gated: gate output, activation output, up output, their product;
+    plain: up output, activation output."""
+    return (4.0 if gated else 2.0) * compute * hidden
+
+
+def dense_memory(shape: Any, block: Any, prec: Any) -> tuple[float, float, float, float]:
+    """The planner's term (plan/activations.py): (gathered, sharded, op gathered, op sharded) saved bytes per
+    token of a dense FFN sublayer; ``shape`` a plan ModelShape, ``prec`` a plan Precision."""
+    h, c = shape.dim, prec.compute
+    dropout = shape.ffn_hidden if shape.cfg.dropout > 0 else 0.0
+    gathered = (2 if prec.autocast and shape.gated else 1) * c * h  # its input (one cast copy per projection)
+    sharded = hidden_bytes(shape.ffn_hidden, shape.gated, c) + dropout
+    return gathered, sharded, c * h, (2 if shape.gated else 1) * c * shape.ffn_hidden
+
+
+FFN_TP = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+
+DENSE = registry.register(
+    registry.Spec(
+        kind="ffn",
+        name="dense",
+        feature="dense FFN (ReLU, GELU, SwiGLU, GeGLU)",
+        keys=("model.activation", "model.ffn_hidden", "model.ffn_multiplier", "model.multiple_of", "model.ffn_bias"),
+        uses=lambda m: m.moe.experts <= 1 or m.moe.first_dense > 0 or m.moe.every > 1,
+        unsupported={},
+        checks=(),
+        terms=registry.Terms(flops=registry.zero, memory=dense_memory),  # its matmuls are in 6 * N
+        tp_plan=FFN_TP,
+    )
+)

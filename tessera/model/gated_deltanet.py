@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera import registry
 from tessera.config import ModelConfig
+from tessera.config.checks import require, require_all
 from tessera.model.mamba import MambaCache
 from tessera.model.recurrent import causal_depthwise_conv, chunk_document_masks, continues_document
 
@@ -228,3 +230,57 @@ class GatedDeltaNet(nn.Module):
             cache.ssm.copy_(h)
         y = self.norm(y.transpose(1, 2).to(x.dtype), z)
         return self.out_proj(y.reshape(batch, length, -1))
+
+
+def check_gated_deltanet(m: ModelConfig) -> None:
+    """[model.gdn]: positive widths, and value heads in whole groups per key head."""
+    gdn = m.gdn
+    widths = ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv", "chunk")
+    require_all("model.gdn", gdn, widths, positive=True)
+    require(
+        gdn.value_heads % gdn.key_heads == 0,
+        f"model.gdn.value_heads={gdn.value_heads} must be a multiple of model.gdn.key_heads={gdn.key_heads} (each "
+        "key head serves a group of value heads)",
+    )
+
+
+def _flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of one layer beyond its projections (which are in 6 * N): the chunked form's
+    within-chunk products (q.k and k.k scores, two triangular solves, the score-value product) and the state
+    read and write, x3 for forward + backward."""
+    g = cfg.gdn
+    chunk, dk, dv = min(g.chunk, seq_len), g.key_head_dim, g.value_head_dim
+    per_head = 2 * chunk * (2 * dk + 2 * dv + dk) + 2 * 3 * dk * dv
+    return 3.0 * g.value_heads * per_head
+
+
+def _forward(module: nn.Module, h: torch.Tensor, ctx: object, cache: MambaCache | None, start: int) -> torch.Tensor:
+    return module(h, cache, start, getattr(ctx, "document_ids", None))
+
+
+def _new_cache(module: nn.Module, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> MambaCache:
+    return module.new_cache(batch, device)
+
+
+GATED_DELTANET = registry.register(
+    registry.MixerSpec(
+        name="gated_deltanet",
+        feature="Gated DeltaNet layers",
+        keys=("model.layer_pattern", "model.gdn"),
+        uses=lambda m: "D" in m.layer_pattern,
+        unsupported={
+            "cp": "the delta-rule state is not passed between context-parallel ranks yet; use tp, pp or data "
+            "parallelism",
+        },
+        checks=(check_gated_deltanet,),
+        terms=registry.Terms(flops=_flops, memory=registry.TRACED),
+        # Whole key-head groups per rank; the per-channel convolution, decay and time-step parameters between
+        # them are sliced per rank by tessera/parallel/recurrent.py.
+        tp_plan={"in_proj_qkvz": "colwise", "in_proj_ba": "colwise", "out_proj": "rowwise"},
+        letters={"D": "Gated DeltaNet"},
+        attr="gdn",
+        build=lambda cfg, layer_id: GatedDeltaNet(cfg),
+        forward=_forward,
+        new_cache=_new_cache,
+    )
+)

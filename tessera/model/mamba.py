@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera import registry
 from tessera.config import ModelConfig
+from tessera.config.checks import require, require_all
 from tessera.model.norm import RMSNorm
 from tessera.model.recurrent import causal_depthwise_conv, chunk_document_masks, continues_document
 
@@ -290,3 +292,58 @@ class Mamba2Mixer(nn.Module):
 def build_mamba(cfg: ModelConfig) -> nn.Module:
     """The mixer ``[model.mamba].version`` names."""
     return Mamba2Mixer(cfg) if cfg.mamba.version == 2 else MambaMixer(cfg)
+
+
+def check_mamba(m: ModelConfig) -> None:
+    """[model.mamba]: its version, widths and the Mamba-2 head split."""
+    mamba = m.mamba
+    require(mamba.version in (1, 2), f"model.mamba.version must be 1 or 2, got {mamba.version}")
+    require_all("model.mamba", mamba, ("state", "conv", "expand", "head_dim", "groups", "chunk"), positive=True)
+    require_all("model.mamba", mamba, ("dt_rank",), positive=False)
+    require(mamba.version == 1 or not mamba.dt_norm, "model.mamba.dt_norm (Jamba) is a Mamba-1 option; set version = 1")
+    if mamba.version == 2:
+        inner = mamba.expand * m.dim
+        require(
+            inner % mamba.head_dim == 0 and (inner // mamba.head_dim) % mamba.groups == 0,
+            f"model.mamba: the inner width expand*dim={inner} must split into heads of head_dim={mamba.head_dim}, "
+            f"and the heads into groups={mamba.groups}",
+        )
+
+
+MAMBA_UNSUPPORTED = {
+    "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
+    "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
+}
+# FLOPs: no score products (PaLM's term); the projections are in 6 * N. Memory: measured by the planner.
+MAMBA_TERMS = registry.Terms(flops=registry.zero, memory=registry.TRACED)
+
+
+def _forward(module: nn.Module, h: torch.Tensor, ctx: object, cache: MambaCache | None, start: int) -> torch.Tensor:
+    return module(h, cache, start, getattr(ctx, "document_ids", None))
+
+
+def _new_cache(module: nn.Module, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> MambaCache:
+    return module.new_cache(batch, device)
+
+
+def _mamba_spec(name: str, version: int, mixer: type[nn.Module]) -> registry.MixerSpec:
+    return registry.MixerSpec(
+        name=name,
+        feature="Mamba layers",
+        keys=("model.layer_pattern", "model.mamba"),
+        uses=lambda m: "M" in m.layer_pattern and (m.mamba.version == 2) == (version == 2),
+        unsupported=MAMBA_UNSUPPORTED,
+        checks=(check_mamba,),
+        terms=MAMBA_TERMS,
+        letters={"M": "Mamba"},
+        selects=lambda m: (m.mamba.version == 2) == (version == 2),
+        attr="mamba",
+        has_ffn=lambda cfg: cfg.mamba.ffn,
+        build=lambda cfg, layer_id: mixer(cfg),
+        forward=_forward,
+        new_cache=_new_cache,
+    )
+
+
+MAMBA = registry.register(_mamba_spec("mamba", 1, MambaMixer))
+MAMBA2 = registry.register(_mamba_spec("mamba2", 2, Mamba2Mixer))

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera import registry
 from tessera.config import ModelConfig
-from tessera.model.attention import AttnContext, _allowed
+from tessera.config.checks import require, require_all
+from tessera.model.attention import AttnContext, _allowed, kernel_flops, scaled_by_layer
 from tessera.model.norm import RMSNorm
 from tessera.model.position import apply_rope
 
@@ -109,3 +111,45 @@ class LatentAttention(nn.Module):
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> LatentCache:
         """An empty latent cache for ``max_len`` positions."""
         return LatentCache(batch, self.kv_rank, self.rope, max_len, dtype, device)
+
+
+def check_mla(m: ModelConfig) -> None:
+    """[model.mla]: its widths, and RoPE with a dense softmax kernel (the decoupled rotary key part)."""
+    mla = m.mla
+    require_all("model.mla", mla, ("rope_head_dim", "v_head_dim"), positive=True)
+    require_all("model.mla", mla, ("q_rank", "nope_head_dim", "mscale"), positive=False)
+    require(
+        m.position.kind == "rope" and m.attention.kernel in ("sdpa", "eager"),
+        "model.mla needs model.position.kind='rope' and model.attention.kernel sdpa or eager",
+    )
+
+
+def _forward(module: LatentAttention, h: torch.Tensor, ctx: AttnContext, cache: LatentCache | None, start: int):
+    return module(h, ctx, cache, start)
+
+
+def _new_cache(module: LatentAttention, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+    return module.new_cache(batch, max_len, dtype, device)
+
+
+MIXER = registry.register(
+    registry.MixerSpec(
+        name="latent",
+        feature="latent attention",
+        keys=("model.mla",),
+        uses=lambda m: bool(m.mla.kv_rank),
+        unsupported={
+            "tp": "the tensor-parallel plan does not cover latent attention's projections",
+            "cp": "context parallelism's attention (all-gather or ring) exchanges standard attention's keys and "
+            "values, not the latent cache",
+        },
+        checks=(check_mla,),
+        terms=registry.Terms(flops=kernel_flops, memory=registry.TRACED),
+        letters={"A": "attention", "G": "global attention"},
+        selects=lambda m: bool(m.mla.kv_rank),
+        attr="attention",
+        build=lambda cfg, layer_id: scaled_by_layer(LatentAttention(cfg), cfg, layer_id),
+        forward=_forward,
+        new_cache=_new_cache,
+    )
+)

@@ -18,13 +18,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera import registry
 from tessera.config import ModelConfig
-from tessera.model.ffn import ACTIVATIONS, GATED, FeedForward, ffn_hidden_size
+from tessera.config.checks import require
+from tessera.model.ffn import ACTIVATIONS, FFN_TP, GATED, FeedForward, ffn_hidden_size, hidden_bytes
 
 
 @dataclass
@@ -420,3 +423,81 @@ def expert_load_report(order: list[str], counts: torch.Tensor, width: int = 40) 
         for e, share in enumerate(load):
             lines.append(f"  expert {e:>3}  {share:6.2%}  {'#' * round(width * share / peak)}")
     return "\n".join(lines)
+
+
+def check_moe(m: ModelConfig) -> None:
+    """[model.moe] of a model with experts: top-k, capacity, losses and the expert groups."""
+    moe = m.moe
+    require(
+        1 <= moe.top_k <= moe.experts, f"model.moe.top_k={moe.top_k} must be in [1, model.moe.experts={moe.experts}]"
+    )
+    require(
+        moe.capacity_factor >= 0, f"model.moe.capacity_factor must be >= 0 (0 = dropless), got {moe.capacity_factor}"
+    )
+    require(
+        moe.aux_loss_coef >= 0 and moe.z_loss_coef >= 0,
+        "model.moe.aux_loss_coef and model.moe.z_loss_coef must be >= 0",
+    )
+    require(
+        moe.experts % moe.groups == 0,
+        f"model.moe.groups={moe.groups} must divide model.moe.experts={moe.experts} (equal expert groups)",
+    )
+    per_group = moe.experts // moe.groups
+    require(
+        moe.topk_groups <= moe.groups and moe.top_k <= moe.topk_groups * per_group,
+        f"model.moe.topk_groups={moe.topk_groups} groups of {per_group} experts cannot hold top_k={moe.top_k}; "
+        f"use topk_groups in [1, groups={moe.groups}] with topk_groups * experts / groups >= top_k",
+    )
+    require(
+        not moe.shared_gate or moe.shared_experts > 0,
+        "model.moe.shared_gate gates the shared experts; set model.moe.shared_experts > 0",
+    )
+
+
+def _routed_bytes(shape: Any, prec: Any) -> float:
+    """Per-token bytes of a routed MoE layer (router, dispatch, experts, weighting), all whole under TP."""
+    h, c, k, e = shape.dim, prec.compute, shape.top_k, shape.experts
+    inputs = c * h  # the routed rows, cast once for all expert projections (one grouped matmul each)
+    per_assignment = 12 + inputs + hidden_bytes(shape.expert_hidden, shape.gated, c) + c * h + prec.stream * h
+    router = c * h + 8.0 * e + 12 * k + 4
+    shared = shape.cfg.moe.shared_experts
+    shared_bytes = hidden_bytes(shape.expert_hidden * shared, shape.gated, c) if shared else 0.0
+    return router + k * per_assignment + shared_bytes
+
+
+def moe_memory(shape: Any, block: Any, prec: Any) -> tuple[float, float, float, float]:
+    """The planner's term (plan/activations.py): (gathered, sharded, op gathered, op sharded) saved bytes per
+    token of a MoE sublayer (experts stay whole under TP: nothing is sharded)."""
+    h, c = shape.dim, prec.compute
+    op = shape.top_k * (((3 if shape.gated else 2) * shape.expert_hidden + h) * c) + 4.0 * shape.experts
+    return _routed_bytes(shape, prec), 0.0, c * h + op, 0.0
+
+
+MOE = registry.register(
+    registry.Spec(
+        kind="ffn",
+        name="moe",
+        feature="mixture of experts",
+        keys=("model.moe",),
+        uses=lambda m: m.moe.experts > 0,
+        unsupported={},
+        checks=(check_moe,),
+        terms=registry.Terms(flops=registry.zero, memory=moe_memory),  # active experts' matmuls are in 6 * N_active
+        tp_plan=FFN_TP,  # the shared experts' projections; the routed experts stay whole (expert parallelism)
+    )
+)
+
+CAPACITY = registry.register(
+    registry.Spec(
+        kind="option",
+        name="moe_capacity",
+        feature="MoE capacity limit (token dropping)",
+        keys=("model.moe.capacity_factor",),
+        uses=lambda m: m.moe.experts > 1 and m.moe.capacity_factor > 0,
+        unsupported={
+            "cp": "which tokens an expert drops depends on their order across the ranks' slices; use "
+            "model.moe.capacity_factor=0 (dropless)",
+        },
+        checks=(),
+    )
+)

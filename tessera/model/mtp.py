@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tessera import registry
 from tessera.config import ModelConfig
 from tessera.model.attention import AttnContext
 from tessera.model.block import LayerCache, TransformerBlock
@@ -139,3 +140,20 @@ def mtp_losses(
 def mtp_token_counts(labels: torch.Tensor, loss_mask: torch.Tensor | None, depth: int) -> list[int]:
     """How many target tokens each depth ``1..depth`` has in a batch (a pipeline weighs micro-batches by them)."""
     return [int(mtp_targets(labels, loss_mask, k)[1].sum()) for k in range(1, depth + 1)]
+
+
+SPEC = registry.register(
+    registry.Spec(
+        kind="option",
+        name="mtp",
+        feature="multi-token prediction",
+        keys=("model.mtp_depth",),
+        uses=lambda m: bool(m.mtp_depth),
+        unsupported={
+            "cp": "the MTP modules read the tokens ahead of each position, which context parallelism puts on other "
+            "ranks",
+            "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' (FSDP/DDP/TP/PP)",
+        },
+        checks=(),
+    )
+)

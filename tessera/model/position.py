@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from tessera import registry
 from tessera.config import PositionConfig
+from tessera.config.checks import require
 
 
 @dataclass(frozen=True)
@@ -240,3 +243,50 @@ def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -
     """Bias (B or 1, H, Tq, Tk) = -slope * |query - key| (linear in distance)."""
     distance = (q_pos[:, :, None] - k_pos[:, None, :]).abs().float()
     return -slopes.to(distance.device)[None, :, None, None] * distance[:, None]
+
+
+def check_rope(m: Any) -> None:
+    """RoPE rotates pairs of channels: the rotary width (head size x rotary_fraction) must be even."""
+    head_dim = m.mla.rope_head_dim if m.mla.kv_rank else m.head_dim or m.dim // m.n_heads
+    rot = int(head_dim * m.position.rotary_fraction)
+    require(
+        rot > 0 and rot % 2 == 0,
+        "model.position.kind='rope' needs an even rotary width, got "
+        f"head_dim*rotary_fraction={head_dim * m.position.rotary_fraction:g}; change model.position.rotary_fraction "
+        "or model.head_dim",
+    )
+
+
+def check_alibi(m: Any) -> None:
+    """ALiBi's slopes are defined for self-attention of one stack."""
+    require(m.arch != "encoder_decoder", "model.position.kind='alibi' is not supported for arch='encoder_decoder'")
+
+
+NO_TERMS = registry.Terms(flops=registry.zero, memory=registry.zero)  # positions add no planned FLOPs or bytes
+
+
+def _position(kinds: tuple[str, ...], feature: str, checks: tuple = (), keys: tuple[str, ...] = ()) -> list:
+    return [
+        registry.register(
+            registry.Spec(
+                kind="position",
+                name=kind,
+                feature=feature,
+                keys=("model.position.kind", *keys),
+                uses=lambda m, kind=kind: m.position.kind == kind,
+                unsupported={},
+                checks=checks,
+                terms=NO_TERMS,
+            )
+        )
+        for kind in kinds
+    ]
+
+
+POSITIONS = [
+    *_position(("rope",), "RoPE (+ linear, NTK, YaRN, llama3 scaling)", (check_rope,), ("model.position.rope_theta",)),
+    *_position(("learned", "sinusoidal"), "absolute positions (learned, sinusoidal)"),
+    *_position(("t5_bias",), "T5 relative-position bias", keys=("model.position.rel_buckets",)),
+    *_position(("alibi",), "ALiBi", (check_alibi,)),
+    *_position(("none",), "no positions"),
+]

@@ -6,8 +6,10 @@ model); ``tessera.validate.validate`` runs it first for every job.
 
 from __future__ import annotations
 
-from tessera.config import JobConfig, ModelConfig, MoEConfig
+from tessera import registry
+from tessera.config import JobConfig, ModelConfig
 from tessera.config.checks import require, require_all, require_finite
+from tessera.model import components, mixers  # noqa: F401  (components: registers every spec)
 
 
 def validate_model(m: ModelConfig) -> None:
@@ -51,7 +53,7 @@ def validate_model(m: ModelConfig) -> None:
     _validate_attention(m)
     _validate_heads_per_layer(m)
     _validate_position(m)
-    _validate_moe(m.moe)
+    _validate_moe(m)
     _validate_mixers(m)
 
 
@@ -60,20 +62,19 @@ def _validate_attention(m: ModelConfig) -> None:
     require_all("model.attention", a, ("sliding_window", "global_tokens", "scale"), positive=False)
     require_all("model.attention", a, ("block_size", "random_blocks", "performer_features"), positive=True)
     require(0.0 <= a.dropout < 1.0, f"model.attention.dropout must be in [0, 1), got {a.dropout}")
-    linear = a.kernel in ("linear", "performer")
+    kernels = registry.names("attention_kernel")
     require(
-        not linear or m.position.kind in ("rope", "learned", "sinusoidal", "none"),
-        f"model.attention.kernel='{a.kernel}' cannot add a score bias; model.position.kind='{m.position.kind}' needs "
-        "a softmax kernel (sdpa or eager)",
+        a.kernel in kernels,
+        f"model.attention.kernel = {a.kernel!r} is not a registered kernel; use one of {', '.join(map(repr, kernels))}",
     )
-    require(
-        not linear or a.sliding_window == 0,
-        f"model.attention.sliding_window needs a softmax kernel, not model.attention.kernel='{a.kernel}'",
-    )
-    require(
-        a.kernel != "longformer" or a.sliding_window > 0,
-        "model.attention.kernel='longformer' needs model.attention.sliding_window > 0 (the local width)",
-    )
+    run_checks(m, "attention_kernel")
+
+
+def run_checks(m: ModelConfig, kind: str) -> None:
+    """The checks of every ``kind`` spec this model uses (each declared next to its component's code)."""
+    for spec in registry.used_by_model(m, kind):
+        for check in spec.checks or ():
+            check(m)
 
 
 def _validate_heads_per_layer(m: ModelConfig) -> None:
@@ -113,17 +114,10 @@ def _validate_position(m: ModelConfig) -> None:
     require_all("model.position", pos, ("rel_buckets", "rel_max_distance"), positive=True)
     require_all("model.position", pos, ("rope_original_max_len",), positive=False)
     require(pos.rope_theta > 0, f"model.position.rope_theta must be positive, got {pos.rope_theta}")
-    head_dim = m.mla.rope_head_dim if m.mla.kv_rank else m.head_dim or m.dim // m.n_heads
-    rot = int(head_dim * pos.rotary_fraction)
     require(
         0.0 < pos.rotary_fraction <= 1.0, f"model.position.rotary_fraction must be in (0, 1], got {pos.rotary_fraction}"
     )
-    require(
-        pos.kind != "rope" or (rot > 0 and rot % 2 == 0),
-        "model.position.kind='rope' needs an even rotary width, got "
-        f"head_dim*rotary_fraction={head_dim * pos.rotary_fraction:g}; change model.position.rotary_fraction or "
-        "model.head_dim",
-    )
+    run_checks(m, "position")
     require(
         pos.rope_scaling_factor >= 1.0,
         f"model.position.rope_scaling_factor must be >= 1, got {pos.rope_scaling_factor}",
@@ -141,55 +135,27 @@ def _validate_position(m: ModelConfig) -> None:
         pos.rel_buckets % 2 == 0 and pos.rel_buckets >= 4,
         f"model.position.rel_buckets must be an even number >= 4, got {pos.rel_buckets}",
     )
-    require(
-        m.arch != "encoder_decoder" or pos.kind != "alibi",
-        "model.position.kind='alibi' is not supported for arch='encoder_decoder'",
-    )
 
 
-def _validate_moe(moe: MoEConfig) -> None:
+def _validate_moe(m: ModelConfig) -> None:
+    moe = m.moe
     require_all("model.moe", moe, ("experts", "shared_experts", "ffn_hidden", "first_dense"), positive=False)
     require_all("model.moe", moe, ("shared_ffn_hidden", "bias_update_rate"), positive=False)
     require_all("model.moe", moe, ("every", "groups", "topk_groups", "route_scale"), positive=True)
-    if not moe.experts:
-        return
-    require(
-        1 <= moe.top_k <= moe.experts, f"model.moe.top_k={moe.top_k} must be in [1, model.moe.experts={moe.experts}]"
-    )
-    require(
-        moe.capacity_factor >= 0, f"model.moe.capacity_factor must be >= 0 (0 = dropless), got {moe.capacity_factor}"
-    )
-    require(
-        moe.aux_loss_coef >= 0 and moe.z_loss_coef >= 0,
-        "model.moe.aux_loss_coef and model.moe.z_loss_coef must be >= 0",
-    )
-    require(
-        moe.experts % moe.groups == 0,
-        f"model.moe.groups={moe.groups} must divide model.moe.experts={moe.experts} (equal expert groups)",
-    )
-    per_group = moe.experts // moe.groups
-    require(
-        moe.topk_groups <= moe.groups and moe.top_k <= moe.topk_groups * per_group,
-        f"model.moe.topk_groups={moe.topk_groups} groups of {per_group} experts cannot hold top_k={moe.top_k}; "
-        f"use topk_groups in [1, groups={moe.groups}] with topk_groups * experts / groups >= top_k",
-    )
-    require(
-        not moe.shared_gate or moe.shared_experts > 0,
-        "model.moe.shared_gate gates the shared experts; set model.moe.shared_experts > 0",
-    )
+    run_checks(m, "ffn")
 
 
-LAYER_KINDS = {"A": "attention", "G": "global attention", "M": "Mamba", "D": "Gated DeltaNet"}
 
 
 def _validate_mixers(m: ModelConfig) -> None:
     """model.layer_pattern, [model.mamba] and [model.mla]."""
     pattern = m.layer_pattern
-    bad = sorted(set(pattern) - set(LAYER_KINDS))
+    letters = mixers.layer_letters()
+    bad = sorted(set(pattern) - set(letters))
     require(
         not bad,
         f"model.layer_pattern={pattern!r} has {bad[0]!r}; use one letter per layer: "
-        + ", ".join(f"{k} ({v})" for k, v in LAYER_KINDS.items())
+        + ", ".join(f"{k} ({v})" for k, v in letters.items())
         if bad
         else "",
     )
@@ -207,45 +173,8 @@ def _validate_mixers(m: ModelConfig) -> None:
         "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and the sdpa or "
         "eager kernel",
     )
-    if "M" in pattern:
-        _validate_mamba(m)
-    if "D" in pattern:
-        _validate_gdn(m)
-    mla = m.mla
-    if mla.kv_rank:
-        require_all("model.mla", mla, ("rope_head_dim", "v_head_dim"), positive=True)
-        require_all("model.mla", mla, ("q_rank", "nope_head_dim", "mscale"), positive=False)
-        require(
-            m.position.kind == "rope" and m.attention.kernel in ("sdpa", "eager"),
-            "model.mla needs model.position.kind='rope' and model.attention.kernel sdpa or eager",
-        )
+    run_checks(m, "mixer")
     require(0.0 <= m.moe.jitter < 1.0, f"model.moe.jitter must be in [0, 1), got {m.moe.jitter}")
-
-
-def _validate_mamba(m: ModelConfig) -> None:
-    mamba = m.mamba
-    require(mamba.version in (1, 2), f"model.mamba.version must be 1 or 2, got {mamba.version}")
-    require_all("model.mamba", mamba, ("state", "conv", "expand", "head_dim", "groups", "chunk"), positive=True)
-    require_all("model.mamba", mamba, ("dt_rank",), positive=False)
-    require(mamba.version == 1 or not mamba.dt_norm, "model.mamba.dt_norm (Jamba) is a Mamba-1 option; set version = 1")
-    if mamba.version == 2:
-        inner = mamba.expand * m.dim
-        require(
-            inner % mamba.head_dim == 0 and (inner // mamba.head_dim) % mamba.groups == 0,
-            f"model.mamba: the inner width expand*dim={inner} must split into heads of head_dim={mamba.head_dim}, "
-            f"and the heads into groups={mamba.groups}",
-        )
-
-
-def _validate_gdn(m: ModelConfig) -> None:
-    gdn = m.gdn
-    require_all("model.gdn", gdn, ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv", "chunk"),
-                positive=True)
-    require(
-        gdn.value_heads % gdn.key_heads == 0,
-        f"model.gdn.value_heads={gdn.value_heads} must be a multiple of model.gdn.key_heads={gdn.key_heads} (each key "
-        "head serves a group of value heads)",
-    )
 
 
 def check_document_masks(job: JobConfig) -> None:

@@ -18,8 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tessera import registry
 from tessera.config import ModelConfig
-from tessera.model.attention import LINEAR_KERNELS, Attention, AttnContext, SequenceSplit, SlidingKVCache
+from tessera.model.attention import Attention, AttnContext, SequenceSplit, SlidingKVCache, kernel_spec
 from tessera.model.block import LayerCache, TransformerBlock
 from tessera.model.ffn import ACTIVATIONS
 from tessera.model.mamba import Mamba2Mixer, MambaMixer
@@ -142,7 +143,7 @@ class Stack(nn.Module):
     ) -> AttnContext:
         """Which keys each query sees: a mask, a block-sparse plan, or a split sequence's own attention."""
         kernel = self.cfg.attention.kernel
-        if kernel in LINEAR_KERNELS:
+        if not kernel_spec(kernel).scores:
             if document_ids is not None:
                 raise ValueError(
                     f"model.attention='{kernel}' cannot block attention across documents; use sdpa or eager"
@@ -231,8 +232,8 @@ class Stack(nn.Module):
                 "left padding with a sliding-window ring-buffer cache is not supported; generate rows of "
                 "different lengths one at a time"
             )
-        if self.cfg.attention.kernel in LINEAR_KERNELS or any(
-            layer.mamba is not None or layer.gdn is not None for layer in self.layers.values()
+        if not kernel_spec(self.cfg.attention.kernel).scores or any(
+            layer.mamba is not None or getattr(layer, "gdn", None) is not None for layer in self.layers.values()
         ):
             raise ValueError(
                 "left padding needs softmax attention in every layer (linear kernels and Mamba layers would carry "
@@ -519,3 +520,16 @@ def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
             continue
         total += p.numel()
     return total
+
+
+def _option(name: str, feature: str, key: str, uses: Callable[[ModelConfig], bool], unsupported: dict) -> None:
+    spec = registry.Spec(kind="option", name=name, feature=feature, keys=(key,), uses=uses, unsupported=unsupported)
+    registry.register(dataclasses.replace(spec, checks=()))
+
+
+_option("tied_embeddings", "tied embeddings", "model.tie_embeddings", lambda m: m.tie_embeddings, {})
+_option("encoder", "encoder (masked LM)", "model.arch", lambda m: m.arch == "encoder", {})
+_ENCDEC_CP = (
+    "context parallelism is validated end to end for decoders; an encoder-decoder's cross-attention memory is not split"
+)
+_option("encoder_decoder", "encoder-decoder", "model.arch", lambda m: m.arch == "encoder_decoder", {"cp": _ENCDEC_CP})

@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tessera import registry
+from tessera.model import components  # noqa: F401  (registers the zoo's specs)
 from tessera.plan.shapes import BlockParams, ModelShape
 
 
@@ -110,53 +112,29 @@ def _norm(h: int, prec: Precision, kind: str) -> float:
     return 4.0 * h + 4 + prec.stream * h if kind == "rmsnorm" else prec.stream * h + 8
 
 
-def _ffn_hidden(f: int, gated: bool, c: int) -> float:
-    # gated: gate output, activation output, up output, their product; plain: up output, activation output
-    return (4.0 if gated else 2.0) * c * f
-
-
-def _moe(shape: ModelShape, prec: Precision) -> float:
-    """Per-token bytes of a routed MoE layer (router, dispatch, experts, weighting), all whole under TP."""
-    h, c, k, e = shape.dim, prec.compute, shape.top_k, shape.experts
-    inputs = c * h  # the routed rows, cast once for all expert projections (one grouped matmul each)
-    per_assignment = 12 + inputs + _ffn_hidden(shape.expert_hidden, shape.gated, c) + c * h + prec.stream * h
-    router = c * h + 8.0 * e + 12 * k + 4
-    shared = shape.cfg.moe.shared_experts
-    shared_bytes = _ffn_hidden(shape.expert_hidden * shared, shape.gated, c) if shared else 0.0
-    return router + k * per_assignment + shared_bytes
-
-
 def _ffn_part(shape: ModelShape, block: BlockParams, prec: Precision) -> tuple[float, float, float, float]:
-    """(gathered, sharded, op gathered, op sharded) bytes per token of the FFN or MoE sublayer."""
-    h, c = shape.dim, prec.compute
-    if block.moe:
-        op = shape.top_k * (((3 if shape.gated else 2) * shape.expert_hidden + h) * c) + 4.0 * shape.experts
-        return _moe(shape, prec), 0.0, c * h + op, 0.0
-    if not block.ffn:
+    """(gathered, sharded, op gathered, op sharded) bytes per token of the FFN or MoE sublayer: the term its
+    registered spec declares (model/ffn.py, model/moe.py)."""
+    if not block.moe and not block.ffn:
         return 0.0, 0.0, 0.0, 0.0
-    dropout = shape.ffn_hidden if shape.cfg.dropout > 0 else 0.0
-    gathered = (2 if prec.autocast and shape.gated else 1) * c * h  # its input (one cast copy per projection)
-    sharded = _ffn_hidden(shape.ffn_hidden, shape.gated, c) + dropout
-    return gathered, sharded, c * h, (2 if shape.gated else 1) * c * shape.ffn_hidden
+    return registry.get("ffn", "moe" if block.moe else "dense").terms.memory(shape, block, prec)
 
 
 def tessera_block(shape: ModelShape, block: BlockParams, prec: Precision) -> BlockMemory:
     """The saved bytes per token of one zoo block as tessera runs it (pre-/post-norm, SDPA or eager).
 
-    Mamba and latent-attention mixers (which no tensor-parallel plan covers) are measured instead:
-    see :func:`traced_mixer_bytes`.
+    The kernel's and the FFN's terms come from their registered specs; mixers whose spec says
+    ``TRACED`` (Mamba, latent attention) are measured instead: see :func:`traced_mixer_bytes`.
     """
-    if block.mixer != "attention":
+    if registry.get("mixer", block.mixer).terms.memory == registry.TRACED:
         return _traced_block(shape, block, prec)
     cfg = shape.cfg
     h, c, heads = shape.dim, prec.compute, shape.n_heads
     q, kv = heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     residual = 2 * _norm(h, prec, cfg.norm) + (2 * h if cfg.dropout > 0 else 0.0)
-    attention = c * (q + 2 * kv) + c * q + 4.0 * heads  # q, k, v after RoPE; the kernel's output and logsumexp
-    scores = 0.0
-    if cfg.attention.kernel == "eager" or cfg.attention.dropout > 0:
-        # fp32 scores and probabilities per key, fp32 copies of q and the repeated k, v; no logsumexp
-        scores, attention = 8.0 * heads, attention + 12.0 * q - 4.0 * heads
+    kept = c * (q + 2 * kv) + c * q + 4.0 * heads  # q, k, v after RoPE; a fused kernel's output and logsumexp
+    # the kernel's own term (model/kernels/): what it keeps instead, and its score bytes per key
+    attention, scores = registry.get("attention_kernel", cfg.attention.kernel).terms.memory(cfg, heads, q, kept)
     if cfg.attention.qk_norm:
         attention += (4 + c) * (q + kv)
     ffn_gathered, ffn_sharded, op_ffn_gathered, op_ffn_sharded = _ffn_part(shape, block, prec)

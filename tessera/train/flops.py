@@ -2,7 +2,9 @@
 
 FLOPs per token follow PaLM (appendix B): 6 * N + 12 * L * H * Q * T, where N counts the
 parameters that take part in matmuls (everything but the token-embedding lookup), L layers,
-H heads of size Q, and T the sequence length (the attention score and value products).
+H heads of size Q, and T the sequence length (the attention score and value products). The
+per-layer term is each layer's mixer's (``Terms.flops`` in the registry: its kernel's for
+attention, none for a Mamba scan), so the trainer's MFU counts what the planner counts.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tessera.config import ModelConfig
+from tessera.model.mixers import mixer_for
 from tessera.threads import machine_load_if_busy
 
 # Dense bf16 tensor-core peaks (FLOP/s) of common accelerators, by a substring of the device name.
@@ -31,8 +34,8 @@ GPU_PEAK_BF16 = {
 
 
 def flops_per_token(matmul_params: int, cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token."""
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    """Training FLOPs (forward + backward) per token: the matmuls, then every layer's mixer term."""
+    return 6.0 * matmul_params + sum(mixer_for(cfg, i).terms.flops(cfg, seq_len) for i in range(cfg.n_layers))
 
 
 def measure_cpu_peak_flops(size: int = 1024, repeats: int = 20) -> float:
