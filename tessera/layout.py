@@ -192,6 +192,24 @@ def _check_context_parallel(config: JobConfig) -> None:
         f"parallel.cp_method='ring' adds no score bias, but model.position.kind='{m.position.kind}'; use "
         "parallel.cp_method=allgather (the bias spans the gathered keys) or rope/learned positions",
     )
+    if "D" in m.layer_pattern:
+        _check_gated_deltanet_cp(config)
+
+
+def _check_gated_deltanet_cp(config: JobConfig) -> None:
+    """A Gated DeltaNet under cp scans each rank's two chunks (seq_len / 2cp tokens) in whole scan chunks."""
+    p, g, t = config.parallel, config.model.gdn, config.train
+    piece = t.seq_len // (2 * p.cp)
+    _require(
+        piece % g.chunk == 0 and piece >= g.conv - 1,
+        f"model.gdn.chunk={g.chunk} does not divide the local sequence piece train.seq_len / (2 x parallel.cp) = "
+        f"{piece} (Gated DeltaNet under context parallelism); pick a chunk that divides {piece}",
+    )
+    _require(
+        not config.data.document_mask,
+        "data.document_mask with Gated DeltaNet layers under context parallelism is not supported yet (a document "
+        "boundary at a rank's chunk start); set data.document_mask=false or parallel.cp=1",
+    )
 
 
 def _check_layer_heads(m: ModelConfig, tp: int) -> None:

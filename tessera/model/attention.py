@@ -19,7 +19,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -112,6 +112,9 @@ class AttnContext:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None  # (B, T): recurrent mixers restart at each new document
+    # Set when this forward holds only part of each sequence: recurrent mixers scan it through this
+    # (see tessera.model.gated_deltanet.RecurrentSplit); the stack's SequenceSplit.
+    split: Any = None
     moe_log: MoELog | None = None  # where MoE layers record their routing (see tessera.model.moe.MoELog)
     # Replaces every layer's attention core, (layer, q, k, v, this context) -> output: set when this forward
     # holds only part of each sequence and its queries must reach the other parts' keys (see SequenceSplit);

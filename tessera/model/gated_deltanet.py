@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from typing import Protocol
+
 from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require, require_all
@@ -123,6 +125,61 @@ def recurrent_gated_delta_rule(
     return torch.stack(outputs, dim=2), s
 
 
+class RecurrentSplit(Protocol):
+    """A forward that holds only some pieces of each sequence (context parallelism implements it from outside):
+    what a recurrent mixer needs from the other pieces."""
+
+    def pieces(self, length: int) -> list[slice]:
+        """The local tokens as contiguous pieces of the whole sequence, in local order."""
+        ...
+
+    def halos(self, tails: torch.Tensor) -> torch.Tensor:
+        """(B, C, pieces, W) the last W inputs of each local piece -> the W inputs before each (zeros at the
+        sequence's start), from whichever rank holds them."""
+        ...
+
+    def entering_states(self, transitions: torch.Tensor, contributions: torch.Tensor) -> torch.Tensor:
+        """Each local piece's summary - the state transition A (pieces, B, H, Dk, Dk) and the state it adds from
+        zero, H (pieces, B, H, Dk, Dv), so that S_end = A S_in + H - -> the state entering each local piece
+        (pieces, B, H, Dk, Dv): a prefix over the pieces of all ranks in sequence order."""
+        ...
+
+
+def split_causal_conv(x: torch.Tensor, weight: torch.Tensor, split: RecurrentSplit) -> torch.Tensor:
+    """:func:`causal_depthwise_conv` of a split sequence's local (B, C, T): each piece's window starts with the
+    halo of inputs before it."""
+    width = weight.shape[-1]
+    pieces = split.pieces(x.shape[-1])
+    halos = split.halos(torch.stack([x[..., p][..., x[..., p].shape[-1] - (width - 1) :] for p in pieces], dim=2))
+    outs = [F.conv1d(torch.cat([halos[:, :, i], x[..., p]], -1), weight, groups=x.shape[1]) for i, p in
+            enumerate(pieces)]
+    return torch.cat(outs, dim=-1)
+
+
+def split_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int,
+    split: RecurrentSplit,
+) -> torch.Tensor:
+    """The gated delta rule over a split sequence: each local piece is scanned from a zero state and from the
+    identity (one pass: the value columns evolve independently), giving its summary (transition, contribution);
+    the split combines the summaries of every piece in order, and each piece is scanned again from the state
+    entering it."""
+    dk, dv = k.shape[-1], v.shape[-1]
+    pieces = split.pieces(q.shape[2])
+    summaries = []
+    for p in pieces:
+        probe = torch.cat([v[:, :, p], v.new_zeros(*v[:, :, p].shape[:-1], dk)], dim=-1)
+        eye = torch.eye(dk, device=v.device, dtype=v.dtype).expand(*v.shape[:2], dk, dk)
+        start = torch.cat([v.new_zeros(*v.shape[:2], dk, dv), eye], dim=-1)
+        summaries.append(chunk_gated_delta_rule(q[:, :, p], k[:, :, p], probe, g[:, :, p], beta[:, :, p], chunk,
+                                                start)[1])
+    final = torch.stack(summaries)  # (pieces, B, H, Dk, Dv + Dk): [contribution | transition]
+    entering = split.entering_states(final[..., dv:], final[..., :dv])
+    outs = [chunk_gated_delta_rule(q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p], beta[:, :, p], chunk,
+                                   entering[i])[0] for i, p in enumerate(pieces)]
+    return torch.cat(outs, dim=2)
+
+
 class GatedOutputNorm(nn.Module):
     """RMSNorm of each head's output, then times ``silu(z)`` (norm before gate, HF ``Qwen3NextRMSNormGated``)."""
 
@@ -189,9 +246,16 @@ class GatedDeltaNet(nn.Module):
         return q, k, v, z, b.reshape(batch, length, -1), a.reshape(batch, length, -1)
 
     def _conv(
-        self, mixed: torch.Tensor, cache: MambaCache | None, start: int, document_ids: torch.Tensor | None
+        self,
+        mixed: torch.Tensor,
+        cache: MambaCache | None,
+        start: int,
+        document_ids: torch.Tensor | None,
+        split: RecurrentSplit | None = None,
     ) -> torch.Tensor:
         """silu(causal conv) of (B, C, T); with a cache, continue from its window (restarted at ``start`` = 0)."""
+        if split is not None:
+            return F.silu(split_causal_conv(mixed, self.conv1d.weight, split))
         if cache is None:
             return F.silu(causal_depthwise_conv(mixed, self.conv1d.weight, document_ids))
         if start == 0:
@@ -207,12 +271,14 @@ class GatedDeltaNet(nn.Module):
         cache: MambaCache | None = None,
         start: int = 0,
         document_ids: torch.Tensor | None = None,
+        split: RecurrentSplit | None = None,
     ) -> torch.Tensor:
-        """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``."""
+        """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``; with
+        ``split``, ``x`` is this forward's part of each sequence (context parallelism)."""
         batch, length, _ = x.shape
         q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
         mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)
-        mixed = self._conv(mixed, cache, start, document_ids).transpose(1, 2)
+        mixed = self._conv(mixed, cache, start, document_ids, split).transpose(1, 2)
         key_dim = q.shape[2] * self.key_head_dim
         q, k, v = mixed.float().split([key_dim, key_dim, v.shape[2] * self.value_head_dim], dim=-1)
         q, k = (l2_normalize(t.view(batch, length, -1, self.key_head_dim)) for t in (q, k))
@@ -222,7 +288,9 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid().transpose(1, 2)
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
         h0 = cache.ssm if cache is not None else None
-        if cache is not None and length == 1:
+        if split is not None:
+            y, h = split_gated_delta_rule(q, k, v, g, beta, self.chunk, split), None
+        elif cache is not None and length == 1:
             y, h = recurrent_gated_delta_rule(q, k, v, g, beta, h0)
         else:
             y, h = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk, h0, document_ids)
@@ -255,7 +323,7 @@ def _flops(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def _forward(module: nn.Module, h: torch.Tensor, ctx: object, cache: MambaCache | None, start: int) -> torch.Tensor:
-    return module(h, cache, start, getattr(ctx, "document_ids", None))
+    return module(h, cache, start, getattr(ctx, "document_ids", None), getattr(ctx, "split", None))
 
 
 def _new_cache(module: nn.Module, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> MambaCache:
@@ -268,10 +336,7 @@ GATED_DELTANET = registry.register(
         feature="Gated DeltaNet layers",
         keys=("model.layer_pattern", "model.gdn"),
         uses=lambda m: "D" in m.layer_pattern,
-        unsupported={
-            "cp": "the delta-rule state is not passed between context-parallel ranks yet; use tp, pp or data "
-            "parallelism",
-        },
+        unsupported={},  # cp: each rank scans its chunks from zero; summaries combine (parallel/context.py)
         checks=(check_gated_deltanet,),
         terms=registry.Terms(flops=_flops, memory=registry.TRACED),
         # Whole key-head groups per rank; the per-channel convolution, decay and time-step parameters between

@@ -1,5 +1,6 @@
 """A Qwen3-Next-shaped hybrid (Gated DeltaNet + gated attention with per-head QK-norm, zero-centred norms, partial
-rotary, MoE with a gated shared expert) under tp2, tp2 + SP and pipeline stages matches the single-process
+rotary, MoE with a gated shared expert) under tp2, tp2 + SP, pipeline stages and cp2 (chunk summaries combined over the ranks, convolution halos
+from the rank before) matches the single-process
 run on losses, grad norms and final parameters (fp32, 1e-5 relative, 4 steps), in one spawned world of 2."""
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.dp_shard=1"],
     "tp2_sp": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"],
     "pp2": ["parallel.pp=2", "parallel.dp_shard=1"],
+    "cp2": ["parallel.cp=2", "parallel.dp_shard=1"],
 }
 
 
@@ -61,6 +63,6 @@ def test_key_heads_not_divisible_by_tp_is_one_clear_error(tiny_config):
                     "model.gdn.value_heads=6")
 
 
-def test_context_parallelism_is_refused_for_gated_deltanet(tiny_config):
-    with pytest.raises(ConfigError, match="Gated DeltaNet layers with cp"):
-        tiny_config("parallel.cp=2", "parallel.dp_shard=1", "model.layer_pattern=DA")
+def test_chunk_not_dividing_the_local_piece_is_one_clear_error(tiny_config):
+    with pytest.raises(ConfigError, match=r"model.gdn.chunk=16 does not divide the local sequence piece .* = 8"):
+        tiny_config("parallel.cp=2", "parallel.dp_shard=1", "model.layer_pattern=DA", "model.gdn.chunk=16")
