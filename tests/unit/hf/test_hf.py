@@ -409,6 +409,17 @@ def test_cli_unsupported_option_is_a_clear_error(tmp_path):
     assert "rope_type" in res.stderr and "dynamic" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_cli_qwen3_next_state_dims_that_disagree_are_one_line(tmp_path):
+    """A Qwen3-Next config whose value heads do not split evenly over its key heads: exit 2, one line."""
+    _qwen3_next(num_experts=0).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "linear_num_value_heads": 3}))
+    res = run_cli("convert", "hf-import", str(tmp_path / "hf"), str(tmp_path / "run"))
+    assert res.returncode == 2
+    assert "linear_num_value_heads" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
 def test_unsupported_family(tmp_path):
     _llama().save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
