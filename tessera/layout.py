@@ -161,6 +161,12 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         "Gated DeltaNet key-head groups); pick a tp that divides it",
     )
     _require(
+        "D" not in m.layer_pattern or (p.dp_shard == 1 and p.cp == 1),
+        "Gated DeltaNet layers with parallel.tp > 1 and FSDP (parallel.dp_shard or parallel.cp > 1) are not "
+        "supported yet (the per-rank parameter slices would not follow FSDP's sharded parameters); set "
+        "parallel.dp_shard=1 and use parallel.dp_replicate for data parallelism",
+    )
+    _require(
         m.vocab_size % p.tp == 0,
         f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
         "round the vocabulary up to a multiple of tp",

@@ -22,16 +22,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
-def sum_grads_over(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
-    """Sum each parameter's gradient over ``mesh`` before it is accumulated (replicated parameters whose
-    ranks each see part of the computation)."""
+def sum_grads_over(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """Sum the gradients of ``module``'s parameters ``names`` over ``mesh`` before they are accumulated
+    (replicated parameters whose ranks each see part of the computation). The hooks are attached to the
+    parameters the module holds when it runs: materializing a meta-initialized model replaces them."""
     group = mesh.get_group()
+    hooked: set[int] = set()
 
     def reduce(grad: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(funcol.all_reduce(grad, "sum", group))
 
-    for p in params:
-        p.register_hook(reduce)
+    def attach(_module: nn.Module, _args: tuple[Any, ...]) -> None:
+        for name in names:
+            p = module.get_parameter(name)
+            if id(p) not in hooked and p.requires_grad:
+                hooked.add(id(p))
+                p.register_hook(reduce)
+
+    module.register_forward_pre_hook(attach, prepend=True)
 
 
 def _local_channels(gdn: nn.Module, rank: int, size: int) -> dict[str, torch.Tensor]:
@@ -54,12 +62,13 @@ class GatedDeltaNetHeads(ParallelStyle):
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
         index = _local_channels(module, rank, size)
         owners = {name: module.get_submodule(name.rpartition(".")[0]) for name in index}
-        whole: dict[str, nn.Parameter] = {name: module.get_parameter(name) for name in index}
-        sum_grads_over([*whole.values(), module.norm.weight], device_mesh)
+        whole: dict[str, nn.Parameter] = {}
+        sum_grads_over(module, [*index, "norm.weight"], device_mesh)
 
         def local(_module: nn.Module, _args: tuple[Any, ...]) -> None:
             for name, owner in owners.items():  # a differentiable slice in the parameter's place
-                owner._parameters[name.rpartition(".")[2]] = whole[name][index[name].to(whole[name].device)]
+                whole[name] = p = module.get_parameter(name)  # the current one (meta init replaces them)
+                owner._parameters[name.rpartition(".")[2]] = p[index[name].to(p.device)]
 
         def restore(_module: nn.Module, _args: tuple[Any, ...], _out: Any) -> None:
             for name, owner in owners.items():

@@ -253,7 +253,7 @@ def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block.gdn, tp_mesh, GatedDeltaNetHeads())
     attention = block.attention
     if getattr(attention, "q_norm", None) is not None and not getattr(attention, "qk_norm_all", True):
-        sum_grads_over([attention.q_norm.weight, attention.k_norm.weight], tp_mesh)
+        sum_grads_over(attention, ["q_norm.weight", "k_norm.weight"], tp_mesh)
 
 
 def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:

@@ -63,6 +63,11 @@ def test_key_heads_not_divisible_by_tp_is_one_clear_error(tiny_config):
                     "model.gdn.value_heads=6")
 
 
+def test_gated_deltanet_with_tp_and_fsdp_is_refused(tiny_config):
+    with pytest.raises(ConfigError, match=r"Gated DeltaNet layers with parallel.tp > 1 and FSDP"):
+        tiny_config("parallel.tp=2", "parallel.dp_shard=2", "model.layer_pattern=DA")
+
+
 def test_chunk_not_dividing_the_local_piece_is_one_clear_error(tiny_config):
     with pytest.raises(ConfigError, match=r"model.gdn.chunk=16 does not divide the local sequence piece .* = 8"):
         tiny_config("parallel.cp=2", "parallel.dp_shard=1", "model.layer_pattern=DA", "model.gdn.chunk=16")
