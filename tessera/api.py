@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from tessera import registry
 from tessera.config import ConfigError
 from tessera.data.tokenizer import Tokenizer
 from tessera.hf.weights import is_hf_dir, load_hf
@@ -83,9 +84,10 @@ def load_draft(draft: str, model: nn.Module) -> Any:
 
 
 def _refuse_mamba(model: nn.Module, what: str) -> None:
-    if "M" in model.cfg.layer_pattern:
+    recurrent = registry.recurrent_layers(getattr(model, "layers", {}).values())
+    if recurrent:
         raise ConfigError(
-            f"speculative decoding rewinds caches, but {what} has Mamba layers (model.layer_pattern="
+            f"speculative decoding rewinds caches, but {what} has {recurrent} (model.layer_pattern="
             f"{model.cfg.layer_pattern!r}), whose state cannot rewind; drop --draft or use an attention-only model"
         )
 

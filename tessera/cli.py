@@ -68,6 +68,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     from tessera.data.pipeline import cache_dir
     from tessera.evaluate.loop import check_eval
+    from tessera.train.distill import open_teacher
     from tessera.train.init_from import check_init_from
     from tessera.train.rundir import claim_run
     from tessera.train.metrics import check_sinks
@@ -77,6 +78,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     check_sinks(config.log)
     check_eval(config, cache_dir(config.data.cache_dir))  # [eval] tasks known, their rows well formed
     check_init_from(config)  # train.init_from: source and recipe checked before anything is written
+    open_teacher(config)  # train.distill.teacher: likewise
     with claim_run(config.train.run_dir):  # before anything is built: the run is busy from now on
         return stop_exit_code(train_and_exit(config).preempted)
 

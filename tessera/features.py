@@ -57,11 +57,8 @@ _OFFLOAD = {
     "ep": "offload is not validated with expert parallelism yet",
     "deepspeed": "the DeepSpeed engine offloads with parallel.deepspeed.offload_optimizer / offload_params",
 }
-_DISTILL = {
-    "tp": "the KL term needs each position's whole vocabulary, which tensor parallelism shards; use data parallelism",
-    "pp": "the teacher's logits would have to reach the pipeline's last stage; use data parallelism",
-    "cp": "the teacher would need the whole sequence; use data parallelism",
-    "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' with data parallelism",
+_DISTILL = {  # the teacher is placed under the student's layout (train/distill.py): TP, PP and CP work
+    "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' (FSDP/DDP/TP/PP/CP)",
 }
 
 

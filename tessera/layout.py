@@ -124,6 +124,13 @@ def check_layout(config: JobConfig, world_size: int | None = None) -> None:
         )
 
 
+def check_model_layout(config: JobConfig) -> None:
+    """The checks of :func:`check_layout` that a model's shape decides (tensor and context parallelism): for
+    a second model under the job's layout, such as a distillation teacher (whole, on the last pipeline stage)."""
+    _check_tensor_parallel(config)
+    _check_context_parallel(config)
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)

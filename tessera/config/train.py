@@ -8,9 +8,9 @@ from typing import Literal
 
 @dataclass
 class DistillConfig:
-    """[train.distill]: knowledge distillation from a teacher run (teacher = "" keeps it off)."""
+    """[train.distill]: knowledge distillation from a teacher model (teacher = "" keeps it off)."""
 
-    teacher: str = ""  # a teacher run or checkpoint directory: distill its logits into this model ("" = off)
+    teacher: str = ""  # an HF model dir or a tessera run/checkpoint, same vocabulary: distill its logits ("" = off)
     temperature: float = 2.0  # both models' logits are divided by this before the softmax
     alpha: float = 0.5  # loss = (1 - alpha) * cross-entropy + alpha * T^2 * KL(teacher||student)
 
@@ -32,6 +32,7 @@ class TrainConfig:
     eval_batches: int = 8  # global batches of the validation split per evaluation
     resume: str = "auto"  # auto | none | path to a checkpoint directory
     init_from: str = ""  # weights only from an HF model dir, tessera run/checkpoint or DeepSpeed checkpoint ("" = off)
+    upcycle_noise: float = 0.0  # upcycling init_from: each expert = dense FFN * (1 + noise * N(0, 1)); 0 = exact copies
     sample_prompt: str = "def "  # prompt of the sample generated at the end of training
     sample_tokens: int = 64  # tokens generated at the end of training; 0 disables
     threads: int = 0  # torch threads per process; 0 = $OMP_NUM_THREADS, else cores / local processes

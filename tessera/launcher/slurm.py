@@ -288,7 +288,7 @@ def slurm(
     config = load_config(config_path, overrides)
     spec = dataclasses.replace(spec, device=job_device(spec.device, config))
     check_spec(spec, config)
-    warn_if_unfit(config, spec.nodes * spec.gpus_per_node, spec.gpu, spec.gpus_per_node)
+    warn_if_unfit(config, spec.nodes * spec.gpus_per_node, spec.gpu, spec.gpus_per_node, spec.device)
     if dry_run:
         print(render_sbatch(config, spec, command), end="")
         return 0

@@ -172,15 +172,19 @@ def accelerate_command(
     return cmd + train_args(config_path, overrides)
 
 
+def runs_on_gpu(config: JobConfig) -> bool:
+    """Whether the job's workers use CUDA: ``train.device = "cuda"``, or "auto" on a machine that has it."""
+    import torch
+
+    return config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
+
+
 def thread_env(config: JobConfig, nproc_per_node: int) -> dict[str, str]:
     """``OMP_NUM_THREADS`` for CPU workers: this node's usable cores / processes, unless already set.
 
     Without it torchrun gives every worker one thread; GPU workers keep torchrun's default.
     """
-    import torch
-
-    on_cpu = config.train.device == "cpu" or (config.train.device == "auto" and not torch.cuda.is_available())
-    if not on_cpu or os.environ.get("OMP_NUM_THREADS"):
+    if runs_on_gpu(config) or os.environ.get("OMP_NUM_THREADS"):
         return {}
     return {"OMP_NUM_THREADS": str(choose_threads(config.train.threads, nproc_per_node).threads)}
 
@@ -243,7 +247,7 @@ def launch(
         raise LaunchError(f"--nnodes {low}:{nnodes} is elastic: it needs --rdzv-backend c10d, not static")
     spec.min_nnodes = low
     check_world_size(config, spec.nnodes, spec.nproc_per_node)
-    warn_if_unfit(config, spec.world_size, gpu, spec.nproc_per_node)
+    warn_if_unfit(config, spec.world_size, gpu, spec.nproc_per_node, "gpu" if runs_on_gpu(config) else "cpu")
     if via == "accelerate":
         yaml_path = Path(config.train.run_dir) / "accelerate.yaml"
         yaml_path.parent.mkdir(parents=True, exist_ok=True)

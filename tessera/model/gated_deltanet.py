@@ -344,6 +344,7 @@ GATED_DELTANET = registry.register(
         tp_plan={"in_proj_qkvz": "colwise", "in_proj_ba": "colwise", "out_proj": "rowwise"},
         letters={"D": "Gated DeltaNet"},
         attr="gdn",
+        recurrent=True,
         build=lambda cfg, layer_id: GatedDeltaNet(cfg),
         forward=_forward,
         new_cache=_new_cache,

@@ -68,6 +68,7 @@ def _validate_attention(m: ModelConfig) -> None:
         f"model.attention.kernel = {a.kernel!r} is not a registered kernel; use one of {', '.join(map(repr, kernels))}",
     )
     run_checks(m, "attention_kernel")
+    run_checks(m, "option")
 
 
 def run_checks(m: ModelConfig, kind: str) -> None:
@@ -145,8 +146,6 @@ def _validate_moe(m: ModelConfig) -> None:
     run_checks(m, "ffn")
 
 
-
-
 def _validate_mixers(m: ModelConfig) -> None:
     """model.layer_pattern, [model.mamba] and [model.mla]."""
     pattern = m.layer_pattern
@@ -168,10 +167,11 @@ def _validate_mixers(m: ModelConfig) -> None:
         m.arch == "decoder" or not (set(pattern) - {"A"} or m.mla.kv_rank),
         f"model.layer_pattern and model.mla are for decoders, not model.arch='{m.arch}'",
     )
+    kernel = registry.get("attention_kernel", m.attention.kernel)
     require(
-        "G" not in pattern or (m.attention.sliding_window > 0 and m.attention.kernel in ("sdpa", "eager")),
-        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and the sdpa or "
-        "eager kernel",
+        "G" not in pattern or (m.attention.sliding_window > 0 and kernel.scores and not kernel.pattern),
+        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and a softmax kernel "
+        "without its own pattern (sdpa, eager, chunked)",
     )
     run_checks(m, "mixer")
     require(0.0 <= m.moe.jitter < 1.0, f"model.moe.jitter must be in [0, 1), got {m.moe.jitter}")

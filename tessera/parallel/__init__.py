@@ -21,12 +21,15 @@ __all__ = ["ParallelDims", "clip_grad_norm", "parallelize"]
 _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str = "") -> nn.Module:
+def parallelize(
+    model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str = "", frozen: bool = False
+) -> nn.Module:
     """Apply TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to ``model``.
 
     ``dims.build_mesh`` must have run. Returns the model to train (the same module, or its
     DDP wrapper). ``device_type`` (default: ``train.device``, "auto" meaning CUDA when available) decides
-    ``parallel.compile="auto"``.
+    ``parallel.compile="auto"``. A ``frozen`` model (a distillation teacher) is never wrapped in DDP: it has no
+    gradients to average (FSDP still shards it).
     """
     p = config.parallel
     fp8, device_type = config.train.fp8, device_type or _configured_device_type(config.train.device)
@@ -55,7 +58,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: JobConfig, device_
         mesh = dims.submesh("hsdp") or dims.submesh("fsdp")
         experts = (dims.submesh("ehsdp") or dims.submesh("efsdp"), dims.dp * dims.cp) if ep_mesh is not None else None
         apply_fsdp(model, mesh, _PARAM_DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload, experts)
-    elif dims.dp_replicate > 1:
+    elif dims.dp_replicate > 1 and not frozen:
         model = apply_ddp(model, dims.submesh("dp"))
     return model
 

@@ -335,6 +335,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double()
 
 
+def _with_rows(target: torch.Tensor) -> torch.Tensor:
+    """``target`` (B, T) or (B, T, k) with a last column holding each sequence's row index (B, T, k + 1)."""
+    base = target if target.dim() == 3 else target.unsqueeze(-1)
+    rows = torch.arange(base.shape[0], device=base.device, dtype=base.dtype).view(-1, 1, 1)
+    return torch.cat([base, rows.expand(-1, base.shape[1], 1)], dim=-1)
+
+
 @dataclass
 class _Targets:
     """What the loss function needs for one pipeline step."""
@@ -345,6 +352,7 @@ class _Targets:
     scale: float = 1.0  # the fp16 loss scale (1 otherwise)
     token_scale: float = 1.0  # context parallelism: this rank's share of the global token mean
     mtp_denominators: tuple[float, ...] = ()  # each MTP depth's target tokens in the local batch x grad_accum
+    rows: bool = False  # the targets' last column is each sequence's row in the local batch (for extra_loss)
 
 
 class Pipeline:
@@ -380,17 +388,27 @@ class Pipeline:
         self._mtp_shares: list[list[float]] = []  # per loss call: each depth's share of the local-batch mean
         self._mtp_totals = [0.0] * self.mtp_depth  # summed over the step's runs, over the pp group
         self._grad_accum = 1
+        # A term the last stage adds to each training micro-batch's loss (distillation): called as
+        # extra_loss(loss, logits, rows, mask, share) with the micro-batch's rows of the local batch and its
+        # share of the local batch's tokens; None: none.
+        self.extra_loss: Callable[..., torch.Tensor] | None = None
         pipe_stages = [PipelineStage(m, s, n_stages, device, group=self.pp_group) for s, m, _ in stages]
         cls = SCHEDULES[p.pp_schedule]
         first = pipe_stages if p.pp_schedule in MULTI_STAGE_SCHEDULES else pipe_stages[0]
         self.schedule = cls(first, self.microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        rows = None
+        if self._targets.rows:
+            rows, target = target[:, 0, -1], target[..., :-1]
+            target = target if self._targets.masked else target[..., 0]
         labels, mask = (target[..., 0], target[..., 1].bool()) if self._targets.masked else (target, None)
         main, ahead = (output[0], list(output[1:])) if isinstance(output, tuple) else (output, [])
         count = labels.numel() if mask is None else mask.sum().double()  # a tensor: no host sync
         scale = count / self._targets.denominator * self._targets.token_scale
         loss = main.sum() if self.fused else self._loss_fn(main, labels, self._targets.label_smoothing, mask)
+        if rows is not None:
+            loss = self.extra_loss(loss, main, rows, mask, count / self._targets.denominator * self._grad_accum)
         loss = loss * scale
         if ahead:  # weighted like the main loss: each micro-batch's share of the local batch's depth-k mean
             losses = mtp_losses(ahead, labels, mask, self._loss_fn, self._targets.label_smoothing)
@@ -424,6 +442,9 @@ class Pipeline:
             self._targets.mtp_denominators = tuple(max(c, 1) * self._grad_accum for c in counts)
         self._mtp_shares = []
         target = labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=-1)
+        if train and self.extra_loss is not None and self.has_last:
+            target = _with_rows(target)
+            self._targets.rows = True
         losses: list[torch.Tensor] = []
         for hooks in self.hooks:
             hooks.aux_losses, hooks.logs, hooks.mtp_active = [], [], train

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from tessera.config import JobConfig
-from tessera.plan.gpus import CATALOG, GIB, gpu
+from tessera.plan.gpus import CATALOG, GIB, gpu, local_gpu_kind
 from tessera.plan.planner import Estimate, Plan, estimate, plan, requested_estimate
 from tessera.plan.shapes import model_shape
 
@@ -34,9 +34,21 @@ def fit_warning(config: JobConfig, world: int, gpu_name: str, gpus_per_node: int
     )
 
 
-def warn_if_unfit(config: JobConfig, world: int, gpu_name: str, gpus_per_node: int = 8) -> None:
-    """Print :func:`fit_warning` to stderr (the launchers call this when ``--gpu`` is given)."""
-    if gpu_name:
-        line = fit_warning(config, world, gpu_name, gpus_per_node)
+def warn_if_unfit(config: JobConfig, world: int, gpu_name: str, gpus_per_node: int = 8, device: str = "gpu") -> None:
+    """Print :func:`fit_warning` to stderr before a launch on ``world`` GPUs.
+
+    The GPU kind is ``gpu_name`` (``--gpu``), else this machine's own CUDA GPU when the catalog knows it; a GPU
+    job whose kind is unknown gets a one-line notice that the fit check did not run and how to ask for it.
+    """
+    kind = gpu_name or local_gpu_kind()
+    if kind:
+        line = fit_warning(config, world, kind, gpus_per_node)
         if line:
             print(line, file=sys.stderr, flush=True)
+    elif device == "gpu":
+        print(
+            f"tessera: notice: the planner's fit check did not run (GPU kind unknown); pass --gpu "
+            f"{'|'.join(CATALOG)} to check this layout fits {world} of them",
+            file=sys.stderr,
+            flush=True,
+        )

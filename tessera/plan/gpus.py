@@ -69,3 +69,26 @@ def gpu(name: str) -> GPU:
     if len(matches) == 1:
         return CATALOG[matches[0]]
     raise ConfigError(f"unknown GPU '{name}'; use one of {', '.join(CATALOG)}")
+
+
+def catalog_kind(device_name: str, memory_bytes: float) -> str:
+    """The catalog key of a GPU reported as ``device_name`` with ``memory_bytes`` of memory, or "" if none matches.
+
+    Matches the model in the name (``NVIDIA H100 80GB HBM3`` -> H100) and picks the catalog entry of that model
+    whose memory is closest, so an A100 40 GB and an 80 GB part resolve to their own entries.
+    """
+    name = device_name.upper().replace(" ", "")
+    same_model = [k for k, g in CATALOG.items() if g.name.split("-")[0] in name]
+    if not same_model:
+        return ""
+    return min(same_model, key=lambda k: abs(CATALOG[k].memory - memory_bytes))
+
+
+def local_gpu_kind() -> str:
+    """The catalog key of this machine's first CUDA GPU, "" without CUDA or for a GPU the catalog lacks."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ""
+    props = torch.cuda.get_device_properties(0)
+    return catalog_kind(props.name, props.total_memory)

@@ -284,8 +284,9 @@ class Checkpointer:
         return meta
 
 
-def load_tensors(path: str | Path, tensors: dict[str, Any]) -> None:
-    """Fill ``tensors`` (any subset of a checkpoint's keys, shaped as wanted) in place from checkpoint ``path``."""
+def load_tensors(path: str | Path, tensors: dict[str, Any], no_dist: bool = False) -> None:
+    """Fill ``tensors`` (any subset of a checkpoint's keys, shaped as wanted) in place from checkpoint ``path``
+    (``no_dist``: this rank alone, without the load's collectives)."""
     reader = SafeFileSystemReader(str(path))
     try:
         reader.read_metadata()
@@ -296,7 +297,7 @@ def load_tensors(path: str | Path, tensors: dict[str, Any]) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=reader, planner=_WeightsOnlyLoadPlanner())
+            dcp.load(tensors, storage_reader=reader, planner=_WeightsOnlyLoadPlanner(), no_dist=no_dist)
     except (CheckpointException, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
         raise CheckpointError(
             f"checkpoint '{path}' does not fit this model or is damaged: {_first_failure(err)}"

@@ -90,14 +90,23 @@ class ParallelContext:
         dist.all_reduce(t, group=mesh.get_group())
         return t.tolist()
 
+    def sum_over_pp(self, values: list[float]) -> list[float]:
+        """Sum per-rank numbers over the pipeline ranks (what only the last stage measured reaches rank 0)."""
+        mesh = self.pp_mesh
+        if mesh is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=mesh.get_group())
+        return t.tolist()
+
     def barrier(self) -> None:
         """Wait for every rank (no-op for one process)."""
         if self.env.is_distributed:
             dist.barrier()
 
-    def parallelize(self, model: nn.Module, config: JobConfig) -> nn.Module:
-        """Apply the configured layout (see :func:`tessera.parallel.parallelize`)."""
-        return parallelize(model, self.dims, config, self.device.type)
+    def parallelize(self, model: nn.Module, config: JobConfig, frozen: bool = False) -> nn.Module:
+        """Apply the configured layout (see :func:`tessera.parallel.parallelize`; ``frozen``: a teacher)."""
+        return parallelize(model, self.dims, config, self.device.type, frozen)
 
     def pipeline(
         self, model: nn.Module, config: JobConfig, loss_fn: LossFn, head_loss: HeadLoss | None = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -88,13 +89,16 @@ class InitSource:
     kind: str  # "HF llama", "tessera checkpoint step_00000100", "DeepSpeed zero-2", ...
     cfg: ModelConfig
     tensors: Any  # a TensorSource, or a _Checkpoint (loaded by DCP)
+    key: str = "train.init_from"  # the config key that named it (messages say it): or train.distill.teacher
 
     def describe(self) -> str:
         """One line for the banner and the model card."""
         return f"{self.path} ({self.kind})"
 
-    def load_into(self, model: nn.Module) -> None:
-        """Overwrite ``model``'s weights (parallelized or not: each rank fills the blocks it holds)."""
+    def load_into(self, model: nn.Module, no_dist: bool = False) -> None:
+        """Overwrite ``model``'s weights (parallelized or not: each rank fills the blocks it holds). ``no_dist``:
+        each rank reads its blocks alone (a model only some ranks hold, like a distillation teacher on the
+        pipeline's last stage, cannot join a load's collectives)."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             set_model_state_dict,
@@ -105,7 +109,7 @@ class InitSource:
             from tessera.train.checkpoint import load_tensors
 
             wanted = {k: v for k, v in state.items() if k in self.tensors.shapes}
-            load_tensors(self.tensors.path, {"model": wanted})
+            load_tensors(self.tensors.path, {"model": wanted}, no_dist)
             set_model_state_dict(model, wanted, options=_partial())
             return
         with torch.no_grad():
@@ -140,28 +144,29 @@ def _is_deepspeed(path: Path) -> bool:
     return (path / "latest").is_file() or (path / "zero").is_dir() or any(path.glob("*optim_states.pt"))
 
 
-def open_source(path: str, recipe: ModelConfig) -> InitSource:
-    """The :class:`InitSource` of ``train.init_from`` (only headers and metadata are read here)."""
+def open_source(path: str, recipe: ModelConfig, key: str = "train.init_from") -> InitSource:
+    """The :class:`InitSource` of ``train.init_from`` (or of ``key``, e.g. ``train.distill.teacher``; only headers
+    and metadata are read here)."""
     where = Path(path)
     if not where.exists():
         raise ConfigError(
-            f"train.init_from='{path}' does not exist; give an HF model directory, a tessera run or checkpoint, or a "
+            f"{key}='{path}' does not exist; give an HF model directory, a tessera run or checkpoint, or a "
             "DeepSpeed checkpoint"
         )
     if is_hf_dir(where):
         from tessera.hf.load import HFSlices
 
         slices = HFSlices(where)
-        return InitSource(where, f"HF {slices.family}", slices.cfg, slices)
+        return InitSource(where, f"HF {slices.family}", slices.cfg, slices, key)
     if where.is_dir() and _is_deepspeed(where):
-        return _deepspeed_source(where, recipe)
+        return dataclasses.replace(_deepspeed_source(where, recipe), key=key)
     from tessera.api import find_checkpoint
     from tessera.train.checkpoint import read_meta
 
     ckpt = find_checkpoint(where)
     meta = read_meta(ckpt)
     cfg = config_from_dict(meta["config"], where=str(ckpt / "meta.json")).model
-    return InitSource(ckpt, f"tessera checkpoint {ckpt.name}", cfg, _Checkpoint(ckpt))
+    return InitSource(ckpt, f"tessera checkpoint {ckpt.name}", cfg, _Checkpoint(ckpt), key)
 
 
 def _hf_config_near(path: Path) -> dict[str, Any] | None:
@@ -230,7 +235,7 @@ def check_tensors(source: InitSource, recipe: ModelConfig) -> None:
     have = set(source.tensors.names())
     missing = [k for k in want if k not in have]
     unexpected = sorted(have - set(want))
-    where = f"train.init_from='{source.path}'"
+    where = f"{source.key}='{source.path}'"
     if missing:
         raise ConfigError(f"{where} lacks tensor(s) {_listed(missing)} of the recipe's model")
     if unexpected:
@@ -245,13 +250,44 @@ def check_tensors(source: InitSource, recipe: ModelConfig) -> None:
             )
 
 
-class _Upcycled:
-    """A dense source seen as an MoE model: every expert (and shared expert) of layer i is layer i's dense FFN."""
+class _CheckpointTensors:
+    """A tessera checkpoint read tensor by tensor (for upcycling's index arithmetic): each read loads the whole
+    tensor on this rank alone (DCP, no collectives) and returns the block; one tensor is resident at a time."""
 
-    def __init__(self, dense: TensorSource, recipe: ModelConfig) -> None:
+    def __init__(self, checkpoint: _Checkpoint) -> None:
+        self.checkpoint, self._name, self._tensor = checkpoint, "", torch.empty(0)
+
+    def names(self) -> list[str]:
+        return self.checkpoint.names()
+
+    def shape(self, name: str) -> torch.Size:
+        return self.checkpoint.shape(name)
+
+    def read(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        from tessera.train.checkpoint import load_tensors
+
+        if name != self._name:
+            tensors = {"model": {name: torch.empty(self.shape(name))}}
+            load_tensors(self.checkpoint.path, tensors, no_dist=True)
+            self._name, self._tensor = name, tensors["model"][name]
+        return _InMemory({name: self._tensor}).read(name, offsets, shape)
+
+
+def expert_noise(seed: int, name: str, expert: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The N(0, 1) draws of expert ``expert`` of stack ``name`` (the same whatever the layout reads of it)."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}/{expert}".encode()))
+    return torch.randn(shape, generator=generator)
+
+
+class _Upcycled:
+    """A dense source seen as an MoE model: every expert (and shared expert) of layer i is layer i's dense FFN;
+    with ``noise`` > 0 each routed expert's copy is multiplied by ``1 + noise * N(0, 1)`` (its own draws, seeded
+    by ``seed``, the layer and the expert) to break the experts' symmetry."""
+
+    def __init__(self, dense: TensorSource, recipe: ModelConfig, noise: float = 0.0, seed: int = 0) -> None:
         from tessera.model.moe import is_moe_layer
 
-        self.dense, self.map = dense, {}
+        self.dense, self.map, self.noise, self.seed = dense, {}, noise, seed
         names = set(dense.names())
         for i in range(recipe.n_layers):
             if not is_moe_layer(recipe, i):
@@ -283,19 +319,28 @@ class _Upcycled:
         if not experts:
             return self.dense.read(ffn, offsets, shape)
         block = self.dense.read(ffn, (offsets[2], offsets[1]), (shape[2], shape[1])).T  # (in, out) of every expert
-        return block.unsqueeze(0).expand(shape[0], -1, -1).contiguous()
+        copies = block.unsqueeze(0).expand(shape[0], -1, -1).contiguous()
+        if self.noise:
+            full = tuple(self.shape(name)[1:])
+            rows, cols = slice(offsets[1], offsets[1] + shape[1]), slice(offsets[2], offsets[2] + shape[2])
+            for i in range(shape[0]):
+                copies[i] *= 1 + self.noise * expert_noise(self.seed, name, offsets[0] + i, full)[rows, cols]
+        return copies
 
 
-def check_source(source: InitSource, recipe: ModelConfig) -> None:
-    """The recipe's ``[model]`` must be the source's (one line: the first differing key), then its tensors must fit."""
+def check_source(source: InitSource, recipe: ModelConfig, noise: float = 0.0, seed: int = 0) -> None:
+    """The recipe's ``[model]`` must be the source's (one line: the first differing key), then its tensors must fit.
+    A dense source into an MoE recipe is upcycled (``noise``, ``seed``: ``train.upcycle_noise``, ``train.seed``)."""
     if is_upcycling(recipe, source.cfg):
-        if isinstance(source.tensors, _Checkpoint):
-            raise ConfigError(
-                f"train.init_from='{source.path}': upcycling a dense model into the recipe's MoE reads an HF directory "
-                "or a DeepSpeed checkpoint; export the tessera run first (tessera convert hf-export RUN DIR)"
-            )
-        source.tensors = _Upcycled(source.tensors, recipe)
-        source.kind += f", upcycled into {recipe.moe.experts} experts"
+        if isinstance(source.tensors, _Checkpoint):  # upcycling's index arithmetic reads tensors by name
+            source.tensors = _CheckpointTensors(source.tensors)
+        source.tensors = _Upcycled(source.tensors, recipe, noise, seed)
+        source.kind += f", upcycled into {recipe.moe.experts} experts" + (f" (noise {noise:g})" if noise else "")
+    elif noise:
+        raise ConfigError(
+            f"train.upcycle_noise={noise:g} perturbs the experts of an upcycled model, but train.init_from="
+            f"'{source.path}' is not a dense source for an MoE recipe; set train.upcycle_noise=0"
+        )
     diff = first_difference(recipe, source.cfg)
     if diff is not None:
         key, ours, theirs = diff
@@ -337,7 +382,7 @@ def check_init_from(config: JobConfig) -> InitSource | None:
     if t.resume == "auto" and own_checkpoint(config) is not None and not t.overwrite:
         return None
     source = open_source(t.init_from, config.model)
-    check_source(source, config.model)
+    check_source(source, config.model, t.upcycle_noise, t.seed)
     check_tokenizer(source, config)
     return source
 

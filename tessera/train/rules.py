@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tessera.config import JobConfig, ModelConfig, OptimConfig, TrainConfig, resolved_objective
 from tessera.config.checks import require, require_all
+from tessera.model.attention import kernel_spec
 
 
 def check_train(t: TrainConfig, m: ModelConfig) -> None:
@@ -20,6 +21,9 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
         f"train.device={t.device!r} must be auto, cpu or cuda",
     )
     require(t.threads >= 0, f"train.threads must be >= 0 (0 = auto), got {t.threads}")
+    require(
+        0 <= t.upcycle_noise < float("inf"), f"train.upcycle_noise must be a finite number >= 0, got {t.upcycle_noise}"
+    )
     require(t.mtp_loss_weight >= 0, f"train.mtp_loss_weight must be >= 0, got {t.mtp_loss_weight}")
     require(t.distill.temperature > 0, f"train.distill.temperature must be positive, got {t.distill.temperature}")
     require(0.0 <= t.distill.alpha <= 1.0, f"train.distill.alpha must be in [0, 1], got {t.distill.alpha}")
@@ -78,7 +82,7 @@ def check_qk_clip(o: OptimConfig, m: ModelConfig) -> None:
     )
     require(not m.mla.kv_rank, "optim.qk_clip_threshold supports standard attention, not [model.mla]; set it to 0")
     require(
-        m.attention.kernel not in ("linear", "performer"),
+        kernel_spec(m.attention.kernel).scores,  # model/rules.py has checked that the kernel is registered
         f"optim.qk_clip_threshold needs softmax attention logits, not model.attention.kernel='{m.attention.kernel}'",
     )
 

@@ -48,7 +48,7 @@ RUN_OUTPUTS = (
 )
 # Keys a resumed run cannot change: the saved data position only means something for the same samples.
 FIXED_ON_RESUME = {"train.seq_len": "the sequence length", "train.seed": "the data order"}
-NOT_COMPARED = ("train.run_dir", "train.resume", "train.overwrite", "train.init_from")
+NOT_COMPARED = ("train.run_dir", "train.resume", "train.overwrite", "train.init_from", "train.upcycle_noise")
 
 
 def carry_run_files(source_dir: str | Path, out_dir: str | Path) -> list[Path]:

@@ -23,7 +23,7 @@ from tessera.plan.stages import describe_stages
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.async_checkpoint import build_checkpointer
 from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_meta
-from tessera.train.distill import Distillation, load_teacher
+from tessera.train.distill import Distillation, build_teacher, check_teacher_tokenizer, open_teacher
 from tessera.train.flops import flops_per_token, peak_flops
 from tessera.threads import apply_threads, busy_hint
 from tessera.train.hf_every import HFExports
@@ -115,6 +115,7 @@ class Trainer:
         self.goodput = Goodput(config.train.run_dir, False, time.time())  # enabled on rank 0 in _open_logger
         self.run_dir = Path(config.train.run_dir)
         self.init_source = check_init_from(config)  # train.init_from: checked before any process group starts
+        self.teacher_source = open_teacher(config)  # train.distill.teacher: likewise
         self.device = resolve_device(config.train.device)
         check_fp8_device(config.train.fp8, self.device)
         self.dtype = DTYPES[config.train.dtype]
@@ -181,7 +182,7 @@ class Trainer:
         cfg = self.config
         cfg.train.init_from = cfg.train.init_from or str(self.resume_from)
         self.init_source = open_source(cfg.train.init_from, cfg.model)
-        check_source(self.init_source, cfg.model)
+        check_source(self.init_source, cfg.model, cfg.train.upcycle_noise, cfg.train.seed)
         self.resume_from = None
 
     def close(self) -> None:
@@ -206,11 +207,16 @@ class Trainer:
         if cfg.model.mtp_depth and self.pipeline is None:  # a pipeline adds the MTP term on its last stage itself
             mtp = MTPLoss(cfg.model.mtp_depth, cfg.train.mtp_loss_weight, lm_loss, cfg.train.label_smoothing)
         distill = None
-        if cfg.train.distill.teacher:
-            teacher = load_teacher(
-                cfg.train.distill.teacher, cfg.model.vocab_size, self.data.tokenizer.path, self.device
-            )
-            distill = Distillation(teacher, cfg.train.distill.temperature, cfg.train.distill.alpha, self._autocast)
+        if self.teacher_source is not None:
+            check_teacher_tokenizer(self.teacher_source, Path(self.data.tokenizer.path))
+            # Under pipeline parallelism only the last stage's ranks hold the (whole) teacher.
+            here = self.pipeline is None or self.pipeline.has_last
+            teacher = build_teacher(self.teacher_source, cfg, self.parallel) if here else None
+            d = cfg.train.distill
+            microbatches = self.pipeline.microbatches if self.pipeline is not None else 0
+            distill = Distillation(teacher, d.temperature, d.alpha, self._autocast, microbatches)
+            if self.pipeline is not None and here:
+                self.pipeline.extra_loss = distill.add_rows
         return mtp, distill
 
     def _extra_metrics(self) -> dict[str, float]:
@@ -220,7 +226,10 @@ class Trainer:
             found.update(source.metrics() if source is not None else {})
         if not found:
             return {}
-        return dict(zip(found, (v / self.parallel.dp_size for v in self.parallel.sum_over_dp(list(found.values())))))
+        if self.distill is not None and self.pipeline is not None:  # measured on the last stage only
+            found["distill_kl"] = self.parallel.sum_over_pp([found["distill_kl"]])[0]
+        ranks = self.parallel.dp_size * self.parallel.dims.cp  # cp ranks' figures carry their token share
+        return dict(zip(found, (v / ranks for v in self.parallel.sum_over_dp(list(found.values())))))
 
     def _build_model(self) -> torch.nn.Module:
         """Build (every rank the same weights from the seed, or on meta), parallelize, place."""
@@ -341,6 +350,8 @@ class Trainer:
             args, kwargs, labels, loss_mask = self._micro_batch()
             scale = self.parallel.loss_scale(labels, loss_mask)  # cp: local tokens' share of the global mean
             if self.pipeline is not None:
+                if self.distill is not None:
+                    self.distill.prepare(args, kwargs, scale)
                 with self.parallel.loss_context(), self._autocast():
                     fp16_scale = self._pipeline_loss_scale()
                     losses.append(
@@ -390,7 +401,7 @@ class Trainer:
     def _pipeline_head_loss(self) -> Callable[..., FusedHeadLoss] | None:
         """The pipeline's last stage fuses the head into the loss too (``train.fused_loss``)."""
         chunk = self.config.train.loss_chunk_tokens
-        if not self.config.train.fused_loss:
+        if not self.config.train.fused_loss or self.config.train.distill.teacher:  # distillation reads the logits
             return None
         return lambda labels, mask, smoothing, twice: FusedHeadLoss(labels, mask, smoothing, chunk, twice)
 
@@ -429,7 +440,7 @@ class Trainer:
         if token_scale != 1.0:
             loss = loss * token_scale
         if self.distill is not None and training:  # never fused: it reads the student's logits
-            loss = self.distill.add(loss, logits, args, kwargs, loss_mask)
+            loss = self.distill.add(loss, logits, args, kwargs, loss_mask, token_scale)
         if mtp is not None:
             loss = mtp.add(loss, labels, loss_mask)
         aux = moe_loss(moe_log) if moe_log is not None else None  # MoE load-balancing and router z-losses

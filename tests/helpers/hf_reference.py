@@ -50,10 +50,29 @@ def lr_factor(step: int, warmup: int, steps: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def transformers_loop(hf_dir: Path, batches: list[tuple[torch.Tensor, torch.Tensor]], optim) -> tuple[list, list]:
+def distill_reference(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Hinton et al.'s KL(softmax(teacher / T) || softmax(student / T)), summed over the vocabulary and
+    averaged over positions, written out with probabilities (not tessera's log-space code)."""
+    p = F.softmax(teacher.double() / temperature, dim=-1)
+    q = F.softmax(student.double() / temperature, dim=-1)
+    return (p * (p.log() - q.log())).sum(-1).mean()
+
+
+def transformers_loop(
+    hf_dir: Path,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    optim,
+    teacher: tuple[Path, float, float] | None = None,
+    kls: list[float] | None = None,
+) -> tuple[list, list]:
     """Per-step (loss, grad norm) of AutoModelForCausalLM trained with torch.optim.AdamW on ``batches``
-    ((inputs, labels) per step); weight decay on matrices except the embedding, global-norm clipping."""
+    ((inputs, labels) per step); weight decay on matrices except the embedding, global-norm clipping.
+    ``teacher`` = (HF dir, temperature, alpha): distil that model's logits (each step's KL appended to ``kls``)."""
     from transformers import AutoModelForCausalLM
+
+    frozen = None
+    if teacher is not None:
+        frozen = AutoModelForCausalLM.from_pretrained(str(teacher[0]), dtype=torch.float32).eval()
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     model.train()
@@ -75,6 +94,13 @@ def transformers_loop(hf_dir: Path, batches: list[tuple[torch.Tensor, torch.Tens
     for inputs, labels in batches:
         logits = model(input_ids=inputs).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        if frozen is not None:
+            _, temperature, alpha = teacher
+            with torch.no_grad():
+                teacher_logits = frozen(input_ids=inputs).logits
+            kl = distill_reference(logits, teacher_logits, temperature).float()
+            kls.append(kl.item())
+            loss = (1 - alpha) * loss + alpha * temperature**2 * kl
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
         opt.step()

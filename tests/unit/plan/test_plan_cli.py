@@ -61,7 +61,7 @@ def test_plan_errors_are_one_line_and_exit_2(capsys, flags, fragment):
 
 @pytest.fixture(scope="module")
 def llama8b_on_16():
-    config = load_config("configs/llama3-8b.toml", ["train.batch_size=32"])
+    config = load_config("configs/llama3-8b.toml", ["train.batch_size=32", "train.grad_accum=1"])
     return config, plan(config, 16, gpu("h100-80gb"))
 
 
@@ -91,7 +91,7 @@ def test_tensor_parallel_across_nodes_is_predicted_slower(llama8b_on_16):
 
 
 def test_launch_and_slurm_warn_when_the_layout_will_not_fit(capsys):
-    """llama3-8b's recipe (tp=8, 512 sequences in one micro-batch) cannot fit 8 x A100-40GB; the tiny recipe fits."""
+    """llama3-8b's recipe (made for 8 x H100-80GB) cannot fit 8 x A100-40GB; the tiny recipe fits."""
     assert main(["launch", "configs/llama3-8b.toml", "--nproc-per-node", "8", "--gpu", "a100-40gb", "--dry-run"]) == 0
     err = capsys.readouterr().err
     assert re.search(
@@ -160,7 +160,13 @@ def test_model_flops_never_exceed_the_timed_flops(recipe):
 
 def test_the_command_keeps_the_plans_own_overrides_and_its_stage_split():
     """What the plan was made with (seq_len, a cost-balanced split) reaches the command; the layout's keys win."""
-    user = ["train.batch_size=32", "train.seq_len=4096", "parallel.pp=4", "parallel.layers_per_stage=cost"]
+    user = [
+        "train.batch_size=32",
+        "train.seq_len=4096",
+        "parallel.pp=4",
+        "parallel.layers_per_stage=cost",
+        "train.grad_accum=1",
+    ]
     p = plan(load_config("configs/llama3-8b.toml", user), 16, gpu("h100-80gb"))
     staged = next(e for e in p.estimates if e.fits and e.layout.pp == 2)
     words = run_command(p, "configs/llama3-8b.toml", staged, user).split()
@@ -178,3 +184,21 @@ def test_the_command_keeps_the_plans_own_overrides_and_its_stage_split():
     }
     assert "parallel.layers_per_stage=8,8,8,8" in by_stages[4]  # the list fits a layout of 4 stages
     assert "parallel.layers_per_stage=" in by_stages[2]  # not one of 2: even counts there
+
+
+def test_launch_finds_the_gpu_kind_itself_or_says_the_check_did_not_run(capsys, monkeypatch):
+    """Without --gpu: a CUDA machine's own GPU is matched to the catalog; a GPU job of unknown kind gets a notice."""
+    from tessera.plan.gpus import catalog_kind
+
+    assert catalog_kind("NVIDIA H100 80GB HBM3", 79.6 * 2**30) == "h100-80gb"
+    assert catalog_kind("NVIDIA A100-SXM4-40GB", 39.4 * 2**30) == "a100-40gb"
+    assert catalog_kind("NVIDIA H200", 140 * 2**30) == "h200-141gb"
+    assert catalog_kind("Tesla T4", 15 * 2**30) == ""
+    monkeypatch.setattr("tessera.plan.local_gpu_kind", lambda: "a100-40gb")
+    big = ["configs/llama3-8b.toml", "train.batch_size=512", "train.grad_accum=1", "train.device=cuda"]
+    assert main(["launch", *big[:1], "--nproc-per-node", "8", "--dry-run", *big[1:]]) == 0
+    assert "tessera: warning: the planner predicts" in capsys.readouterr().err
+    monkeypatch.setattr("tessera.plan.local_gpu_kind", lambda: "")
+    slurm = ["slurm", "configs/llama3-8b.toml", "--nodes", "1", "--gpus-per-node", "8", "--device", "gpu"]
+    assert main([*slurm, "--dry-run"]) == 0
+    assert "tessera: notice: the planner's fit check did not run" in capsys.readouterr().err

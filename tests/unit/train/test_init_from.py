@@ -213,3 +213,43 @@ def test_upcycling_a_dense_source_into_moe(llama, tmp_path, cache_dir):
     val = {r: json.loads((tmp_path / r / "summary.json").read_text())["val_losses"]["0"] for r in ("dense", "moe")}
     assert abs(val["moe"] - val["dense"]) <= 1e-6 * val["dense"], val
     assert _train(llama, tmp_path / "shared", cache_dir, hf, *evals, *moe, "model.moe.shared_experts=1") == 0
+
+
+def test_upcycling_noise_gives_each_expert_its_own_perturbation_whatever_the_layout_reads(llama):
+    """train.upcycle_noise=0.1: each routed expert is the dense FFN times (1 + 0.1 N(0, 1)), its own draws (the
+    experts differ), the same block whichever shard a rank reads; 0 keeps exact copies."""
+    from tessera.train.init_from import check_source, open_source
+
+    recipe = load_config(
+        str(llama / "imported" / "config.toml"),
+        ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=128"],
+    ).model
+    name, dense_name = "layers.1.moe.experts.up_proj", "layers.1.feed_forward.up_proj.weight"
+    stacks = {}
+    for noise in (0.0, 0.1):
+        source = open_source(str(llama / "hf"), recipe)
+        check_source(source, recipe, noise, seed=7)
+        full = source.tensors.read(name, (0, 0, 0), tuple(source.tensors.shape(name)))
+        assert torch.equal(source.tensors.read(name, (2, 16, 32), (2, 16, 32)), full[2:4, 16:32, 32:64])
+        stacks[noise] = full
+    dense = source.tensors.dense.read(dense_name, (0, 0), tuple(source.tensors.dense.shape(dense_name))).T
+    assert all(torch.equal(expert, dense) for expert in stacks[0.0])
+    ratios = stacks[0.1] / dense - 1
+    assert 0.09 < ratios.std().item() < 0.11 and abs(ratios.mean().item()) < 0.01
+    assert not torch.allclose(stacks[0.1][0], stacks[0.1][1])
+
+
+def test_upcycling_from_a_tessera_run(llama, tmp_path, cache_dir, capsys):
+    """A tessera run (its DCP checkpoint) as the dense source: the upcycled MoE's step-0 validation loss is the
+    dense run's final one; upcycle_noise without upcycling is refused."""
+    evals = ["train.steps=2", "optim.warmup_steps=1", "train.eval_every=2", "checkpoint.every=2"]
+    assert _train(llama, tmp_path / "dense", cache_dir, f"train.init_from={llama / 'hf'}", *evals) == 0
+    moe = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=128"]
+    assert _train(llama, tmp_path / "moe", cache_dir, f"train.init_from={tmp_path / 'dense'}", *evals, *moe) == 0
+    dense = json.loads((tmp_path / "dense" / "summary.json").read_text())["val_losses"]["2"]
+    upcycled = json.loads((tmp_path / "moe" / "summary.json").read_text())["val_losses"]["0"]
+    assert abs(upcycled - dense) <= 1e-6 * dense, (upcycled, dense)
+    hf = f"train.init_from={llama / 'hf'}"
+    capsys.readouterr()
+    assert _train(llama, tmp_path / "noisy_dense", cache_dir, hf, "train.upcycle_noise=0.01") == 2
+    assert "is not a dense source for an MoE recipe" in capsys.readouterr().err
