@@ -22,6 +22,11 @@ def find_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"'{path}' does not exist; give a run directory or a checkpoint directory")
+    if is_hf_dir(path):
+        raise CheckpointError(
+            f"'{path}' is an HF model directory, not a tessera run (generate, eval and inspect read it as it is); "
+            f"for this command import it first: tessera convert hf-import {path} RUN_DIR"
+        )
     if (path / CHECKPOINT_DIR).is_dir() or (path / "config.toml").is_file():
         found = latest_checkpoint(path)
         if found is None:
