@@ -177,6 +177,17 @@ def _check_tensor_parallel(config: JobConfig) -> None:
     )
     _check_layer_heads(m, p.tp)
     _require(
+        "D" not in m.layer_pattern or m.gdn.key_heads % p.tp == 0,
+        f"model.gdn.key_heads={m.gdn.key_heads} is not divisible by parallel.tp={p.tp} (each rank holds whole "
+        "Gated DeltaNet key-head groups); pick a tp that divides it",
+    )
+    _require(
+        "D" not in m.layer_pattern or (p.dp_shard == 1 and p.cp == 1),
+        "Gated DeltaNet layers with parallel.tp > 1 and FSDP (parallel.dp_shard or parallel.cp > 1) are not "
+        "supported yet (the per-rank parameter slices would not follow FSDP's sharded parameters); set "
+        "parallel.dp_shard=1 and use parallel.dp_replicate for data parallelism",
+    )
+    _require(
         m.vocab_size % p.tp == 0,
         f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
         "round the vocabulary up to a multiple of tp",
@@ -207,6 +218,24 @@ def _check_context_parallel(config: JobConfig) -> None:
         p.cp_method != "ring" or m.position.kind not in ("alibi", "t5_bias"),
         f"parallel.cp_method='ring' adds no score bias, but model.position.kind='{m.position.kind}'; use "
         "parallel.cp_method=allgather (the bias spans the gathered keys) or rope/learned positions",
+    )
+    if "D" in m.layer_pattern:
+        _check_gated_deltanet_cp(config)
+
+
+def _check_gated_deltanet_cp(config: JobConfig) -> None:
+    """A Gated DeltaNet under cp scans each rank's two chunks (seq_len / 2cp tokens) in whole scan chunks."""
+    p, g, t = config.parallel, config.model.gdn, config.train
+    piece = t.seq_len // (2 * p.cp)
+    _require(
+        piece % g.chunk == 0 and piece >= g.conv - 1,
+        f"model.gdn.chunk={g.chunk} does not divide the local sequence piece train.seq_len / (2 x parallel.cp) = "
+        f"{piece} (Gated DeltaNet under context parallelism); pick a chunk that divides {piece}",
+    )
+    _require(
+        not config.data.document_mask,
+        "data.document_mask with Gated DeltaNet layers under context parallelism is not supported yet (a document "
+        "boundary at a rank's chunk start); set data.document_mask=false or parallel.cp=1",
     )
 
 

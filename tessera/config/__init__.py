@@ -19,6 +19,7 @@ from tessera.config.job import SECTIONS, JobConfig
 from tessera.config.load import config_from_data, model_config, override_config, parse_overrides, read_config
 from tessera.config.model import (
     AttentionConfig,
+    GatedDeltaNetConfig,
     MambaConfig,
     DSAConfig,
     MLAConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "LogConfig",
     "DSAConfig",
     "MLAConfig",
+    "GatedDeltaNetConfig",
     "MambaConfig",
     "ModelConfig",
     "MoEConfig",

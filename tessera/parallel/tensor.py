@@ -35,6 +35,7 @@ from tessera.model.ffn import DENSE
 from tessera.parallel.head_params import HeadSharded
 from tessera.model.mla import LatentAttention
 from tessera.parallel.tensor_attention import all_heads_norm_plan, latent_attention_plan
+from tessera.parallel.recurrent import GatedDeltaNetHeads, sum_grads_over
 
 
 class ReplicateInput(ParallelStyle):
@@ -164,7 +165,7 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input
         plan.update(_attention_plan("cross_attention", sp, block.cross_attention))
     if sp:
-        norms = ["attention_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention is not None else [])
+        norms = [f"{mixer.attr}_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention else [])
         plan.update({name: SequenceParallel() for name in norms})
     if block.moe is not None:
         if sp:
@@ -258,6 +259,16 @@ def _stack_plan(stack: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
+def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The Gated DeltaNet's per-channel parameters (sliced per rank) and per-head QK-norm gains (each rank
+    sees its heads): gradients summed over the tp ranks."""
+    if getattr(block, "gdn", None) is not None:
+        parallelize_module(block.gdn, tp_mesh, GatedDeltaNetHeads())
+    attention = block.attention
+    if getattr(attention, "q_norm", None) is not None and not getattr(attention, "qk_norm_all", True):
+        sum_grads_over(attention, ["q_norm.weight", "k_norm.weight"], tp_mesh)
+
+
 def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """The plan's entries whose module exists (a pipeline stage lacks the other stages' parts)."""
     out = {}
@@ -284,6 +295,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         for block in blocks:
             # Attention derives its local head count from the sharded projections' widths.
             parallelize_module(block, tp_mesh, _block_plan(block, sp))
+            _replicated_partial_grads(block, tp_mesh)
         if sp and replicated_embedding and blocks:
             parallelize_module(blocks[0], tp_mesh, ShardSequence())
     for module in (getattr(model, "mtp", None) or {}).values():  # multi-token prediction (on the last stage)

@@ -46,6 +46,8 @@ PUBLISHED = {
     # DeepSeekMoE 16B ("16.4B"): embeddings 2 x 102400 x 2048, 28 x (attention 4 x 2048^2 + 2 norms), a dense
     # first FFN 3 x 2048 x 10944, 27 x (64 experts + 2 shared experts of 3 x 2048 x 1408, router 64 x 2048).
     "deepseek-moe-16b": 16_375_728_128,
+    # Qwen3-Next-80B-A3B; HF's Qwen3NextForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
+    "qwen3-next-80b-a3b": 79_674_391_296,
 }
 
 
@@ -63,7 +65,7 @@ TINY = sorted(p.stem for p in (CONFIGS / "tiny").glob("*.toml"))
 def test_every_family_has_a_tiny_recipe():
     assert set(TINY) >= {
         *("llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"),
-        *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32"),
+        *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "qwen3_next"),
     }
 
 
