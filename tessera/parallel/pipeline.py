@@ -35,13 +35,22 @@ from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    _Action,
+    _ComputationType,
+    _PipelineScheduleRuntime,
 )
+from torch.distributed.pipelining import schedules
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.tensor import DTensor, Shard
 
 from tessera.config import ConfigError, JobConfig
 from tessera.layout import (
     MULTI_STAGE_SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SCHEDULES,
     local_stage_ids,
     microbatches,
     pipeline_blocks,
@@ -67,8 +76,9 @@ SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
-SPLIT_BACKWARD_SCHEDULES = frozenset({"interleaved_zb"})  # input and weight gradients in separate passes
 
 # (logits, labels, label_smoothing, loss_mask) -> mean loss over the masked positions
 LossFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], torch.Tensor]
@@ -255,6 +265,30 @@ class StageHooks:
         return (out, *log.logits) if log is not None and log.logits else out
 
 
+class _VForward(_PipelineScheduleRuntime):
+    """Forward only, over stages placed in a V (rank r: stages r and 2 pp - 1 - r): every micro-batch through
+    a rank's first stage, then through its second."""
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable) -> None:
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        pp = stages[0].group_size
+        self.stage_index_to_group_rank = generate_stage_to_rank_mapping(pp, self._num_stages, style="v")
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        forward = _ComputationType.FORWARD
+        self.pipeline_order = {
+            rank: [_Action(s, forward, mb) for s in (rank, 2 * pp - 1 - rank) for mb in range(n_microbatches)]
+            for rank in range(pp)
+        }
+        # torch's schedule check requires every micro-batch's backward, which evaluation has not: lower the
+        # actions to communication with the check answering the V placement instead.
+        check, schedules._validate_schedule = schedules._validate_schedule, lambda *_: self.stage_index_to_group_rank
+        try:
+            self._prepare_schedule_with_comms(self.pipeline_order)
+        finally:
+            schedules._validate_schedule = check
+
+
 def _valid_targets(targets: torch.Tensor, vocab: int) -> torch.Tensor:
     """``targets`` (labels, loss mask) unchanged where valid; torch's shape inference sends a stage
     uninitialized buffers, whose labels must still index the vocabulary."""
@@ -348,7 +382,7 @@ def split_model(
     keys = _stage_keys(config)
     n = len(keys)
     every = {s: stage_model(full, config, keys[s], s == 0, s == n - 1) for s in range(n)}
-    shared = find_shared(every, config.parallel.pp)
+    shared = find_shared(every, config.parallel.pp, config.parallel.pp_schedule)
     rank = stage_ids[0] % config.parallel.pp
     children = {id(child): name for name, child in full.named_children()}
     keep = frozenset(children[id(m)] for sp in shared if rank in sp.ranks for m, _ in sp.uses if id(m) in children)
@@ -422,6 +456,11 @@ class Pipeline:
         cls = SCHEDULES[p.pp_schedule]
         first = pipe_stages if p.pp_schedule in MULTI_STAGE_SCHEDULES else pipe_stages[0]
         self.schedule = cls(first, self.microbatches, loss_fn=self._loss, scale_grads=False)
+        # torch's V schedules evaluate with their training actions, whose same-rank backward hand-over fails
+        # without a backward (torch 2.13): evaluation runs a forward-only schedule over the same V stages.
+        self.eval_schedule = (
+            _VForward(pipe_stages, self.microbatches, self._loss) if p.pp_schedule in V_SCHEDULES else self.schedule
+        )
 
     def _loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         rows = None
@@ -478,7 +517,7 @@ class Pipeline:
         if train:  # the micro-batches' outputs are not kept: each one's logits die with its backward
             self.schedule.step(*inputs, return_outputs=False, **kwargs)
         else:
-            self.schedule.eval(*inputs, **kwargs)
+            self.eval_schedule.eval(*inputs, **kwargs)
         # The first step's shape inference runs one extra forward per stage: count the schedule's own.
         aux = [a for hooks in self.hooks for a in hooks.aux_losses[-self.microbatches :]]
         parts = [_local(loss).double() / self._targets.scale for loss in losses] + [a.detach().double() for a in aux]
@@ -550,7 +589,7 @@ def build_pipeline(
     pp_mesh = dims.submesh("pp")
     v = virtual_stages(p)
     n_stages = p.pp * v
-    stage_ids = local_stage_ids(pp_mesh.get_local_rank(), p.pp, v)
+    stage_ids = local_stage_ids(pp_mesh.get_local_rank(), p.pp, v, p.pp_schedule)
     on_meta = any(p.is_meta for p in model.parameters())  # meta init: materialized after sharding
     local, stage_models, shared = split_model(model if on_meta else model.to(device), config, stage_ids)
     sp_mesh = dims.submesh("tp") if p.tp > 1 and p.sequence_parallel else None

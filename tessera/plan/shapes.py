@@ -27,6 +27,7 @@ from tessera.model.blocks import block_containers, muon_parameters
 from tessera.model.ffn import GATED, ffn_hidden_size
 from tessera.model.mla import LatentAttention
 from tessera.parallel.tensor import tp_sharded_modules
+from tessera.train.flops import flops_per_token
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,9 @@ class ModelShape:
         return self.head + (self.vocab * self.dim if self.tied else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per trained token: 6 N_active + 12 L H Q T (PaLM's, as tessera's MFU), with L the
-        attention layers only (a Mamba layer has no score products)."""
-        return sum(self.block_flops(seq_len)) + 6.0 * self.head_matmul
+        """Model FLOPs per trained token, the count tessera's MFU uses (tessera/train/flop_count.py: active
+        experts, causal attention over the keys each query sees, every mixer and head as it runs)."""
+        return flops_per_token(self.cfg, seq_len)
 
     def block_flops(self, seq_len: int) -> list[float]:
         """Each block's share of :meth:`flops_per_token`: 6 per active matrix parameter (top-k of the routed

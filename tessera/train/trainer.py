@@ -122,9 +122,7 @@ class Trainer:
         self.save_schedule = SaveSchedule(c.every, c.every_minutes, config.train.steps, c.enabled, self.device)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
-        self.flops_per_token = flops_per_token(
-            self.n_params - self.n_embedding_params, config.model, config.train.seq_len
-        )
+        self.flops_per_token = flops_per_token(config.model, config.train.seq_len)
         self.peak, self.peak_source = peak_flops(
             self.device, config.log.peak_flops, cache_dir(config.data.cache_dir), self.parallel.env.local_world_size
         )
