@@ -42,6 +42,7 @@ from torch.distributed.pipelining import PipelineStage
 from tessera.config import JobConfig
 from tessera.validate import load_config
 from tessera.layout import MULTI_STAGE_SCHEDULES as MULTI_STAGE
+from tessera.layout import V_SCHEDULES, local_stage_ids
 from tessera.parallel.pipeline import SCHEDULES
 
 _BUSY = [0.0]  # seconds of stage compute in this process
@@ -131,7 +132,7 @@ def _timed_steps(step, steps: int) -> tuple[float, float]:
 def _measure_sleep(rank: int, p: int, schedule: str, m: int, cost: float, steps: int) -> tuple[float, float, float]:
     """(idle fraction, busy ms per micro-batch and stage, step s) of sleep stages costing ``cost`` s per F, B and W."""
     v = _virtual(schedule)
-    ids = [rank + k * p for k in range(v)]
+    ids = local_stage_ids(rank, p, v, schedule)
     stages = [PipelineStage(CostStage(cost / v), s, p * v, torch.device("cpu")) for s in ids]
     cls = SCHEDULES[schedule]
     sched = cls(stages if v > 1 else stages[0], m, loss_fn=lambda out, target: out.mean(), scale_grads=False)
@@ -269,7 +270,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="real: decoder blocks (split over p * v stages)")
     parser.add_argument("--pp", type=_numbers(int), default=[2, 4], help="pipeline ranks")
     parser.add_argument("--microbatches", type=_numbers(int), default=[4, 8], help="micro-batches per step")
-    parser.add_argument("--schedules", type=lambda t: t.split(","), default=list(SCHEDULES), help="schedules")
+    parser.add_argument("--schedules", type=lambda t: t.split(","), default=[s for s in SCHEDULES if s not in V_SCHEDULES], help="schedules (the V ones on request)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
     parser.add_argument("--splits", type=lambda t: t.split(","), default=["even"], help="real: even and/or cost")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the splits (median reported)")
