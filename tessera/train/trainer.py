@@ -19,6 +19,7 @@ from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
 from tessera.evaluate.loop import DownstreamEval
 from tessera.parallel.fp8 import check_fp8_device
+from tessera.parallel.qat import set_qat_step
 from tessera.plan.stages import describe_stages
 from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
 from tessera.train.async_checkpoint import build_checkpointer
@@ -346,6 +347,8 @@ class Trainer:
         accum = cfg.train.grad_accum
         losses: list[torch.Tensor] = []  # per micro-batch, divided by grad_accum, detached
         moe_logs: list[MoELog] = []
+        if cfg.train.qat != "none":  # from the step alone: a resumed run switches at the same step
+            set_qat_step(self.model, self.step, cfg.train.qat_start)
         for _ in range(accum):
             args, kwargs, labels, loss_mask = self._micro_batch()
             scale = self.parallel.loss_scale(labels, loss_mask)  # cp: local tokens' share of the global mean
