@@ -27,10 +27,9 @@ def run_scheme(run: str | Path, scheme: str | None, group_size: int | None) -> t
     chosen = (scheme or qat, qat_group if group_size is None else group_size)
     wanted = (qat, qat_group if qat == "int4-weight" else chosen[1])
     if chosen != wanted:
+        group = f" --group-size {qat_group}" if qat == "int4-weight" else ""
         raise ConfigError(
-            f"'{run}' was trained with train.qat={qat!r}" + (f" (group size {qat_group})" if qat == "int4-weight" else "")
-            + f": convert it with --scheme {qat}" + (f" --group-size {qat_group}" if qat == "int4-weight" else "")
-            + " (or leave both out)"
+            f"'{run}' was trained with train.qat={qat!r}: convert it with --scheme {qat}{group} (or leave both out)"
         )
     return chosen
 
