@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from tessera import registry
 from tessera.config import ConfigError
 from tessera.data.tokenizer import Tokenizer
 from tessera.hf.weights import is_hf_dir, load_hf
@@ -21,6 +22,11 @@ def find_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"'{path}' does not exist; give a run directory or a checkpoint directory")
+    if is_hf_dir(path):
+        raise CheckpointError(
+            f"'{path}' is an HF model directory, not a tessera run (generate, eval and inspect read it as it is); "
+            f"for this command import it first: tessera convert hf-import {path} RUN_DIR"
+        )
     if (path / CHECKPOINT_DIR).is_dir() or (path / "config.toml").is_file():
         found = latest_checkpoint(path)
         if found is None:
@@ -83,9 +89,10 @@ def load_draft(draft: str, model: nn.Module) -> Any:
 
 
 def _refuse_mamba(model: nn.Module, what: str) -> None:
-    if "M" in model.cfg.layer_pattern:
+    recurrent = registry.recurrent_layers(getattr(model, "layers", {}).values())
+    if recurrent:
         raise ConfigError(
-            f"speculative decoding rewinds caches, but {what} has Mamba layers (model.layer_pattern="
+            f"speculative decoding rewinds caches, but {what} has {recurrent} (model.layer_pattern="
             f"{model.cfg.layer_pattern!r}), whose state cannot rewind; drop --draft or use an attention-only model"
         )
 

@@ -12,8 +12,10 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from tessera.errors import ConfigError, UserError
+from tessera.launcher.workers import peer_failed, record_worker_error
 from tessera.validate import load_config
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
@@ -507,6 +509,11 @@ def _cmd_lm_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.lm_eval_model import run_lm_eval
 
     raw = args.argv[args.argv.index("lm-eval") + 1 :]  # in the user's order (argparse splits them)
+    if not raw:
+        raise ConfigError(
+            "tessera lm-eval needs lm_eval's arguments, e.g. tessera lm-eval run --model tessera "
+            "--model_args path=runs/smoke --tasks stdlib_next_line"
+        )
     return run_lm_eval(raw, cache_dir())
 
 
@@ -775,12 +782,22 @@ def _add_plan(sub: Subparsers) -> None:
         action="store_true",
         help="also measure the best measurable layout on fake ranks (real parallelize)",
     )
+    plan.add_argument(
+        "--max-layouts",
+        type=int,
+        default=200_000,
+        help="stop the search after this many layouts (the report says so); a progress line every 5 s",
+    )
 
 
 def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.plan.cli import run_plan
 
-    print(run_plan(args.config, overrides, args.gpus, args.gpu, args.nodes_of, args.top, args.measure))
+    print(
+        run_plan(
+            args.config, overrides, args.gpus, args.gpu, args.nodes_of, args.top, args.measure, args.max_layouts
+        )
+    )
     return 0
 
 
@@ -807,9 +824,21 @@ COMMANDS = (
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose own errors (unknown flag, missing argument) are one line and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``tessera: error: <command>: <message> (see --help)`` on one line and exit with code 2."""
+        command = self.prog.removeprefix("tessera").strip()
+        where = f"{command}: " if command else ""
+        text = " ".join(message.split())
+        help_hint = f"tessera {command} --help" if command else "tessera --help"
+        self.exit(2, f"tessera: error: {where}{text} (see {help_hint})\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``tessera`` argument parser with every command registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="tessera",
         description="Pretrain transformer language models, from one CPU to a GPU cluster.",
         allow_abbrev=False,
@@ -842,7 +871,8 @@ def _unknown_flags(parser: argparse.ArgumentParser, extra: list[str]) -> None:
         if name.startswith("--") and "." not in name and not is_value:
             options = [o for p in _all_parsers(parser) for o in p._option_string_actions if o.startswith("--")]
             close = difflib.get_close_matches(name, options, n=1)
-            guess = f" (did you mean '{close[0]}'?)" if close else ""
+            guess = f" (did you mean '{close[0]}'?)" if close and close[0] != name else ""
+            guess = " (an option of another command)" if name in options else guess
             raise ConfigError(
                 f"unknown option '{name}'{guess}; config overrides are written --section.key VALUE or section.key=VALUE"
             )
@@ -863,7 +893,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _unknown_flags(parser, extra)
         return args.handler(args, extra)
     except UserError as err:
-        print(f"tessera: error: {err}", file=sys.stderr)
+        if not record_worker_error(str(err)):  # a worker under `tessera launch`: the launcher prints it once
+            print(f"tessera: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `tessera config keys | head -1`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail again
@@ -874,4 +905,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("tessera: interrupted", file=sys.stderr)
-        return 130
+        from tessera.train.preemption import exit_interrupted
+
+        return exit_interrupted()
+    except Exception:
+        if peer_failed():  # another worker stopped on a user error: this one's crash is its echo, not news
+            return 1
+        raise

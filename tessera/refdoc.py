@@ -107,7 +107,7 @@ def components_reference() -> str:
         "",
         "Every component in the registry (`tessera/registry.py`), with the config keys it reads, its checks, the "
         "layouts it does not support and why, its planner terms (FLOPs, memory) and its tensor-parallel plan. "
-        "See docs/ARCHITECTURE.md, \"Adding a component\".",
+        'See docs/ARCHITECTURE.md, "Adding a component".',
         "",
     ]
     for kind in registry.KINDS:

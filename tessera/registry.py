@@ -34,9 +34,19 @@ Adding a component (see docs/ARCHITECTURE.md, "Adding a component")::
     ))
 
 ``register`` returns the spec and refuses a second spec of the same kind and name; ``get(kind, name)``
-raises ``KeyError`` naming the registered ones; ``specs(kind)`` lists them in registration order (the
-table's order); ``used(config, kind)`` lists the specs a config turns on. The API only grows: fields are
-added with defaults, never renamed.
+raises ``KeyError`` naming the registered ones; ``names(kind)`` and ``specs(kind)`` list them in
+registration order; ``used(job, kind)`` lists the specs a JobConfig turns on, ``used_by_model(m, kind)``
+the model-scoped ones a ModelConfig turns on (``model/rules.py`` runs their ``checks``);
+``declaration_problems(spec, layouts)`` says what a spec fails to declare (tests/unit/test_registry.py).
+:data:`REGISTRY` is the live table (kind -> name -> spec); tests replace an entry with
+``monkeypatch.setitem(REGISTRY[kind], name, dataclasses.replace(spec, ...))``.
+
+Who reads what: ``Attention.attend`` -> ``KernelSpec.attend`` (looked up per call by the layer's
+``kernel``); ``TransformerBlock`` -> ``MixerSpec`` (``model/mixers.mixer_for``); ``compat`` -> every
+spec's ``feature``/``unsupported``/``uses`` and the layouts; ``plan/activations`` -> kernel, mixer and
+FFN ``terms.memory``; ``plan/speed`` and ``train/flops`` -> mixer ``terms.flops``; ``parallel/tensor`` ->
+``tp_plan``; ``python -m tessera.refdoc`` -> docs/reference/components.md and the compatibility tables.
+The API only grows: fields are added with defaults, never renamed.
 """
 
 from __future__ import annotations
@@ -96,12 +106,15 @@ class Spec:
 class KernelSpec(Spec):
     """An attention kernel: ``attend(layer, q, k, v, ctx, dropout) -> out`` with (B, H, Tq, D) queries and
     (B, H_kv, Tk, D) keys/values; ``scores``: it forms a score matrix (takes masks, score biases, windows
-    and document masks); ``state(cfg, head_dim)``: a per-layer module it keeps (``layer.features``) or None."""
+    and document masks); ``state(cfg, head_dim)``: a per-layer module it keeps (``layer.features``) or None;
+    ``pattern``: it brings its own sparsity pattern (model/masks.py draws it), so it cannot serve layers
+    that need plain (global) attention."""
 
     kind: str = "attention_kernel"
     attend: Callable[..., Any]
     scores: bool = True
     state: Callable[..., Any] | None = None
+    pattern: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,13 +123,16 @@ class MixerSpec(Spec):
     ``selects(cfg)``: among the mixers serving a letter, whether this one builds it; ``attr``: the block's
     attribute (``attention`` or ``mamba``: parameter names stay what checkpoints and HF maps read);
     ``build(cfg, layer_id) -> module``; ``forward(module, h, ctx, cache, start) -> out``;
-    ``new_cache(module, batch, max_len, dtype, device)``; ``has_ffn(cfg)``: a FFN/MoE sublayer follows it."""
+    ``new_cache(module, batch, max_len, dtype, device)``; ``has_ffn(cfg)``: a FFN/MoE sublayer follows it;
+    ``recurrent``: it carries a state along the sequence (Mamba), so speculative decoding cannot rewind it,
+    packed-document masks cannot reset it and left padding would flow into it (those paths refuse it)."""
 
     kind: str = "mixer"
     letters: Mapping[str, str]
     selects: Callable[[Any], bool] = field(default=lambda _: True)
     attr: str = "attention"
     has_ffn: Callable[[Any], bool] = field(default=lambda _: True)
+    recurrent: bool = False
     build: Callable[..., Any]
     forward: Callable[..., Any]
     new_cache: Callable[..., Any]
@@ -199,6 +215,11 @@ def declaration_problems(spec: Spec, layouts: tuple[str, ...]) -> list[str]:
     if spec.kind in ("attention_kernel", "mixer") and spec.tp_plan is None and "tp" not in (spec.unsupported or {}):
         found.append(f"{where} has no tp_plan and does not refuse 'tp'")
     return found
+
+
+def recurrent_layers(layers: Any) -> str:
+    """The table row (``feature``) of the first recurrent mixer among ``layers`` (TransformerBlocks), or ""."""
+    return next((layer.mixer_spec.feature for layer in layers if layer.mixer_spec.recurrent), "")
 
 
 def uses_kernel(name: str) -> Callable[[Any], bool]:

@@ -7,7 +7,10 @@ one spins up a thread per core and they fight) and slow on a busy machine. tesse
 2. else ``OMP_NUM_THREADS`` when it is set (an explicit choice; torchrun sets it to 1 when it
    starts several processes and it is unset, and ``tessera launch`` sets it to the share below);
 3. else the cores this process may use (``os.sched_getaffinity`` and the cgroup CPU quota)
-   divided by the processes on this node (``LOCAL_WORLD_SIZE``), at least 1.
+   divided by the processes on this node (``LOCAL_WORLD_SIZE``), at least 1; but one thread when
+   the machine is already busier than its cores at start (1-minute load above cores + 0.5): threads
+   that wait for a core at every parallel region cost more than they give (measured in issue 37: the
+   smoke job took 1,025 s with 2 threads and 180 s with 1 at load 3-7 on 2 cores).
 
 The choice is printed in the training banner, with a hint when the machine's load says other
 processes are using the same cores.
@@ -68,6 +71,9 @@ def choose_threads(configured: int, local_processes: int, environ: dict[str, str
         return ThreadChoice(int(omp), "OMP_NUM_THREADS")
     cores, procs = usable_cores(), max(1, local_processes)
     per_process = max(1, cores // procs)
+    load = machine_load_if_busy()
+    if load is not None and per_process > 1:  # issue 37: smoke job 1,025 s at 2 threads, 180 s at 1 (load 3-7)
+        return ThreadChoice(1, f"auto: machine busy, load {load:.1f} on {cores} core{'s' if cores != 1 else ''}")
     return ThreadChoice(
         per_process, f"auto: {cores} core{'s' if cores != 1 else ''} / {procs} process{'es' if procs != 1 else ''}"
     )

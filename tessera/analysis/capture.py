@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from tessera.model.attention import LINEAR_KERNELS, Attention
+from tessera.model.attention import Attention, kernel_spec
 from tessera.model.mla import LatentAttention
 
 Observer = Callable[[str, torch.Tensor], None]
@@ -75,7 +75,7 @@ def observe_attention(
     saved = [(m, getattr(m, "kernel", None)) for _, m in layers]
     try:
         for name, module in layers:
-            if isinstance(module, Attention) and module.kernel not in LINEAR_KERNELS:
+            if isinstance(module, Attention) and kernel_spec(module.kernel).scores:
                 module.kernel = "eager"
             module.weights_observer = functools.partial(observer, name)
         yield layers

@@ -28,6 +28,7 @@ from tessera.analysis.plot import display_tokens, draw_layer
 from tessera.analysis.stats import HeadStats, format_table, head_stats
 from tessera.analysis.text import Codec, load_codec
 from tessera.config import ConfigError
+from tessera.model.attention import kernel_spec
 
 CAVEAT = "attention maps show where a head looks, not why: a starting point for debugging, not proof"
 
@@ -245,7 +246,7 @@ def inspect_attention(
 def _header(path: str | Path, model: nn.Module, tokens: Tokens, generate: int) -> list[str]:
     cfg = model.cfg
     kernel = cfg.attention.kernel
-    how = "implicit weights" if kernel in ("linear", "performer") else "recomputed with the eager kernel"
+    how = "recomputed with the eager kernel" if kernel_spec(kernel).scores else "implicit weights"
     lines = [
         f"attention of {path} ({cfg.arch}, model.attention.kernel={kernel}: {how}) on {len(tokens.source)} tokens"
         + (f" + {generate} generated (greedy)" if generate else "")

@@ -72,7 +72,11 @@ def sliced_state(model: nn.Module, keep: dict[int, list[int]]) -> dict[str, torc
     for i, groups in keep.items():
         attn = self_attention_layers(model)[i]
         g, d = attn.n_heads // attn.n_kv_heads, attn.head_dim
-        q_rows, kv_rows = _rows([j * g + r for j in groups for r in range(g)], d), _rows(groups, d)
+        heads = [j * g + r for j in groups for r in range(g)]
+        q_rows, kv_rows = _rows(heads, d), _rows(groups, d)
+        sinks = f"layers.{i}.attention.sinks.weight"  # per query head (gpt-oss)
+        if sinks in state:
+            state[sinks] = state[sinks][heads].clone()
         parts = [("q_proj", q_rows, 0), ("k_proj", kv_rows, 0), ("v_proj", kv_rows, 0), ("o_proj", q_rows, 1)]
         for part, rows, dim in parts:
             for kind in ("weight", "bias"):

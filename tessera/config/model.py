@@ -24,6 +24,7 @@ class AttentionConfig:
     block_size: int = 16  # bigbird block
     random_blocks: int = 1  # bigbird random key blocks per query block
     performer_features: int = 64  # performer random features
+    sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss attention sinks)
     heads_per_layer: str = ""  # query heads per layer, e.g. "4,2,4,2" (pruned models); "" = n_heads in every layer
 
 
@@ -75,6 +76,9 @@ class MoEConfig:
     shared_ffn_hidden: int = 0  # hidden width of the shared experts together (0 = shared_experts x ffn_hidden)
     shared_gate: bool = False  # scale the shared experts' output by sigmoid(w . x) (Qwen2-MoE shared_expert_gate)
     ffn_hidden: int = 0  # expert hidden width (0 = the dense FFN's)
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_biases: bool = False  # biases on every expert projection (gpt-oss)
+    swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU, (clamp(up)+1) * g * sigmoid(1.702 g), g = min(gate, limit)
     jitter: float = 0.0  # training only: the MoE input times U(1 - jitter, 1 + jitter) (Mixtral router_jitter_noise)
 
 

@@ -28,6 +28,7 @@ from tessera.launcher.common import (
     parse_endpoint,
     train_args,
 )
+from tessera.launcher.workers import run_torchrun
 from tessera.plan import warn_if_unfit
 from tessera.threads import choose_threads
 
@@ -260,4 +261,6 @@ def launch(
     print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd), flush=True)
     if dry_run:
         return 0
+    if via != "accelerate":
+        return run_torchrun(cmd[3:], env)  # in-process, so a worker's user error ends as one line, exit 2
     os.execve(cmd[0], cmd, {**os.environ, **env})

@@ -33,9 +33,11 @@ from tessera.model.kernels.sdpa import block_sparse_attention  # noqa: F401  (re
 from tessera.model.masks import BlockLayout, MaskSpec
 from tessera.model.norm import RMSNorm
 from tessera.model.position import apply_rope
+from tessera.model.sinks import AttentionSinks
 
 if TYPE_CHECKING:
     from tessera.model.moe import MoELog
+
 
 def kernel_spec(name: str) -> registry.KernelSpec:
     """The registered attention kernel ``name`` (``model.attention.kernel``)."""
@@ -159,6 +161,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_width * self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
         state = kernel_spec(self.kernel).state
         self.features = state(cfg, self.head_dim) if state is not None else None
+        # gpt-oss: a learned logit per head in every softmax's denominator (see tessera.model.sinks).
+        self.sinks = AttentionSinks(self.n_heads) if cfg.attention.sinks else None
         # Set only while a tool inspects attention (eager kernel): called with each forward's weights.
         self.weights_observer: Callable[[torch.Tensor], None] | None = None
         # Set only while QK-clip (tessera/train/qk_clip.py) watches the logits: called with q, k and the context.

@@ -5,4 +5,5 @@ rules and the planner import this, then read :mod:`tessera.registry`.
 
 from __future__ import annotations
 
-from tessera.model import ffn, kernels, mixers, moe, mtp, position, transformer  # noqa: F401  (registers them)
+from tessera.model import attention_rules, ffn, gpt_oss_experts, kernels, mixers, moe, mtp  # noqa: F401
+from tessera.model import position, sinks, transformer  # noqa: F401

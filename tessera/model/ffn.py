@@ -65,7 +65,7 @@ def dense_memory(shape: Any, block: Any, prec: Any) -> tuple[float, float, float
     return gathered, sharded, c * h, (2 if shape.gated else 1) * c * shape.ffn_hidden
 
 
-FFN_TP = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+FFN_TP = {"up_proj": "colwise", "down_proj": "rowwise", "gate_proj": "colwise"}
 
 DENSE = registry.register(
     registry.Spec(

@@ -299,6 +299,7 @@ def _mamba_spec(name: str, version: int, mixer: type[nn.Module]) -> registry.Mix
         selects=lambda m: (m.mamba.version == 2) == (version == 2),
         attr="mamba",
         has_ffn=lambda cfg: cfg.mamba.ffn,
+        recurrent=True,
         build=lambda cfg, layer_id: mixer(cfg),
         forward=_forward,
         new_cache=_new_cache,

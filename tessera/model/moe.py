@@ -28,6 +28,7 @@ from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require
 from tessera.model.ffn import ACTIVATIONS, FFN_TP, GATED, FeedForward, ffn_hidden_size, hidden_bytes
+from tessera.model.gpt_oss_experts import gpt_oss_experts
 
 
 @dataclass
@@ -216,8 +217,8 @@ class MoE(nn.Module):
         hidden = moe.ffn_hidden or ffn_hidden_size(
             cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of
         )
-        self.router = nn.Linear(cfg.dim, moe.experts, bias=False)
-        self.experts = Experts(moe.experts, cfg.dim, hidden, cfg.activation)
+        self.router = nn.Linear(cfg.dim, moe.experts, bias=moe.router_bias)
+        self.experts = gpt_oss_experts(cfg, hidden) or Experts(moe.experts, cfg.dim, hidden, cfg.activation)
         shared_hidden = moe.shared_ffn_hidden or hidden * moe.shared_experts
         self.shared = FeedForward(cfg.dim, shared_hidden, cfg.activation) if moe.shared_experts else None
         self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if moe.shared_gate else None

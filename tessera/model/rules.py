@@ -68,6 +68,7 @@ def _validate_attention(m: ModelConfig) -> None:
         f"model.attention.kernel = {a.kernel!r} is not a registered kernel; use one of {', '.join(map(repr, kernels))}",
     )
     run_checks(m, "attention_kernel")
+    run_checks(m, "option")
 
 
 def run_checks(m: ModelConfig, kind: str) -> None:
@@ -144,8 +145,6 @@ def _validate_moe(m: ModelConfig) -> None:
     run_checks(m, "ffn")
 
 
-
-
 def _validate_mixers(m: ModelConfig) -> None:
     """model.layer_pattern, [model.mamba] and [model.mla]."""
     pattern = m.layer_pattern
@@ -167,10 +166,11 @@ def _validate_mixers(m: ModelConfig) -> None:
         m.arch == "decoder" or not (set(pattern) - {"A"} or m.mla.kv_rank),
         f"model.layer_pattern and model.mla are for decoders, not model.arch='{m.arch}'",
     )
+    kernel = registry.get("attention_kernel", m.attention.kernel)
     require(
-        "G" not in pattern or (m.attention.sliding_window > 0 and m.attention.kernel in ("sdpa", "eager")),
-        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and the sdpa or "
-        "eager kernel",
+        "G" not in pattern or (m.attention.sliding_window > 0 and kernel.scores and not kernel.pattern),
+        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and a softmax kernel "
+        "without its own pattern (sdpa, eager, chunked)",
     )
     run_checks(m, "mixer")
     require(0.0 <= m.moe.jitter < 1.0, f"model.moe.jitter must be in [0, 1), got {m.moe.jitter}")
@@ -178,8 +178,9 @@ def _validate_mixers(m: ModelConfig) -> None:
 
 def check_mamba_documents(job: JobConfig) -> None:
     """Packed-document masks need attention layers: a Mamba scan carries state across the boundary."""
+    recurrent = next((s.feature for s in registry.used_by_model(job.model, "mixer") if s.recurrent), "")
     require(
-        not (job.data.document_mask and "M" in job.model.layer_pattern),
-        "data.document_mask cannot reset Mamba layers' state at document boundaries; set data.document_mask=false "
+        not (job.data.document_mask and recurrent),
+        f"data.document_mask cannot reset {recurrent}' state at document boundaries; set data.document_mask=false "
         "or use attention layers only",
     )

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from tessera import registry
 from tessera.model.cache import layer_caches, new_caches
 from tessera.model.generate import filtered_logits
 from tessera.model.transformer import Decoder
@@ -217,8 +218,9 @@ class MTPDraft:
 
 
 def _check_rewindable(model: Decoder, what: str) -> None:
-    if any(layer.mamba is not None for layer in model.layers.values()):
-        raise ValueError(f"speculative decoding rewinds caches; {what} has Mamba layers, whose state cannot rewind")
+    recurrent = registry.recurrent_layers(model.layers.values())
+    if recurrent:
+        raise ValueError(f"speculative decoding rewinds caches; {what} has {recurrent}, whose state cannot rewind")
 
 
 def _forward(model: Decoder, tokens: torch.Tensor, caches: list, start: int) -> tuple[torch.Tensor, torch.Tensor]:

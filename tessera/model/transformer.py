@@ -232,9 +232,7 @@ class Stack(nn.Module):
                 "left padding with a sliding-window ring-buffer cache is not supported; generate rows of "
                 "different lengths one at a time"
             )
-        if not kernel_spec(self.cfg.attention.kernel).scores or any(
-            layer.mamba is not None for layer in self.layers.values()
-        ):
+        if not kernel_spec(self.cfg.attention.kernel).scores or registry.recurrent_layers(self.layers.values()):
             raise ValueError(
                 "left padding needs softmax attention in every layer (linear kernels and Mamba layers would carry "
                 "the padding in their state); generate rows of different lengths one at a time"
@@ -251,7 +249,7 @@ class Stack(nn.Module):
         plain sliding-window attention layers keep only the window, in a ring buffer (Longformer/BigBird's
         global and random keys, and 'G' layers, need them all)."""
         spec = self.mask_spec
-        ring = spec.window and spec.causal and spec.kernel not in ("longformer", "bigbird") and spec.window < max_len
+        ring = spec.window and spec.causal and not kernel_spec(spec.kernel).pattern and spec.window < max_len
 
         def cache(layer: TransformerBlock) -> LayerCache:
             if ring and layer.kind == "A" and type(layer.attention) is Attention:

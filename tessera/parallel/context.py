@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tessera.model.attention import Attention, AttnContext
 from tessera.model.masks import MaskSpec, allowed
 from tessera.model.moe import MoE, TokenGroup
+from tessera.model.sinks import ring_sink_grad, ring_start
 from tessera.model.transformer import Stack
 
 METHODS = ("allgather", "ring")
@@ -101,7 +102,11 @@ class ContextParallel:
                 mask = allowed(spec, q_idx[rows, None], kv_idx[src][None, :], *docs)
                 return mask.view(-1, 1, *mask.shape[-2:])
 
-            return lambda attn, q, k, v, _: RingAttention.apply(q, k, v, step_mask, attn.scale, self.group)
+            def ring(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _: AttnContext):
+                sinks = attn.sinks() if getattr(attn, "sinks", None) is not None else None
+                return RingAttention.apply(q, k, v, step_mask, attn.scale, self.group, sinks)
+
+            return ring
         keys = torch.cat(kv_idx)
         docs = () if document_ids is None else (document_ids[:, :, None], torch.cat(kv_doc, 1)[:, None, :])
         mask = allowed(spec, q_idx[:, None], keys[None, :], *docs).view(-1, 1, length, keys.numel())
@@ -197,17 +202,20 @@ class RingAttention(torch.autograd.Function):
 
     ``step_mask(src, rows)`` is the (B|1, 1, rows, Tk) bool mask of a range of the local queries
     over rank ``src``'s keys: built per chunk of queries, so no (Tq, Tk) tensor exists at once.
-    Keys/values keep their own (GQA) head count while travelling.
+    Keys/values keep their own (GQA) head count while travelling. Attention sinks (H,) start each
+    query's log-sum-exp, on the queries' own rank: they enter each softmax once, whatever ``cp``.
     """
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, step_mask: Callable[[int, slice], torch.Tensor], scale: float, group):
+    def forward(ctx: Any, q, k, v, step_mask: Callable[[int, slice], torch.Tensor], scale: float, group, sinks=None):
         """One ring pass: each step merges one rank's key/value block while the next one travels."""
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         b, hkv = k.shape[:2]
         q5 = q.float().view(b, hkv, -1, *q.shape[2:])
         out = torch.zeros_like(q5)
         lse = torch.full(q5.shape[:-1], float("-inf"), device=q.device)
+        if sinks is not None:
+            lse = ring_start(sinks, lse.shape)
         kk, vv = k, v
         for step in range(size):
             wait = _rotate([kk, vv], group) if step < size - 1 else None
@@ -224,14 +232,14 @@ class RingAttention(torch.autograd.Function):
                 lse[..., rows] = new
             if wait is not None:
                 kk, vv = wait()
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.step_mask, ctx.scale, ctx.group = step_mask, scale, group
         return out.view_as(q).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):
         """A second ring pass recomputing each block's probabilities from the saved log-sum-exp."""
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         q5 = q.float().view_as(out)
         dout5 = dout.float().view_as(out)
@@ -248,7 +256,8 @@ class RingAttention(torch.autograd.Function):
             dk, dv = _rotate([dk, dv], ctx.group, tag=1)()
             if wait is not None:
                 kk, vv = wait()
-        return dq.view_as(q).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dsinks = ring_sink_grad(sinks, lse, delta) if sinks is not None else None
+        return dq.view_as(q).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
 
 
 def _ring_backward_block(q5, k, v, dout5, lse, delta, step_mask, src, scale, dq, dk, dv) -> None:

@@ -30,6 +30,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tessera import registry
+from tessera.model.ffn import DENSE
+from tessera.parallel.head_params import HeadSharded
+
 
 class ReplicateInput(ParallelStyle):
     """Before the module runs, make its first input a replicated DTensor over the tp mesh.
@@ -118,22 +122,28 @@ class LocalHeads(ParallelStyle):
         return module
 
 
-def _attention_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
+def _styles(prefix: str, tp_plan: dict[str, str], sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
+    """A component spec's TP plan (submodule -> "colwise" | "rowwise", see tessera.registry) as DTensor
+    styles for the submodules ``module`` has; row-parallel outputs reduce to the stream's layout."""
     out = Shard(1) if sp else Replicate()
-    return {
-        f"{prefix}.q_proj": ColwiseParallel(),
-        f"{prefix}.k_proj": ColwiseParallel(),
-        f"{prefix}.v_proj": ColwiseParallel(),
-        f"{prefix}.o_proj": RowwiseParallel(output_layouts=out, use_local_output=not sp),
-        prefix: ReplicateInput(sp),
+    make = {
+        "colwise": ColwiseParallel,
+        "rowwise": lambda: RowwiseParallel(output_layouts=out, use_local_output=not sp),
     }
+    return {f"{prefix}.{name}": make[style]() for name, style in tp_plan.items() if hasattr(module, name)}
+
+
+def _attention_plan(prefix: str, sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
+    return {**_styles(prefix, registry.ATTENTION_TP, sp, module), prefix: ReplicateInput(sp)}
 
 
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
-    out = Shard(1) if sp else Replicate()
-    plan = _attention_plan("attention", sp)
+    mixer = block.mixer_spec  # compat refuses tp for a mixer without a TP plan
+    plan = {**_styles(mixer.attr, mixer.tp_plan, sp, getattr(block, mixer.attr)), mixer.attr: ReplicateInput(sp)}
+    if getattr(getattr(block, mixer.attr), "sinks", None) is not None:  # per-head sink logits follow the heads
+        plan[f"{mixer.attr}.sinks"] = HeadSharded()
     if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input
-        plan.update(_attention_plan("cross_attention", sp))
+        plan.update(_attention_plan("cross_attention", sp, block.cross_attention))
     if sp:
         norms = ["attention_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention is not None else [])
         plan.update({name: SequenceParallel() for name in norms})
@@ -142,10 +152,7 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
             plan["moe"] = ReplicatedRegion()
         return plan
     ffn = block.feed_forward
-    plan["feed_forward.up_proj"] = ColwiseParallel()
-    plan["feed_forward.down_proj"] = RowwiseParallel(output_layouts=out, use_local_output=not sp)
-    if getattr(ffn, "gate_proj", None) is not None:
-        plan["feed_forward.gate_proj"] = ColwiseParallel()
+    plan.update(_styles("feed_forward", DENSE.tp_plan, sp, ffn))
     plan["feed_forward"] = ReplicateInput(sp)
     return plan
 

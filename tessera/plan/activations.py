@@ -194,8 +194,8 @@ def _trace(shape: ModelShape, layer: int, prec: Precision) -> float:
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         block = model.layers[str(layer)]
-        mamba = block.mamba is not None
-        norm, mixer = (block.mamba_norm, block.mamba) if mamba else (block.attention_norm, block.attention)
+        spec = block.mixer_spec  # the layer's registered mixer, at block.<attr> with its norm at <attr>_norm
+        norm, mixer = getattr(block, f"{spec.attr}_norm"), getattr(block, spec.attr)
         x = torch.randn(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
         ctx = model.context(1, tokens, 0, None, None, x.device)
         weights = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -209,7 +209,7 @@ def _trace(shape: ModelShape, layer: int, prec: Precision) -> float:
 
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if prec.autocast else contextlib.nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-            mixer(norm(x)) if mamba else mixer(norm(x), ctx)
+            spec.forward(mixer, norm(x), ctx, None, 0)
     total = sum(saved.values())
     if prec.autocast:  # its weights' bf16 copies are counted with the other cast copies (buffers)
         total -= 2 * sum(p.numel() for p in mixer.parameters() if p.dim() >= 2)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from tessera.validate import load_config
 from tessera.errors import ConfigError
 from tessera.plan.gpus import gpu
 from tessera.plan.layouts import apply_layout
 from tessera.plan.measure import measure_layout
-from tessera.plan.planner import Estimate, Plan, plan
+from tessera.plan.planner import MAX_LAYOUTS, Estimate, Plan, plan
 from tessera.plan.report import render
 
 
@@ -26,14 +27,16 @@ def run_plan(
     gpus_per_node: int = 8,
     top: int = 10,
     measure: bool = False,
+    max_layouts: int = MAX_LAYOUTS,
 ) -> str:
     """The report of ``tessera plan`` (and, with ``measure``, the best measurable layout measured)."""
-    for flag, value in (("--gpus", gpus), ("--nodes-of", gpus_per_node), ("--top", top)):
+    flags = (("--gpus", gpus), ("--nodes-of", gpus_per_node), ("--top", top), ("--max-layouts", max_layouts))
+    for flag, value in flags:
         if value < 1:
             raise ConfigError(f"{flag} must be positive, got {value}")
     config = load_config(config_path, overrides)
     kind = dataclasses.replace(gpu(gpu_name), gpus_per_node=gpus_per_node)
-    result = plan(config, gpus, kind)
+    result = plan(config, gpus, kind, max_layouts, lambda line: print(line, file=sys.stderr, flush=True))
     measured = None
     if measure:
         candidates = [e for e in result.estimates if e.fits and measurable(e, result)][:1]

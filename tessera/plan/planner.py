@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tessera.config import ConfigError, JobConfig
@@ -43,6 +45,7 @@ class Plan:
     world: int
     estimates: list[Estimate]
     requested: Estimate | None  # the layout the config itself asks for, when tessera would run it
+    cut: str = ""  # what the search left out when it stopped at its cap ("" = every layout was estimated)
 
 
 def estimate(config: JobConfig, shape: ModelShape, layout: Layout, gpu: GPU, engine: Engine = TESSERA) -> Estimate:
@@ -93,19 +96,51 @@ def rank_key(e: Estimate) -> tuple[int, float]:
     return (0, -e.speed.tokens_per_s_per_gpu * (1 - MEMORY_PREFERENCE * e.memory.total / e.capacity))
 
 
-def plan(config: JobConfig, world: int, gpu: GPU) -> Plan:
-    """Every layout of ``world`` GPUs tessera would run for ``config``, estimated and ranked."""
+# Typical searches estimate up to ~90,000 layouts (llama3-70b on 1,024 GPUs); a million GPUs with a huge batch
+# offer millions, which would take an hour. The search stops here and the report says so.
+MAX_LAYOUTS = 200_000
+PROGRESS_EVERY_S = 5.0
+
+
+def _search(
+    config: JobConfig, shape: ModelShape, world: int, gpu: GPU, max_layouts: int, progress: Callable[[str], None]
+) -> tuple[list[Estimate], str]:
+    """The estimates of the first ``max_layouts`` candidate layouts, and what was cut ("" if nothing)."""
+    estimates: list[Estimate] = []
+    started = last = time.monotonic()
+    for layout in candidate_layouts(config, world, gpu.gpus_per_node):
+        if len(estimates) == max_layouts:
+            return estimates, (
+                f"the search stopped at its cap of {max_layouts:,} layouts (more exist for {world:,} GPUs); the "
+                "ranking covers those only: fix some degrees (parallel.tp=8 ...) or raise --max-layouts"
+            )
+        estimates.append(estimate(config, shape, layout, gpu))
+        if time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            progress(f"plan: {len(estimates):,} layouts estimated in {last - started:.0f}s (cap {max_layouts:,})")
+    return estimates, ""
+
+
+def plan(
+    config: JobConfig,
+    world: int,
+    gpu: GPU,
+    max_layouts: int = MAX_LAYOUTS,
+    progress: Callable[[str], None] = lambda line: None,
+) -> Plan:
+    """The layouts of ``world`` GPUs tessera would run for ``config`` (at most ``max_layouts``), estimated and
+    ranked; ``progress`` gets a line every few seconds of a long search."""
     if world < 1:
         raise ConfigError(f"--gpus must be positive, got {world}")
     shape = model_shape(config.model)
-    estimates = [estimate(config, shape, layout, gpu) for layout in candidate_layouts(config, world, gpu.gpus_per_node)]
+    estimates, cut = _search(config, shape, world, gpu, max_layouts, progress)
     if not estimates:
         raise ConfigError(
             f"no layout of {world} GPUs passes tessera's checks for this job; "
             f"train.batch_size * train.grad_accum = {global_batch(config)} must divide by the data-parallel degree"
         )
     estimates.sort(key=rank_key)
-    return Plan(config, shape, gpu, world, estimates, requested_estimate(config, shape, world, gpu))
+    return Plan(config, shape, gpu, world, estimates, requested_estimate(config, shape, world, gpu), cut)
 
 
 def requested_estimate(config: JobConfig, shape: ModelShape, world: int, gpu: GPU) -> Estimate | None:

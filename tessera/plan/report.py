@@ -60,6 +60,8 @@ def render(
         f"{len(p.estimates)} layouts pass tessera's checks; {len(fitting)} fit. "
         "Memory in GiB per GPU, time in seconds per step."
     )
+    if p.cut:
+        lines.append(f"note: {p.cut}")
     lines += ["", HEADER]
     lines += [row(str(i + 1), e) for i, e in enumerate(fitting[:top])]
     if misfits:

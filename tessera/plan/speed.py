@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tessera import registry
 from tessera.plan.activations import Precision, tessera_precision
 from tessera.plan.gpus import GPU, LATENCY_NETWORK, LATENCY_NVLINK, LINK_EFFICIENCY
 from tessera.plan.layouts import Layout
@@ -104,10 +105,15 @@ def _recomputed(layout: Layout, index: int) -> bool:
     return layout.ac == "full" or (layout.ac == "selective" and index % layout.ac_every == 0)
 
 
+def _score_flops(shape: ModelShape, block: BlockParams, seq_len: int) -> float:
+    """The attention-score term of tessera's MFU formula for this block's mixer: its registered spec's
+    (an attention layer's kernel's; Mamba's scan is counted by its matmul parameters alone)."""
+    return registry.get("mixer", block.mixer).terms.flops(shape.cfg, seq_len)
+
+
 def _block_flops(shape: ModelShape, block: BlockParams, layout: Layout, seq_len: int) -> float:
     """Training FLOPs per token of one block on one GPU (without recompute)."""
-    # the attention-score term of tessera's MFU formula (Mamba's scan is counted by its matmul parameters alone)
-    attention = 0.0 if block.mixer == "mamba" else 12.0 * shape.n_heads * shape.head_dim * seq_len / layout.tp
+    attention = _score_flops(shape, block, seq_len) / layout.tp
     dense = 6.0 * block.tp / layout.tp
     if not block.moe:
         return dense + attention + 6.0 * block.replicated
@@ -155,7 +161,7 @@ def _rank_time(
             if layout.ac == "op":  # recomputing the elementwise ops: memory-bound, read and write what they make
                 compute += 2 * _elementwise_bytes(shape, block, prec, layout, int(tokens), seq_len) / gpu.hbm_bandwidth
             comm += (4 + (2 if extra else 0)) * region
-            attention = (0.0 if block.mixer == "mamba" else 12.0 * shape.n_heads * shape.head_dim * seq_len) * tokens
+            attention = _score_flops(shape, block, seq_len) * tokens
             attention /= layout.tp * rate
             comm += max(0.0, 3 * ring_time("all_gather", kv_bytes, layout.cp, cp_link) - attention)
             if block.moe:

@@ -47,6 +47,7 @@ from tessera.train.checkpoint import (
     CheckpointError,
     _barrier,
     _gather_param_groups,
+    _local_bytes,
     _out_of_space,
     _rng_state,
     _to_json,
@@ -73,6 +74,8 @@ class AsyncCheckpointer(Checkpointer):
         self._hooked: set[int] = set()
         self.stalled_seconds = 0.0  # time optimizer steps waited for staging (the loop's share of a save)
         self._pending_name = ""
+        self._pending_step, self._pending_bytes = 0, 0  # what the save in flight writes (for its error message)
+        self._abandoned = False  # a second Ctrl-C while waiting: the write in flight must not be committed
         self.write_seconds = 0.0  # the last save, from its start to its rename (rank 0) or end of write
         if not self.distributed:  # DCP warns on every single-process save, from the writer thread
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -104,12 +107,15 @@ class AsyncCheckpointer(Checkpointer):
         committed: Future = Future()
         written.add_done_callback(lambda f: self._commit(f, committed, tmp, final, meta, started))
         self._pending, self._pending_name = committed, final.name
+        self._pending_step, self._pending_bytes = step, _local_bytes(tensors)
         return final
 
     def _commit(self, written: Future, committed: Future, tmp: Path, final: Path, meta: str, started: float) -> None:
         """Runs on the writer thread once DCP finished: rank 0 writes meta.json, renames, prunes."""
         try:
             written.result()
+            if self._abandoned:
+                raise KeyboardInterrupt  # the user aborted while this was written: it never becomes a checkpoint
             if self.is_main:
                 (tmp / META).write_text(meta)
                 if final.exists():
@@ -148,18 +154,24 @@ class AsyncCheckpointer(Checkpointer):
         """Block until the save in flight is written and renamed (collective); returns its path, or None."""
         if self._pending is None:
             return None
-        self.wait_staged()
         pending, self._pending = self._pending, None
         try:
+            self.wait_staged()
             path = pending.result()
+        except KeyboardInterrupt:
+            self._abandoned = True
+            raise
         except (CheckpointException, OSError, RuntimeError) as err:
-            if not _out_of_space(err):
+            # A full disk reaches torch.save inside DCP as "inline_container.cc: unexpected pos", without an errno.
+            free = shutil.disk_usage(self.root).free
+            if not _out_of_space(err) and self._pending_bytes <= free:
                 raise
             newest = latest_checkpoint(self.root.parent)
             raise CheckpointError(
-                f"no space left on the device of '{self.root}' while writing checkpoint {self._pending_name} in the "
-                f"background; removed the partial '{self._pending_name}.tmp', the newest complete checkpoint is "
-                f"{newest.name if newest else 'none'}; free space or move train.run_dir"
+                f"no space left on the device of '{self.root}' while writing checkpoint step {self._pending_step} in "
+                f"the background (this rank's shards need about {self._pending_bytes / 2**20:.1f} MiB, "
+                f"{free / 2**20:.1f} MiB are free); removed the partial '{self._pending_name}.tmp', the newest "
+                f"complete checkpoint is {newest.name if newest else 'none'}; free space or move train.run_dir"
             ) from None
         if self.group is not None:
             dist.barrier(group=self.group)  # every rank sees the renamed directory from here on

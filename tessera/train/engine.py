@@ -19,6 +19,7 @@ from torch import nn
 
 from tessera.config import JobConfig
 from tessera.parallel import deepspeed as ds
+from tessera.parallel import ds_ops
 from tessera.train.checkpoint import (
     Checkpointer,
     load_rng_state,
@@ -35,7 +36,9 @@ class DeepSpeedEngine:
     """DeepSpeed ZeRO over tessera's model, AdamW groups (CPU Adam when offloaded) and LR schedule."""
 
     def __init__(self, config: JobConfig, model: nn.Module, parallel: ParallelContext) -> None:
-        o = config.optim
+        o, zero = config.optim, config.parallel.deepspeed
+        ops = ds_ops.op_names(zero.offload_optimizer, zero.offload_params, parallel.device.type == "cpu")
+        ds_ops.prepare_builds(ops, announce=parallel.env.local_rank == 0)  # before any build waits on a dead lock
         if config.parallel.deepspeed.offload_optimizer == "none":
             self.optimizer = build_optimizer(model, o, fused_ok=False)  # DeepSpeed's wrapper: torch's default kernel
         else:

@@ -11,7 +11,7 @@ the checkpoint with ``train.resume = "auto"``.
 
 Ctrl-C (SIGINT) stops the same way but is the user's decision, not the cluster's: no marker
 (nothing requeues it), exit code 130 (128 + SIGINT, the shell convention), and a second Ctrl-C
-aborts at once without saving.
+aborts at once without saving, also while a checkpoint is written in the background (it is not committed).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -120,3 +121,18 @@ def stop_exit_code(reason: str) -> int:
     if not reason:
         return 0
     return INTERRUPTED_EXIT_CODE if reason == "SIGINT" else PREEMPTED_EXIT_CODE
+
+
+def exit_interrupted() -> int:
+    """After a second Ctrl-C: :data:`INTERRUPTED_EXIT_CODE`, at once even while a background write runs.
+
+    A background thread (``checkpoint.async``'s writer, an HF export) would hold the interpreter's exit
+    until it ends; the abort promised "at once", so the process ends here instead (the abandoned write
+    left only a ``.tmp`` directory, which no reader takes for a checkpoint and the next save removes).
+    """
+    busy = [t for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
+    if busy:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(INTERRUPTED_EXIT_CODE)
+    return INTERRUPTED_EXIT_CODE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tessera.config import JobConfig, ModelConfig, OptimConfig, TrainConfig, resolved_objective
 from tessera.config.checks import require, require_all
+from tessera.model.attention import kernel_spec
 
 
 def check_train(t: TrainConfig, m: ModelConfig) -> None:
@@ -81,7 +82,7 @@ def check_qk_clip(o: OptimConfig, m: ModelConfig) -> None:
     )
     require(not m.mla.kv_rank, "optim.qk_clip_threshold supports standard attention, not [model.mla]; set it to 0")
     require(
-        m.attention.kernel not in ("linear", "performer"),
+        kernel_spec(m.attention.kernel).scores,  # model/rules.py has checked that the kernel is registered
         f"optim.qk_clip_threshold needs softmax attention logits, not model.attention.kernel='{m.attention.kernel}'",
     )
 

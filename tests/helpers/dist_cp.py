@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 
 import torch
@@ -24,6 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tessera.config import model_config
 from tessera.model import MoELog, build_model, moe_loss
+from tessera.model.sinks import AttentionSinks
+from tessera.parallel import context as cp_module
 from tessera.parallel.context import apply_context_parallel, loss_scale, shard_batch
 
 T, B, V = 32, 2, 64
@@ -57,6 +60,9 @@ def run_case(mesh, method: str, documents: bool, model_kw: dict, bug: str = "") 
     base = dict(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, init_std=0.2)
     cfg = model_config(**{**base, **model_kw})
     ref = build_model(cfg)
+    for module in ref.modules():  # attention sinks start at 0: draw them, so each head's differs
+        if isinstance(module, AttentionSinks):
+            torch.nn.init.normal_(module.weight, std=1.0)
     inputs, labels, loss_mask, kwargs = _batch(1, documents)
     ref_sum, ref_aux = _loss_sum(ref, inputs, labels, loss_mask, kwargs)
     ref_loss = ref_sum / loss_mask.sum() + ref_aux
@@ -91,6 +97,24 @@ def run_case(mesh, method: str, documents: bool, model_kw: dict, bug: str = "") 
         want = ref_grads[name].grad
         errors[name] = ((grad - want).abs().max() / want.abs().max()).item()
     return errors
+
+
+def _sink_cases(cases: dict, meshes: dict) -> None:
+    """Attention sinks (gpt-oss: alternating windowed and global layers) under both methods, and the sink
+    entered once per rank instead of once (the ring's log-sum-exp started at sink + log cp) as a negative control."""
+    sinks = {"layer_pattern": "AG", "attention": {"sinks": True, "sliding_window": 5}}
+    cases["cp2_ring_sinks_window_docs"] = run_case(meshes["cp2"], "ring", True, sinks)
+    cases["cp4_ring_sinks_window"] = run_case(meshes["cp4"], "ring", False, sinks)
+    cases["cp2_allgather_sinks_window_docs"] = run_case(meshes["cp2"], "allgather", True, sinks)
+    cases["cp4_allgather_sinks_eager"] = run_case(
+        meshes["cp4"], "allgather", False, {"attention": {"sinks": True, "kernel": "eager"}}
+    )
+    start = cp_module.ring_start
+    cp_module.ring_start = lambda s, shape: start(s, shape) + math.log(meshes["cp2"].size())
+    try:
+        cases["bug_sink_per_rank"] = run_case(meshes["cp2"], "ring", False, sinks)
+    finally:
+        cp_module.ring_start = start
 
 
 def main() -> None:
@@ -148,6 +172,7 @@ def main() -> None:
     cases["bug_local_positions"] = run_case(mesh, "ring", False, {}, bug="local_positions")
     cases["bug_local_bias_keys"] = run_case(mesh, "allgather", False, alibi, bug="local_bias_keys")
     cases["bug_local_mean"] = run_case(mesh, "allgather", True, {}, bug="local_mean")
+    _sink_cases(cases, meshes)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(cases, f)

@@ -203,6 +203,7 @@ def test_layer_level_parity_and_negative_controls(tmp_path):
     assert max(bugs["bug_local_mean"].values()) > 1e-2  # the loss must be normalized by the global token count
     assert max(bugs["bug_local_expert_counts"].values()) > 1e-2  # MoE balancing must count every rank's tokens
     assert max(bugs["bug_local_bias_keys"].values()) > 1e-2  # ALiBi/T5 bias over the gathered keys' positions
+    assert max(bugs["bug_sink_per_rank"].values()) > 1e-2  # attention sinks enter each softmax once, not per rank
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ def test_thread_choice_prefers_the_key_then_the_environment_then_cores_per_proce
     from tessera import threads
 
     monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (3.0, 3.0, 3.0))  # an idle 16-core machine
     assert threads.choose_threads(3, 4, {"OMP_NUM_THREADS": "2"}) == threads.ThreadChoice(3, "train.threads")
     assert threads.choose_threads(0, 4, {"OMP_NUM_THREADS": "2"}) == threads.ThreadChoice(2, "OMP_NUM_THREADS")
     assert threads.choose_threads(0, 4, {}) == threads.ThreadChoice(4, "auto: 16 cores / 4 processes")
@@ -66,6 +67,17 @@ def test_thread_choice_prefers_the_key_then_the_environment_then_cores_per_proce
         "4 torch threads per process (auto: 16 cores / 4 processes; train.threads sets it)"
         == threads.choose_threads(0, 4, {}).describe()
     )
+
+
+def test_a_busy_machine_gets_one_thread_unless_told_otherwise(monkeypatch):
+    from tessera import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (4.2, 3.0, 2.0))
+    assert threads.choose_threads(0, 1, {}) == threads.ThreadChoice(1, "auto: machine busy, load 4.2 on 2 cores")
+    assert threads.choose_threads(2, 1, {}).threads == 2  # train.threads still wins
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.2, 3.0, 2.0))
+    assert threads.choose_threads(0, 1, {}) == threads.ThreadChoice(2, "auto: 2 cores / 1 process")
 
 
 def test_a_busy_machine_gets_a_hint(monkeypatch):

@@ -312,3 +312,14 @@ def test_two_agents_on_localhost_train_together_and_restart_after_a_killed_worke
     assert codes == [0, 0], output[0][-3000:] + output[1][-3000:]
     assert "exitcode: -9" in output[0], "torchrun should report the killed worker before restarting the group"
     assert losses(run_dir) == four_process_reference  # bitwise: the restarted group resumed from a checkpoint
+
+
+@pytest.mark.slow
+def test_a_user_error_in_a_worker_ends_the_launch_in_one_line_naming_the_rank(tiny_config, tmp_path):
+    """The data source is checked in the worker (rank 0 prepares data): its line once, exit 2, no torchrun report."""
+    config = write_config(tiny_config, tmp_path / "job.toml", f"data.source={tmp_path / 'missing'}")
+    result = run_cli("launch", str(config), "--nproc-per-node", "2", timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("tessera: error: rank 0: data source ") and "missing" in lines[0], lines
+    assert "ChildFailedError" not in result.stdout + result.stderr

@@ -214,10 +214,12 @@ def _unshare_works() -> bool:
 
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs a private mount namespace (unshare -rm) for a small tmpfs")
-def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_tmp(tmp_path, cache_dir):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_tmp(tmp_path, cache_dir, mode):
     disk = tmp_path / "disk"
     disk.mkdir()
-    recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, f"train.run_dir={disk / 'run'}")
+    async_save = f"checkpoint.async={str(mode == 'async').lower()}"
+    recipe = write_tiny_recipe(tmp_path / "job.toml", cache_dir, f"train.run_dir={disk / 'run'}", async_save)
     script = (
         f"mount -t tmpfs -o size=3m tmpfs {disk} && {sys.executable} -m tessera train {recipe}; "
         f"echo rc=$?; ls -a {disk / 'run' / 'checkpoints'}"
@@ -323,18 +325,38 @@ SLOW_SAVE = textwrap.dedent(
 )
 
 
-def _signal_run(tiny_config, tmp_path, signals: int) -> tuple[subprocess.Popen, str, Path]:
+SLOW_BACKGROUND_WRITE = textwrap.dedent(
+    """
+    import sys, time
+    import torch.distributed.checkpoint as dcp
+    from tessera.cli import main
+
+    original = dcp.FileSystemWriter.write_data
+    def write_data(self, *args, **kwargs):
+        time.sleep(60)  # a slow disk under checkpoint.async: the writer thread is busy long after Ctrl-C
+        return original(self, *args, **kwargs)
+    dcp.FileSystemWriter.write_data = write_data
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def _signal_run(
+    tiny_config, tmp_path, signals: int, script: str = SLOW_SAVE, *overrides: str
+) -> tuple[subprocess.Popen, str, Path]:
     run = tmp_path / "run"
     recipe = tmp_path / "job.toml"
-    recipe.write_text(tiny_config(*PREEMPT_OVERRIDES, run_dir=run).to_toml())
-    cmd = [sys.executable, "-c", SLOW_SAVE, "train", str(recipe)]
+    recipe.write_text(tiny_config(*PREEMPT_OVERRIDES, *overrides, run_dir=run).to_toml())
+    cmd = [sys.executable, "-c", script, "train", str(recipe)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_steps(run, 3, proc)
+        signalled_at = time.monotonic() + (signals - 1) * 1.0
         for _ in range(signals):
             proc.send_signal(signal.SIGINT)
             time.sleep(1.0)
         output, _ = proc.communicate(timeout=120)
+        proc.after_last_signal_s = time.monotonic() - signalled_at  # type: ignore[attr-defined]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -378,3 +400,12 @@ def test_a_second_ctrl_c_aborts_at_once(tiny_config, tmp_path):
     assert proc.returncode == INTERRUPTED_EXIT_CODE, output
     assert "Traceback" not in output and output.strip().endswith("tessera: interrupted")
     assert "saved step" not in output and latest_checkpoint(run) is None
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_a_background_write_aborts_at_once_and_commits_nothing(tiny_config, tmp_path):
+    proc, output, run = _signal_run(tiny_config, tmp_path, 2, SLOW_BACKGROUND_WRITE, "checkpoint.async=true")
+    assert proc.returncode == INTERRUPTED_EXIT_CODE, output
+    assert "Traceback" not in output and output.strip().endswith("tessera: interrupted"), output
+    assert proc.after_last_signal_s < 30, f"exited {proc.after_last_signal_s:.0f} s after the second Ctrl-C"
+    assert "saved step" not in output and latest_checkpoint(run) is None  # the abandoned write is not committed

@@ -318,3 +318,124 @@ def test_deepspeed_import_of_pickles_without_deepspeed_keys(tmp_path, capsys, mo
         "configs/smoke.toml",
     ]
     fails_with(argv, capsys, "does not hold DeepSpeed's checkpoint layout", "optimizer_state_dict")
+
+
+# ---------------------------------------------------------------- argparse's own errors
+
+
+def _parser_paths(parser, path=()):
+    """(command path, parser) for the root parser and every command and action under it."""
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parser_paths(sub, (*path, name))
+
+
+def _argparse_mistakes(parser, path):
+    """Each mistake argparse itself catches for this parser: a missing value, a missing argument, a bad choice."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield [*path, "no-such-action"]
+        elif action.option_strings and action.nargs is None and isinstance(action, argparse._StoreAction):
+            yield [*path, action.option_strings[0]]  # the flag without its value
+    if any(a.required and not a.option_strings and a.nargs != argparse.REMAINDER for a in parser._actions):
+        yield list(path)  # a required positional left out
+
+
+def test_argparse_errors_of_every_command_are_one_line(capsys):
+    from tessera.cli import build_parser
+
+    cases = [m for path, p in _parser_paths(build_parser()) for m in _argparse_mistakes(p, path)]
+    commands = {case[0] for case in cases if case}
+    assert fails_with(["lm-eval"], capsys, "needs lm_eval's arguments")
+    assert len(cases) > 60 and {"train", "generate", "plan", "convert", "launch", "slurm"} <= commands
+    for argv in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("tessera: error: "), (argv, err)
+        assert "usage:" not in err and "--help" in err, (argv, err)
+
+
+# ---------------------------------------------------------------- the planner's search is bounded
+
+
+def test_a_million_gpu_plan_stops_at_its_cap_says_what_it_cut_and_shows_progress(capsys, monkeypatch):
+    from tessera.plan import planner
+
+    estimated = []
+    original = planner.estimate
+    monkeypatch.setattr(planner, "estimate", lambda *a, **k: estimated.append(1) or original(*a, **k))
+    monkeypatch.setattr(planner, "PROGRESS_EVERY_S", 0.0)  # a line per layout instead of one per 5 s
+    argv = ["plan", str(REPO / "configs/llama3-8b.toml"), "--gpus", "1048576", "--gpu", "h100-80gb"]
+    assert main([*argv, "train.batch_size=4194304", "--max-layouts", "300"]) == 0
+    out, err = capsys.readouterr()
+    assert len(estimated) <= 300 + 1  # the cap, plus the recipe's own layout
+    assert "note: the search stopped at its cap of 300 layouts (more exist for 1,048,576 GPUs)" in out
+    assert "300 layouts pass tessera's checks" in out and "plan: 300 layouts estimated in " in err
+    fails_with([*argv, "--max-layouts", "0"], capsys, "--max-layouts must be positive")
+
+
+# ---------------------------------------------------------------- a DeepSpeed import carries everything
+
+
+def _universal_checkpoint(hf: Path, ds: Path, step: int) -> None:
+    """What an HF Trainer + DeepSpeed run leaves: config.json and tokenizer beside global_stepN/zero/NAME/*.pt."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    folder = ds / f"global_step{step}"
+    for name, tensor in load_file(str(hf / "model.safetensors")).items():
+        (folder / "zero" / name).mkdir(parents=True)
+        torch.save({"param": tensor}, folder / "zero" / name / "fp32.pt")
+        torch.save(tensor * 0.01, folder / "zero" / name / "exp_avg.pt")
+        torch.save(tensor.square() * 0.01, folder / "zero" / name / "exp_avg_sq.pt")
+        torch.save(torch.tensor(float(step)), folder / "zero" / name / "step.pt")
+    for item in hf.iterdir():
+        if item.name != "model.safetensors":
+            shutil.copy(item, ds / item.name)
+    (ds / "latest").write_text(folder.name)
+
+
+def test_deepspeed_import_then_everything(bpe_run, tmp_path, capsys, cache_dir):
+    hf, ds, run = tmp_path / "hf", tmp_path / "ds", tmp_path / "imported"
+    assert main(["convert", "hf-export", str(bpe_run), str(hf)]) == 0
+    _universal_checkpoint(hf, ds, 2)
+    assert main(["convert", "deepspeed-import", str(ds), str(run)]) == 0
+    assert (run / "tokenizer.json").is_file() and (run / "tokenizer_config.json").is_file()
+    assert main(["generate", str(run), "--prompt", "def", "--max-new-tokens", "3"]) == 0
+    assert main(["status", str(run)]) == 0
+    assert main(["convert", "hf-export", str(run), str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "tokenizer.json").is_file()
+    capsys.readouterr()
+    resumed = ["train", str(run / "config.toml"), f"data.cache_dir={cache_dir}", "train.steps=4", "train.eval_every=0"]
+    assert main([*resumed, "data.max_chars=400000", "log.progress=none", "log.every=1", "train.sample_tokens=0"]) == 0
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [3, 4] and (run / "checkpoints" / "step_00000004").is_dir()  # resumed at the imported step 2
+
+
+# ---------------------------------------------------------------- issue 37: commands that take a run take an HF dir
+
+
+def test_commands_that_take_a_run_read_an_hf_directory_or_say_how_in_one_line(bpe_run, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    assert main(["convert", "hf-export", str(bpe_run), str(hf)]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(hf), "--prompt", "def", "--max-new-tokens", "3", "--greedy"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+    assert main(["inspect", "attention", str(hf), "--text", "def f(x):"]) == 0
+    capsys.readouterr()
+    for argv in (
+        ["convert", "hf-export", str(hf), str(tmp_path / "again")],
+        ["convert", "gqa", str(hf), "--kv-heads", "1", "--out", str(tmp_path / "gqa")],
+        ["prune", "heads", str(hf), "--fraction", "0.5", "--out", str(tmp_path / "pruned")],
+    ):
+        fails_with(argv, capsys, "is an HF", f"tessera convert hf-import {hf} RUN_DIR")
+    assert not (tmp_path / "again").exists() and not (tmp_path / "gqa").exists()

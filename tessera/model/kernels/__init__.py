@@ -4,4 +4,4 @@ Adding a kernel: a new file here that registers its spec, and one name in the im
 (the registry line; its order is the compatibility table's).
 """
 
-from tessera.model.kernels import sdpa, eager, sparse, linear  # noqa: F401  (the registry line)
+from tessera.model.kernels import sdpa, eager, sparse, linear, chunked  # noqa: F401  (the registry line)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tessera.model.kernels.common import allowed_mask, attention_flops, eager_memory, repeat_kv
 from tessera.model.kernels.sdpa import block_sparse_attention
+from tessera.model.sinks import softmax_with_sink
 from tessera.registry import ATTENTION_TP, KernelSpec, Terms, register, uses_kernel
 
 if TYPE_CHECKING:
@@ -20,8 +21,9 @@ def eager_attend(
     layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
 ) -> torch.Tensor:
     """Dense fp32 scores, the context's bias and mask, softmax, dropout, then the values."""
+    sinks = layer.sinks() if getattr(layer, "sinks", None) is not None else None
     if ctx.blocks is not None:  # a block-sparse plan runs block-sparse whichever softmax kernel is set
-        return block_sparse_attention(q, k, v, ctx.blocks, layer.scale, dropout)
+        return block_sparse_attention(q, k, v, ctx.blocks, layer.scale, dropout, sinks)
     k, v = repeat_kv(q, k, v)
     scores = (q.float() @ k.float().transpose(-2, -1)) * layer.scale
     if ctx.bias is not None:
@@ -29,7 +31,7 @@ def eager_attend(
     mask = allowed_mask(ctx, q.shape[2], k.shape[2], q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = scores.softmax(dim=-1)
+    weights = scores.softmax(dim=-1) if sinks is None else softmax_with_sink(scores, sinks)
     if layer.weights_observer is not None:
         layer.weights_observer(weights.detach())
     weights = F.dropout(weights, p=dropout, training=dropout > 0)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tessera.model.kernels.common import SOFTMAX_TERMS, allowed_mask
 from tessera.model.masks import BlockLayout
+from tessera.model.sinks import mask_with_sink, sink_sdpa, with_sink_key
 from tessera.registry import ATTENTION_TP, KernelSpec, register, uses_kernel
 
 if TYPE_CHECKING:
@@ -17,13 +18,20 @@ if TYPE_CHECKING:
 
 
 def block_sparse_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, scale: float, dropout: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    scale: float,
+    dropout: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(QK^T)V of (B, H, T, D) queries restricted to ``layout``'s blocks (see masks.block_layout).
 
     Each query block and its gathered key blocks (plus the global keys) form one item of a batched
     sdpa call; the global query rows are one more dense call over all keys. Keys and values may
-    have fewer heads than queries (GQA).
+    have fewer heads than queries (GQA). ``sinks`` (H,) puts each head's sink logit into every
+    softmax (the virtual key of tessera.model.sinks, once per query block).
     """
     b, n, t = layout.block, layout.n_blocks, q.shape[2]
     batch, heads, _, dim = q.shape
@@ -32,14 +40,20 @@ def block_sparse_attention(
     kb, vb = _key_blocks(k, layout, pad), _key_blocks(v, layout, pad)
     mask = layout.mask.expand(batch, *layout.mask.shape[1:]).reshape(batch * n, 1, b, -1)
     gqa = kb.shape[1] != heads
+    if sinks is not None:
+        (qb, kb, vb), mask = with_sink_key(qb, kb, vb, sinks, scale), mask_with_sink(mask)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    out = out[..., :dim].contiguous()  # a sink's padded value channels dropped (a no-op without sinks)
     out = out.view(batch, n, heads, b, dim).transpose(1, 2).reshape(batch, heads, n * b, dim)[:, :, :t]
     g = layout.n_global
     if not g:
         return out
-    rows = F.scaled_dot_product_attention(
-        q[:, :, :g], k, v, attn_mask=layout.global_mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
-    )
+    if sinks is not None:
+        rows = sink_sdpa(q[:, :, :g], k, v, sinks, scale, layout.global_mask, dropout=dropout)
+    else:
+        rows = F.scaled_dot_product_attention(
+            q[:, :, :g], k, v, attn_mask=layout.global_mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
+        )
     return torch.cat([rows, out[:, :, g:]], dim=2)
 
 
@@ -57,10 +71,13 @@ def _key_blocks(x: torch.Tensor, layout: BlockLayout, pad: int) -> torch.Tensor:
 def sdpa_attend(
     layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
 ) -> torch.Tensor:
-    """torch's fused attention under the context's mask, block plan or score bias."""
+    """torch's fused attention under the context's mask, block plan or score bias (and the layer's sinks)."""
+    sinks = layer.sinks() if getattr(layer, "sinks", None) is not None else None
     if ctx.blocks is not None:
-        return block_sparse_attention(q, k, v, ctx.blocks, layer.scale, dropout)
+        return block_sparse_attention(q, k, v, ctx.blocks, layer.scale, dropout, sinks)
     gqa = k.shape[1] != q.shape[1]
+    if sinks is not None and ctx.bias is None:
+        return sink_sdpa(q, k, v, sinks, layer.scale, ctx.mask, ctx.is_causal, dropout)
     if ctx.bias is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=ctx.mask, dropout_p=dropout, is_causal=ctx.is_causal, scale=layer.scale, enable_gqa=gqa
@@ -68,6 +85,8 @@ def sdpa_attend(
     allowed = allowed_mask(ctx, q.shape[2], k.shape[2], q.device)
     bias = ctx.bias.to(q.dtype)
     mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        return sink_sdpa(q, k, v, sinks, layer.scale, mask, dropout=dropout)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=layer.scale, enable_gqa=gqa)
 
 

@@ -33,6 +33,7 @@ LONGFORMER = register(
         terms=SOFTMAX_TERMS,
         tp_plan=ATTENTION_TP,
         attend=sdpa_attend,
+        pattern=True,
     )
 )
 
@@ -47,5 +48,6 @@ BIGBIRD = register(
         terms=SOFTMAX_TERMS,
         tp_plan=ATTENTION_TP,
         attend=sdpa_attend,
+        pattern=True,
     )
 )
