@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--qat-start", type=int, default=80)
     parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=32, help="int4-weight: QAT's and PTQ's group size")
     parser.add_argument("--out", default="")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -44,15 +45,16 @@ def main() -> None:
     runs = {"none": tmp / "ptq"} | {scheme: tmp / f"qat-{scheme}" for scheme in SCHEMES}
     for qat, run in runs.items():
         extra = [] if qat == "none" else [f"train.qat={qat}", f"train.qat_start={args.qat_start}"]
+        extra += [f"train.qat_group_size={args.group_size}"] if qat == "int4-weight" else []
         train(load_config(args.recipe, [*base, *extra, f"train.run_dir={run}"]))
     batches, _ = validation_batches(load_run(runs["none"]).config, args.batches)
-    print(f"{args.recipe}, {args.steps} steps, QAT from step {args.qat_start}; perplexity on {args.batches} batches")
+    print(f"{args.recipe}, {args.steps} steps, QAT from step {args.qat_start}, int4 group {args.group_size}; perplexity on {args.batches} batches")
     print(f"{'scheme':<12} {'fp32 (no QAT)':>14} {'PTQ':>9} {'QAT fp32':>9} {'QAT+convert':>12} {'QAT vs PTQ':>10}")
     fp32 = float(torch.tensor(validation_loss(load(runs["none"]), batches)).exp())
     for scheme in SCHEMES:
-        ptq = _perplexity(quantize_run(runs["none"], tmp / f"ptq-{scheme}", scheme), batches)
+        ptq = _perplexity(quantize_run(runs["none"], tmp / f"ptq-{scheme}", scheme, args.group_size), batches)
         qat_fp32 = float(torch.tensor(validation_loss(load(runs[scheme]), batches)).exp())
-        qat = _perplexity(quantize_run(runs[scheme], tmp / f"qat-{scheme}-q", scheme), batches)
+        qat = _perplexity(quantize_run(runs[scheme], tmp / f"qat-{scheme}-q", scheme, args.group_size), batches)
         print(f"{scheme:<12} {fp32:14.3f} {ptq:9.3f} {qat_fp32:9.3f} {qat:12.3f} {100 * (qat / ptq - 1):+9.2f}%")
 
 
