@@ -15,7 +15,13 @@ should be (cp=1 bytes) / cp; that formula and the ratio are printed), those of t
 (all-gather keeps the gathered K/V and a local x global mask; ring keeps only local tensors), the
 peak of all activations and temporaries, and tokens/s of the whole job.
 
-    python benchmarks/long_context.py [sparse|cp|all] [--lengths ...] [--rounds 3]
+Part ``dsa``: DeepSeek Sparse Attention's core (tessera/model/dsa.py: each query attends to the
+``--topk`` keys its lightning indexer picks, gathered per chunk of queries, kv_b_proj absorbed) against
+dense causal latent attention through sdpa (the CPU flash kernel: O(length) memory, O(length^2) work),
+forward and backward, B=1, 4 heads, kv_rank 64, nope 32 + rope 16, v 32, at 8k..32k. The indexer's
+top-k selection (4 heads of 32, chunked, no gradient) is timed on its own.
+
+    python benchmarks/long_context.py [sparse|cp|dsa|all] [--lengths ...] [--rounds 3] [--topk 512]
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ SPARSE_SPECS = {
     "bigbird": dict(kernel="bigbird", block_size=64, random_blocks=3, global_tokens=64),
 }
 DENSE_LIMIT = 16384  # the dense reference at 32k needs ~17 GiB (scores and a float mask); skipped
+# CPU sdpa takes its math path for latent attention's unequal q/k and v widths: 3 x heads x length^2 fp32
+# scores (12 GiB at 16k); longer dense runs are skipped unless --dense-limit is raised.
+DSA_DENSE_LIMIT = 8192
 
 
 def _peak_bytes(fn, external: tuple[torch.Tensor, ...]) -> int:
@@ -136,6 +145,73 @@ def _sparse_row(name: str, length: int, row: dict) -> str:
             f"{statistics.median(stimes):.3f} ({spread:.3f})",
             f"{statistics.median(dtimes):.3f}",
         ]
+    return "| " + " | ".join(cells) + " |"
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention
+
+
+def _dsa_layer(topk: int):
+    from tessera.config import model_config
+    from tessera.model import build_model
+
+    mla = {"kv_rank": 64, "q_rank": 64, "rope_head_dim": 16, "nope_head_dim": 32, "v_head_dim": 32}
+    dsa = {"topk": topk, "index_heads": 4, "index_head_dim": 32}
+    cfg = model_config(vocab_size=64, dim=64, n_layers=1, n_heads=4, max_seq_len=32768, mla=mla, dsa=dsa)
+    torch.manual_seed(0)
+    return build_model(cfg)
+
+
+def _dsa_inputs(model, length: int):
+    """Queries, latents and RoPE keys of one random sequence, and the indexer's top-k (timed)."""
+    attn, gen = model.layers["0"].attention, torch.Generator().manual_seed(0)
+    ctx = model.context(1, length, 0, None, None, torch.device("cpu"))
+    x = torch.randn(1, length, 64, generator=gen)
+    q_nope = torch.randn(1, 4, length, 32, generator=gen, requires_grad=True)
+    q_rope = torch.randn(1, 4, length, 16, generator=gen, requires_grad=True)
+    latent = torch.randn(1, length, 64, generator=gen, requires_grad=True)
+    k_rope = torch.randn(1, length, 16, generator=gen, requires_grad=True)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+        iq, iw = attn.indexer.queries(x, q_resid, ctx)
+        allowed = torch.ones(length, length, dtype=torch.bool).tril()[None]
+        idx, valid = attn.indexer.select(iq, iw, attn.indexer.keys(x, ctx), allowed, attn.topk)
+    return attn, ctx, (q_nope, q_rope, latent, k_rope), idx, valid, time.perf_counter() - t0
+
+
+def dsa_part(lengths: list[int], rounds: int, topk: int, dense_limit: int = DSA_DENSE_LIMIT) -> None:
+    """Sparse core vs dense sdpa: peak activation memory and time per length (interleaved rounds)."""
+    print(f"## DeepSeek sparse attention (top-{topk}) vs dense causal sdpa: one latent-attention core, fwd+bwd")
+    print("| length | sparse MiB | dense MiB | sparse s (median, spread) | dense s (median, spread) | dense/sparse time "
+          "| indexer top-k s |")
+    print("|---|---|---|---|---|---|---|")
+    model = _dsa_layer(topk)
+    for length in lengths:
+        attn, ctx, inputs, idx, valid, select_s = _dsa_inputs(model, length)
+        runs = {"sparse": lambda: attn._sparse(*inputs, idx, valid)[0].sum().backward()}
+        if length <= dense_limit:
+            runs["dense"] = lambda: attn._dense(*inputs, ctx).sum().backward()
+        memory = {name: _peak_bytes(run, inputs) for name, run in runs.items()}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(rounds):  # interleaved: a load change hits both
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - t0)
+        print(_dsa_row(length, memory, times, select_s), flush=True)
+
+
+def _dsa_row(length: int, memory: dict[str, int], times: dict[str, list[float]], select_s: float) -> str:
+    cells = [str(length)]
+    cells += [f"{memory[n] / 2**20:.1f}" if n in memory else "skipped" for n in ("sparse", "dense")]
+    cells += [
+        f"{statistics.median(times[n]):.3f} ({max(times[n]) - min(times[n]):.3f})" if n in times else ""
+        for n in ("sparse", "dense")
+    ]
+    ratio = statistics.median(times["dense"]) / statistics.median(times["sparse"]) if "dense" in times else None
+    cells += [f"{ratio:.2f}" if ratio else "", f"{select_s:.3f}"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -294,7 +370,9 @@ def _cp_table(results: list[dict]) -> None:
 def main() -> None:
     """Run the parts asked for on the command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("part", nargs="?", default="all", choices=["all", "sparse", "cp", "cp-worker"])
+    parser.add_argument("part", nargs="?", default="all", choices=["all", "sparse", "cp", "dsa", "cp-worker"])
+    parser.add_argument("--topk", type=int, default=512)
+    parser.add_argument("--dense-limit", type=int, default=DSA_DENSE_LIMIT)
     parser.add_argument("--lengths", default="")
     parser.add_argument("--cps", default="1,2,4")
     parser.add_argument("--methods", default="allgather,ring")
@@ -307,6 +385,8 @@ def main() -> None:
         return cp_worker(ints(args.lengths), methods)
     if args.part in ("all", "sparse"):
         sparse_part(ints(args.lengths) or [1024, 2048, 4096, 8192, 16384, 32768], args.rounds)
+    if args.part in ("all", "dsa"):
+        dsa_part(ints(args.lengths) or [8192, 16384, 32768], args.rounds, args.topk, args.dense_limit)
     if args.part in ("all", "cp"):
         cp_part(ints(args.lengths) or [8192, 16384, 32768], ints(args.cps), methods)
 

@@ -179,6 +179,7 @@ def _measure_real(rank: int, dims, schedule: str, m: int, dim: int, args: argpar
     """(idle fraction, busy ms per micro-batch and stage, step s) of tessera's pipeline of the decoder at ``dim``."""
     from tessera.model import build_model
     from tessera.parallel import parallelize
+    from tessera.parallel.loss import MicroBatch
     from tessera.parallel.pipeline import build_pipeline
     from tessera.train.loss import FusedHeadLoss, lm_loss
 
@@ -197,7 +198,8 @@ def _measure_real(rank: int, dims, schedule: str, m: int, dim: int, args: argpar
     pipe.schedule._loss_fn = _timed_action(pipe.schedule._loss_fn)  # the loss is the last stage's compute too
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    idle, wall = _timed_steps(lambda: pipe.step((inputs,), labels, None, 1), args.steps)
+    batch = MicroBatch((inputs,), {}, labels)
+    idle, wall = _timed_steps(lambda: pipe.step(batch, 1), args.steps)
     busy_ms = _BUSY[0] * 1000 / (m * len(stages))  # the last timed step's
     return idle, busy_ms, wall
 

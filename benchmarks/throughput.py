@@ -312,7 +312,7 @@ def main() -> None:
 
 def _print_mfu(args: argparse.Namespace, medians: dict[str, float]) -> None:
     """Model FLOPs utilization of each contender: tokens/s x training FLOPs per token (as ``tessera train``
-    counts them: 6 x matmul parameters + attention) over ``--peak-tflops``."""
+    counts them: tessera/train/flop_count.py, the modules that run) over ``--peak-tflops``."""
     from tessera.validate import load_config
     from tessera.model import build_model, count_parameters
     from tessera.train.flops import flops_per_token
@@ -321,7 +321,7 @@ def _print_mfu(args: argparse.Namespace, medians: dict[str, float]) -> None:
     with torch.device("meta"):
         model = build_model(cfg)
     matmul = count_parameters(model, exclude_embeddings=True)
-    per_token = flops_per_token(matmul, cfg, args.seq)
+    per_token = flops_per_token(cfg, args.seq)
     print(
         f"{count_parameters(model) / 1e9:.2f}B parameters ({matmul / 1e9:.2f}B in matmuls), {per_token:.3g} FLOP/token"
     )

@@ -45,11 +45,12 @@ def pairs() -> dict[frozenset[str], str]:
     return found
 
 
-def job_layouts(parallel: Any, world_size: int | None = None) -> set[str]:
+def job_layouts(parallel: Any) -> set[str]:
     """The layouts a ``[parallel]`` section uses.
 
-    Without a world size, ``dp_shard = -1`` is unknown, so the data-parallel layout (and
-    "single") is left out; it is checked again once the launcher knows the world size.
+    Before the world size is known, ``dp_shard = -1`` is unresolved, so the data-parallel layout
+    (and "single") is left out; ``layout.check_layout`` asks again with it resolved once the
+    launcher knows the world size.
     """
     layouts = set()
     for dim in ("tp", "pp", "cp", "ep"):
@@ -60,10 +61,8 @@ def job_layouts(parallel: Any, world_size: int | None = None) -> set[str]:
     if parallel.engine == "deepspeed":  # ZeRO over every rank; dp_replicate > 1 shows as ddp (refused)
         return layouts | {"deepspeed"} | ({"ddp"} if parallel.dp_replicate > 1 else set())
     dp_shard = parallel.dp_shard
-    if dp_shard == -1:
-        if world_size is None:
-            return layouts
-        dp_shard = max(1, world_size // (parallel.dp_replicate * parallel.tp * parallel.pp * parallel.cp))
+    if dp_shard == -1:  # unknown until the world size is: layout.check_layout resolves it before asking
+        return layouts
     sharded = dp_shard * parallel.cp > 1  # FSDP shards parameters over dp_shard x cp
     if parallel.dp_replicate > 1:
         layouts.add("hsdp" if sharded else "ddp")
@@ -77,9 +76,9 @@ def job_features(config: Any) -> set[str]:
     return {spec.feature for spec in registry.used(config)}
 
 
-def incompatibilities(config: Any, world_size: int | None = None) -> list[str]:
+def incompatibilities(config: Any) -> list[str]:
     """One message per unsupported (feature, layout) pair of a job; empty when all is supported."""
-    layouts = job_layouts(config.parallel, world_size)
+    layouts = job_layouts(config.parallel)
     table = rows()
     found = []
     for feature in sorted(job_features(config)):

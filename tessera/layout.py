@@ -7,16 +7,36 @@ known (the launcher and each training process), so a bad layout fails before any
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from tessera.compat import incompatibilities
 from tessera.config import JobConfig, ModelConfig, ParallelConfig, layer_heads
 from tessera.errors import ConfigError
 
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+# Two stages per rank in a V: rank r runs stage r and stage 2 pp - 1 - r (the last stage sits beside the first).
+V_SCHEDULES = ("zbv", "dualpipev")
+# Input and weight gradients in separate passes (the zero-bubble family): torch.compile cannot split them.
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+
+
+def world_size_of(p: Any, dp_shard: int | None = None) -> int:
+    """The processes a layout takes: dp_replicate x dp_shard x cp x tp x pp (``p``: a ``[parallel]`` section,
+    ``ParallelDims`` or a planner ``Layout``; ``dp_shard`` in place of ``p``'s). The one product of the degrees
+    (expert parallelism reuses ranks of dp_shard x cp x tp, so ``ep`` is not a factor)."""
+    shard = p.dp_shard if dp_shard is None else dp_shard
+    return p.dp_replicate * shard * p.cp * p.tp * p.pp
+
+
+def data_parallel_degree(p: Any, dp_shard: int | None = None) -> int:
+    """How many different batches a layout processes at once: dp_replicate x dp_shard."""
+    return p.dp_replicate * (p.dp_shard if dp_shard is None else dp_shard)
 
 
 def resolve_dp_shard(p: ParallelConfig, world_size: int) -> int:
     """``parallel.dp_shard`` for ``world_size`` processes (-1 takes what the other degrees leave)."""
-    others = p.dp_replicate * p.cp * p.tp * p.pp
+    others = world_size_of(p, dp_shard=1)
     dp_shard = p.dp_shard
     if dp_shard == -1:
         if world_size % others:
@@ -25,7 +45,7 @@ def resolve_dp_shard(p: ParallelConfig, world_size: int) -> int:
                 "launch a multiple of that many processes or change the parallel degrees"
             )
         dp_shard = world_size // others
-    if others * dp_shard != world_size:
+    if world_size_of(p, dp_shard) != world_size:
         raise ConfigError(
             f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x cp={p.cp} x tp={p.tp} "
             f"x pp={p.pp} = {others * dp_shard}, but {world_size} process(es) were launched; "
@@ -95,9 +115,19 @@ def pipeline_blocks(m: ModelConfig) -> int:
     return m.n_layers + ((m.n_decoder_layers or m.n_layers) if m.arch == "encoder_decoder" else 0)
 
 
-def local_stage_ids(rank: int, pp: int, v: int) -> list[int]:
-    """The stage indices a pp rank runs, looped: ``rank + k*pp`` for each of its ``v`` stages."""
+def local_stage_ids(rank: int, pp: int, v: int, schedule: str = "1f1b") -> list[int]:
+    """The stage indices a pp rank runs: looped, ``rank + k*pp`` for each of its ``v`` stages, or in a V
+    for the V schedules (``rank`` and ``2 pp - 1 - rank``)."""
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(v)]
+
+
+def stage_rank(stage: int, pp: int, schedule: str = "1f1b") -> int:
+    """The pp rank that runs ``stage`` (the inverse of :func:`local_stage_ids`)."""
+    if schedule in V_SCHEDULES and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
 
 
 def check_layout(config: JobConfig, world_size: int | None = None) -> None:
@@ -111,12 +141,13 @@ def check_layout(config: JobConfig, world_size: int | None = None) -> None:
     _check_tensor_parallel(config)
     _check_context_parallel(config)
     dp_shard = resolve_dp_shard(p, world_size) if world_size is not None else p.dp_shard
-    dp = p.dp_replicate * dp_shard if dp_shard != -1 else None
+    dp = data_parallel_degree(p, dp_shard) if dp_shard != -1 else None
     _check_pipeline_plan(config)
     _check_expert_parallel(config, dp_shard)
     if dp is not None:
         _check_batch(config, dp)
-    problems = incompatibilities(config, world_size)
+    resolved = dataclasses.replace(config, parallel=dataclasses.replace(p, dp_shard=dp_shard))
+    problems = incompatibilities(resolved)  # dp_shard resolved here: compat computes no degree product
     if problems:
         raise ConfigError(
             f"unsupported parallel combination: {problems[0]}"
@@ -163,6 +194,17 @@ def _check_tensor_parallel(config: JobConfig) -> None:
     )
     _check_layer_heads(m, p.tp)
     _require(
+        "D" not in m.layer_pattern or m.gdn.key_heads % p.tp == 0,
+        f"model.gdn.key_heads={m.gdn.key_heads} is not divisible by parallel.tp={p.tp} (each rank holds whole "
+        "Gated DeltaNet key-head groups); pick a tp that divides it",
+    )
+    _require(
+        "D" not in m.layer_pattern or (p.dp_shard == 1 and p.cp == 1),
+        "Gated DeltaNet layers with parallel.tp > 1 and FSDP (parallel.dp_shard or parallel.cp > 1) are not "
+        "supported yet (the per-rank parameter slices would not follow FSDP's sharded parameters); set "
+        "parallel.dp_shard=1 and use parallel.dp_replicate for data parallelism",
+    )
+    _require(
         m.vocab_size % p.tp == 0,
         f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
         "round the vocabulary up to a multiple of tp",
@@ -193,6 +235,24 @@ def _check_context_parallel(config: JobConfig) -> None:
         p.cp_method != "ring" or m.position.kind not in ("alibi", "t5_bias"),
         f"parallel.cp_method='ring' adds no score bias, but model.position.kind='{m.position.kind}'; use "
         "parallel.cp_method=allgather (the bias spans the gathered keys) or rope/learned positions",
+    )
+    if "D" in m.layer_pattern:
+        _check_gated_deltanet_cp(config)
+
+
+def _check_gated_deltanet_cp(config: JobConfig) -> None:
+    """A Gated DeltaNet under cp scans each rank's two chunks (seq_len / 2cp tokens) in whole scan chunks."""
+    p, g, t = config.parallel, config.model.gdn, config.train
+    piece = t.seq_len // (2 * p.cp)
+    _require(
+        piece % g.chunk == 0 and piece >= g.conv - 1,
+        f"model.gdn.chunk={g.chunk} does not divide the local sequence piece train.seq_len / (2 x parallel.cp) = "
+        f"{piece} (Gated DeltaNet under context parallelism); pick a chunk that divides {piece}",
+    )
+    _require(
+        not config.data.document_mask,
+        "data.document_mask with Gated DeltaNet layers under context parallelism is not supported yet (a document "
+        "boundary at a rank's chunk start); set data.document_mask=false or parallel.cp=1",
     )
 
 
@@ -271,6 +331,15 @@ def _check_pipeline_plan(config: JobConfig) -> None:
         f"parallel.pp_schedule='{schedule}' runs one stage per rank; "
         "set parallel.pp_virtual_stages=1 or use interleaved_1f1b / interleaved_zb",
     )
+    _require(
+        schedule not in V_SCHEDULES or v == 2,
+        f"parallel.pp_schedule='{schedule}' runs exactly two stages per rank (a V); set parallel.pp_virtual_stages=2 "
+        "(or 0)",
+    )
+    _require(
+        schedule != "dualpipev" or mb >= 2 * p.pp,
+        f"parallel.pp_schedule='dualpipev' needs microbatches >= 2 * pp = {2 * p.pp}, got parallel.microbatches={mb}",
+    )
     _check_stage_split(p, pipeline_blocks(m), p.pp * v, m.arch == "encoder_decoder")
     _require(
         schedule != "1f1b" or mb >= p.pp,
@@ -281,7 +350,7 @@ def _check_pipeline_plan(config: JobConfig) -> None:
         f"parallel.pp_schedule='{schedule}' needs parallel.microbatches to be a multiple of pp={p.pp}, got {mb}",
     )
     _require(
-        not (schedule == "interleaved_zb" and p.compile is True),
+        not (schedule in SPLIT_BACKWARD_SCHEDULES and p.compile is True),
         f"parallel.pp_schedule='{schedule}' splits the backward into input and weight parts, which "
         "torch.compile does not support; use 1f1b or interleaved_1f1b",
     )

@@ -44,7 +44,7 @@ the model-scoped ones a ModelConfig turns on (``model/rules.py`` runs their ``ch
 Who reads what: ``Attention.attend`` -> ``KernelSpec.attend`` (looked up per call by the layer's
 ``kernel``); ``TransformerBlock`` -> ``MixerSpec`` (``model/mixers.mixer_for``); ``compat`` -> every
 spec's ``feature``/``unsupported``/``uses`` and the layouts; ``plan/activations`` -> kernel, mixer and
-FFN ``terms.memory``; ``plan/speed`` and ``train/flops`` -> mixer ``terms.flops``; ``parallel/tensor`` ->
+FFN ``terms.memory``; ``plan/speed`` -> mixer ``terms.flops``; ``parallel/tensor`` ->
 ``tp_plan``; ``python -m tessera.refdoc`` -> docs/reference/components.md and the compatibility tables.
 The API only grows: fields are added with defaults, never renamed.
 """

@@ -16,7 +16,7 @@ from tessera.config.checks import require_finite
 from tessera.data import rules as data_rules
 from tessera.evaluate import rules as eval_rules
 from tessera.layout import check_layout
-from tessera.model.rules import check_mamba_documents, validate_model
+from tessera.model.rules import check_document_masks, validate_model
 from tessera.parallel import rules as engine_rules
 from tessera.train import rules as train_rules
 
@@ -38,7 +38,7 @@ def validate(config: JobConfig) -> None:
     engine_rules.check_fp8(config)
     engine_rules.check_qat(config)
     engine_rules.check_engine_optimizer(config.parallel, config.optim)
-    check_mamba_documents(config)
+    check_document_masks(config)
     data_rules.check_blend_schedule(config.data.blend_schedule, config.train.steps)
     train_rules.check_output(config)
     eval_rules.check_eval(config)

@@ -19,7 +19,9 @@ from tessera.config.job import SECTIONS, JobConfig
 from tessera.config.load import config_from_data, model_config, override_config, parse_overrides, read_config
 from tessera.config.model import (
     AttentionConfig,
+    GatedDeltaNetConfig,
     MambaConfig,
+    DSAConfig,
     MLAConfig,
     ModelConfig,
     MoEConfig,
@@ -47,7 +49,9 @@ __all__ = [
     "DistillConfig",
     "JobConfig",
     "LogConfig",
+    "DSAConfig",
     "MLAConfig",
+    "GatedDeltaNetConfig",
     "MambaConfig",
     "ModelConfig",
     "MoEConfig",

@@ -26,6 +26,7 @@ class AttentionConfig:
     performer_features: int = 64  # performer random features
     sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss attention sinks)
     heads_per_layer: str = ""  # query heads per layer, e.g. "4,2,4,2" (pruned models); "" = n_heads in every layer
+    output_gate: bool = False  # gated attention (Qwen3-Next): the output times sigmoid(a per-head gate from q_proj)
 
 
 @dataclass
@@ -101,6 +102,18 @@ class MambaConfig:
 
 
 @dataclass
+class GatedDeltaNetConfig:
+    """[model.gdn]: the Gated DeltaNet mixer (Yang et al. 2025, Qwen3-Next) of the "D" layers of model.layer_pattern."""
+
+    key_heads: int = 4  # query/key heads (linear_num_key_heads)
+    value_heads: int = 8  # value heads, a multiple of key_heads (linear_num_value_heads)
+    key_head_dim: int = 32  # channels per query/key head (linear_key_head_dim)
+    value_head_dim: int = 32  # channels per value head (linear_value_head_dim)
+    conv: int = 4  # width of the causal depthwise convolution on q, k, v (linear_conv_kernel_dim)
+    chunk: int = 64  # the training form's chunk length (memory vs. parallelism; not the numbers)
+
+
+@dataclass
 class MLAConfig:
     """[model.mla]: multi-head latent attention (DeepSeek-V2/V3) in place of standard attention.
 
@@ -114,6 +127,21 @@ class MLAConfig:
     nope_head_dim: int = 128  # qk_nope_head_dim: the unrotated part of each query/key head
     v_head_dim: int = 128  # v_head_dim: the width of each value head
     mscale: float = 0.0  # yarn mscale_all_dim: the softmax scale times (0.1 * mscale * ln(factor) + 1)^2
+
+
+@dataclass
+class DSAConfig:
+    """[model.dsa]: DeepSeek Sparse Attention (DeepSeek-V3.2) on top of [model.mla].
+
+    A lightning indexer scores every key for each query; the query attends to its ``topk`` best. The
+    indexer learns from a KL term against the main attention's distribution (its inputs detached).
+    """
+
+    topk: int = 0  # index_topk: keys each query attends to; 0 keeps dense latent attention
+    index_heads: int = 64  # index_n_heads
+    index_head_dim: int = 128  # index_head_dim (its first rope_head_dim channels are rotated)
+    stage: Literal["warmup", "sparse"] = "sparse"  # warmup: dense attention, only the indexer trains
+    indexer_loss_coef: float = 1.0  # weight of the indexer's KL loss (its gradient reaches only the indexer)
 
 
 @dataclass
@@ -132,7 +160,8 @@ class ModelConfig:
     ffn_multiplier: float = 0.0  # 0 means 4x for plain FFNs and 8/3x for gated ones
     multiple_of: int = 32  # a derived ffn_hidden is rounded up to a multiple of this
     activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"  # swiglu/geglu are gated
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # the normalization layer everywhere
+    # zero_centered_rmsnorm: RMSNorm with gain 1 + weight, weight initialized to 0 (Qwen3-Next, Gemma)
+    norm: Literal["rmsnorm", "layernorm", "zero_centered_rmsnorm"] = "rmsnorm"  # the normalization layer everywhere
     norm_eps: float = 1e-5  # epsilon of every norm
     norm_position: Literal["pre", "post"] = "pre"  # post-norm (BERT) has no final norm
     bias: bool = False  # biases on o_proj and the FFN linears (GPT-2, BERT)
@@ -149,7 +178,7 @@ class ModelConfig:
     mean_span_length: float = 3.0  # span_corruption: mean noise-span length
     sentinel_tokens: int = 0  # ids reserved at the top of the vocab for [MASK] / T5 sentinels
     # A = attention ([model.attention], latent if [model.mla] is on), G = global attention (A without the
-    # sliding window), M = Mamba ([model.mamba]); "" = all A.
+    # sliding window), M = Mamba ([model.mamba]), D = Gated DeltaNet ([model.gdn]); "" = all A.
     layer_pattern: str = ""  # each layer's mixer, one letter per layer, repeated to n_layers (Jamba: "MMMMAMMM")
     mtp_depth: int = 0  # multi-token prediction modules (DeepSeek-V3): module k also predicts token i + 1 + k
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -157,6 +186,8 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     mamba: MambaConfig = field(default_factory=MambaConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
+    dsa: DSAConfig = field(default_factory=DSAConfig)
+    gdn: GatedDeltaNetConfig = field(default_factory=GatedDeltaNetConfig)
 
 
 def layer_heads(m: ModelConfig) -> list[int]:

@@ -259,7 +259,7 @@ def _canonical(cfg: ModelConfig) -> dict[str, Any]:
         values["moe.shared_ffn_hidden"] = shared
     if "M" in kinds and not cfg.mamba.dt_rank:
         values["mamba.dt_rank"] = math.ceil(cfg.dim / 16)
-    drop = set(_TRAINING_ONLY) | {"bias", "mamba.chunk"} | _unused(cfg, kinds)
+    drop = set(_TRAINING_ONLY) | {"bias", "mamba.chunk", "gdn.chunk"} | _unused(cfg, kinds)
     drop |= {f"attention.{k}" for k in ("block_size", "random_blocks", "performer_features", "global_tokens")}
     prefixes = tuple(k for k in drop if k.endswith("."))
     return {k: v for k, v in values.items() if k not in drop and not k.startswith(prefixes)}
@@ -282,13 +282,16 @@ def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
         drop.add("position.rope_original_max_len")
     if pos.kind != "t5_bias":
         drop |= {"position.rel_buckets", "position.rel_max_distance"}
-    if not set(kinds) - {"M"}:  # no attention layer at all
+    if not set(kinds) - {"M", "D"}:  # no attention layer at all
         drop |= {"n_heads", "n_kv_heads", "head_dim", "attention.", "position.", "mla."}
     if "M" not in kinds:
         drop.add("mamba.")
+    if "D" not in kinds:
+        drop.add("gdn.")
     drop |= {"mamba.head_dim", "mamba.groups"} if cfg.mamba.version == 1 else {"mamba.dt_rank", "mamba.dt_norm"}
     if not cfg.mla.kv_rank:
         drop.add("mla.")
+    drop |= {"dsa."} if not cfg.dsa.topk else {"dsa.indexer_loss_coef"}
     if not cfg.moe.experts:
         drop.add("moe.")
     if not cfg.attention.qk_norm:
@@ -314,10 +317,12 @@ def detect_family(cfg: ModelConfig) -> str:
         return "bert"
     if cfg.arch == "encoder_decoder":
         return "t5"
+    if "D" in kinds:
+        return "qwen3_next"
     if "M" in kinds:
         return "jamba" if kinds != {"M"} or cfg.mamba.ffn else "mamba2" if cfg.mamba.version == 2 else "mamba"
     if cfg.mla.kv_rank:
-        return "deepseek_v3"
+        return "deepseek_v32" if cfg.dsa.topk else "deepseek_v3"
     if cfg.moe.experts:
         return _moe_family(cfg)
     if cfg.position.kind == "learned":
@@ -369,6 +374,8 @@ def save_hf(model: nn.Module, path: str | Path, family: str | None = None) -> st
     hf_config, family = export_config(cfg, family)
     state = {k: v.float() for k, v in model.state_dict().items()}
     tensors = _to_hf_tensors(FAMILIES[family].rules(cfg, family), state)
+    if FAMILIES[family].finish is not None:
+        FAMILIES[family].finish(cfg, tensors)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -175,9 +175,9 @@ def accelerate_command(
 
 def runs_on_gpu(config: JobConfig) -> bool:
     """Whether the job's workers use CUDA: ``train.device = "cuda"``, or "auto" on a machine that has it."""
-    import torch
+    from tessera.parallel.env import resolve_device
 
-    return config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
+    return resolve_device(config.train.device, require_visible=False).type == "cuda"
 
 
 def thread_env(config: JobConfig, nproc_per_node: int) -> dict[str, str]:

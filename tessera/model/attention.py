@@ -19,7 +19,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from tessera.model.kernels.common import allowed_mask as _allowed  # noqa: F401 
 from tessera.model.kernels.linear import PerformerFeatures, linear_attention  # noqa: F401  (re-exported)
 from tessera.model.kernels.sdpa import block_sparse_attention  # noqa: F401  (re-exported)
 from tessera.model.masks import BlockLayout, MaskSpec
-from tessera.model.norm import RMSNorm
+from tessera.model.norm import RMSNorm, ZeroCenteredRMSNorm
 from tessera.model.position import apply_rope
 from tessera.model.sinks import AttentionSinks
 
@@ -113,6 +113,10 @@ class AttnContext:
     causal: bool = False  # the linear kernels' only mask
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None  # (B, T): recurrent mixers restart at each new document
+    # Set when this forward holds only part of each sequence: recurrent mixers scan it through this
+    # (see tessera.model.gated_deltanet.RecurrentSplit); the stack's SequenceSplit.
+    split: Any = None
     moe_log: MoELog | None = None  # where MoE layers record their routing (see tessera.model.moe.MoELog)
     # Replaces every layer's attention core, (layer, q, k, v, this context) -> output: set when this forward
     # holds only part of each sequence and its queries must reach the other parts' keys (see SequenceSplit);
@@ -150,15 +154,19 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
         self.scale = cfg.attention.scale or 1.0 / math.sqrt(self.head_dim)
         self.kernel, self.cross, self.attn_dropout = cfg.attention.kernel, cross, cfg.attention.dropout
-        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.attention.qkv_bias)
+        # Gated attention (Qwen3-Next): q_proj also yields a gate per head, laid out [q_h, gate_h] head by head.
+        self.output_gate = cfg.attention.output_gate and not cross
+        q_width = self.n_heads * self.head_dim * (2 if self.output_gate else 1)
+        self.q_proj = nn.Linear(cfg.dim, q_width, bias=cfg.attention.qkv_bias)
         self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attention.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.attention.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias or cfg.attention.o_bias)
         # Per head (Qwen3) or over all heads' channels of the projection (OLMoE: qk_norm_scope = "all").
         self.qk_norm_all = cfg.attention.qk_norm_scope == "all"
         q_width, k_width = (self.n_heads, self.n_kv_heads) if self.qk_norm_all else (1, 1)
-        self.q_norm = RMSNorm(q_width * self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
-        self.k_norm = RMSNorm(k_width * self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
+        qk_norm = ZeroCenteredRMSNorm if cfg.norm == "zero_centered_rmsnorm" else RMSNorm
+        self.q_norm = qk_norm(q_width * self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
+        self.k_norm = qk_norm(k_width * self.head_dim, cfg.norm_eps) if cfg.attention.qk_norm else None
         state = kernel_spec(self.kernel).state
         self.features = state(cfg, self.head_dim) if state is not None else None
         # gpt-oss: a learned logit per head in every softmax's denominator (see tessera.model.sinks).
@@ -185,6 +193,10 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         src = memory if self.cross else x
         q, k = self.q_proj(x), self.k_proj(src)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(b, t, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(b, t, -1), gate.reshape(b, t, -1)
         if self.q_norm is not None and self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = self._heads(q), self._heads(k), self._heads(self.v_proj(src))
@@ -197,7 +209,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, start)
         out = ctx.attend(self, q, k, v, ctx) if ctx.attend is not None else self.attend(q, k, v, ctx)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(out * torch.sigmoid(gate) if gate is not None else out)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """The kernel: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys/values under ``ctx``'s mask.
@@ -267,7 +280,7 @@ QK_NORM_ALL = registry.register(
         feature="QK-norm over all heads",
         keys=("model.attention.qk_norm", "model.attention.qk_norm_scope"),
         uses=lambda m: m.attention.qk_norm and m.attention.qk_norm_scope == "all",
-        unsupported={"tp": "the norm spans every head's channels, which tensor parallelism splits over ranks"},
+        unsupported={},  # under tp its statistics are reduced over the ranks (parallel/tensor_attention.py)
         checks=(),
     )
 )

@@ -1,4 +1,5 @@
-"""One block: a mixer (attention, latent attention or Mamba), optional cross-attention, then a dense FFN or MoE.
+"""One block: a mixer (attention, latent attention, Mamba or Gated DeltaNet), optional cross-attention, then a
+dense FFN or MoE.
 
 Pre-norm (``x + f(norm(x))``, GPT-2/Llama/T5) or post-norm (``norm(x + f(x))``, BERT). Which mixer
 a layer gets is the letter of ``model.layer_pattern`` at its index (see :func:`layer_kind`).
@@ -29,16 +30,16 @@ LayerCache = KVCache | SlidingKVCache | LatentCache | MambaCache
 class TransformerBlock(nn.Module):
     """A mixer (+ cross-attention) and a feed-forward sublayer with residuals and dropout.
 
-    Attention layers hold ``attention_norm``/``attention``; Mamba layers ``mamba_norm``/``mamba``
-    (the others are None). ``moe`` or ``feed_forward`` is the FFN; a Mamba layer without one
-    (``[model.mamba].ffn = false``, as in Mamba itself) has neither.
+    Attention layers hold ``attention_norm``/``attention``; Mamba layers ``mamba_norm``/``mamba``; Gated
+    DeltaNet layers ``gdn_norm``/``gdn`` (the others are None). ``moe`` or ``feed_forward`` is the FFN; a
+    Mamba layer without one (``[model.mamba].ffn = false``, as in Mamba itself) has neither.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0, cross: bool = False) -> None:
         super().__init__()
         self.kind = layer_kind(cfg, layer_id)
         self.post_norm = cfg.norm_position == "post"
-        self.attention_norm = self.attention = self.mamba_norm = self.mamba = None
+        self.attention_norm = self.attention = self.mamba_norm = self.mamba = self.gdn_norm = self.gdn = None
         # The registry's mixer for this layer's letter; it sits at ``<attr>`` with its norm at ``<attr>_norm``.
         spec = mixer_for(cfg, layer_id)
         self.mixer = spec.name  # a name, not the spec: the module stays picklable

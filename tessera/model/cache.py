@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from tessera.dtypes import DTYPES
+
+CACHE_DTYPES = DTYPES  # the cache kinds that are plain dtypes
 CACHE_KINDS = ("auto", *CACHE_DTYPES, "int8")  # auto: the model's parameter dtype
 
 _SCALE_DTYPE = torch.float16

@@ -23,6 +23,7 @@ from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require, require_all
 from tessera.model.norm import RMSNorm
+from tessera.model.recurrent import causal_depthwise_conv, chunk_document_masks, continues_document
 
 
 class MambaCache:
@@ -37,9 +38,19 @@ class MambaCache:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
 
 
-def causal_conv(x: torch.Tensor, conv: nn.Conv1d, cache: MambaCache | None, start: int) -> torch.Tensor:
-    """silu(depthwise causal conv) of ``x`` (B, C, T); with a cache, continue from its window at ``start``."""
+def causal_conv(
+    x: torch.Tensor,
+    conv: nn.Conv1d,
+    cache: MambaCache | None,
+    start: int,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """silu(depthwise causal conv) of ``x`` (B, C, T); with a cache, continue from its window at ``start``;
+    with ``document_ids`` (B, T), restart the window at every document boundary."""
     width, length = conv.kernel_size[0], x.shape[-1]
+    if cache is None and document_ids is not None:
+        out = causal_depthwise_conv(x, conv.weight, document_ids)
+        return F.silu(out + conv.bias[:, None] if conv.bias is not None else out)
     if cache is None:
         return F.silu(conv(x)[..., :length])
     if start == 0:
@@ -116,16 +127,25 @@ class MambaMixer(nn.Module):
         """An empty decoding state for ``batch`` sequences."""
         return MambaCache(batch, self.inner, self.conv1d.kernel_size[0], (self.inner, self.state), device)
 
-    def forward(self, x: torch.Tensor, cache: MambaCache | None = None, start: int = 0) -> torch.Tensor:
-        """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: MambaCache | None = None,
+        start: int = 0,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``; with
+        ``document_ids`` (B, T), restart the state and the convolution at every document boundary."""
         u, z = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)
-        u = causal_conv(u, self.conv1d, cache, start).transpose(1, 2)  # (B, T, E)
+        u = causal_conv(u, self.conv1d, cache, start, document_ids).transpose(1, 2)  # (B, T, E)
         dt, b, c = self.x_proj(u).split([self.dt_rank, self.state, self.state], dim=-1)
         if self.dt_layernorm is not None:
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         dt = F.softplus(self.dt_proj(dt).float())  # (B, T, E)
         a = -torch.exp(self.A_log.float())  # (E, N)
         decay = torch.exp(dt[..., None] * a)
+        if document_ids is not None:  # a zero decay at a document's first position forgets the state exactly
+            decay = decay * continues_document(document_ids)[..., None, None]
         inputs = (dt * u.float())[..., None] * b.float()[:, :, None, :]
         h0 = cache.ssm if cache is not None else None
         y, h = selective_scan(decay, inputs, c.float(), h0, self.chunk)
@@ -141,26 +161,39 @@ def _inverse_softplus_dt(n: int, device: torch.device, low: float = 1e-3, high: 
 
 
 def ssd_scan(
-    x: torch.Tensor, log_decay: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor | None, chunk: int
+    x: torch.Tensor,
+    log_decay: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    h0: torch.Tensor | None,
+    chunk: int,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2 scan with a scalar decay per head: ``h_t = exp(log_decay_t) h_{t-1} + b_t x_t^T``, ``y_t = h_t c_t``.
 
     x (B, T, H, P) (already times dt), log_decay (B, T, H), b and c (B, T, H, N). Within a chunk
     the outputs are one masked (T x T) product, like attention; states pass between chunks.
-    Returns y (B, T, H, P) and the final state (B, H, P, N).
+    ``document_ids`` (B, T) keep every term within its document. Returns y (B, T, H, P) and the final state
+    (B, H, P, N).
     """
     batch, _, heads, p = x.shape
     h = h0 if h0 is not None else x.new_zeros(batch, heads, p, b.shape[-1])
     outputs = []
     for s in range(0, x.shape[1], chunk):
         xc, ac, bc, cc = (t[:, s : s + chunk] for t in (x, log_decay, b, c))
-        seg = _segment_sum(ac.transpose(1, 2))  # (B, H, L, L)
-        scores = torch.einsum("blhn,bshn->bhls", cc, bc) * torch.exp(seg)
-        y = torch.einsum("bhls,bshp->blhp", scores, xc)
+        seg = torch.exp(_segment_sum(ac.transpose(1, 2)))  # (B, H, L, L)
         cum = ac.cumsum(1)  # (B, L, H)
-        y = y + torch.einsum("blhn,bhpn->blhp", cc, h) * torch.exp(cum)[..., None]
-        to_end = torch.exp(cum[:, -1:] - cum)  # decay from each position to the chunk's end
-        h = h * torch.exp(cum[:, -1])[..., None, None] + torch.einsum("blhn,blhp->bhpn", bc * to_end[..., None], xc)
+        reads, to_end, carry = torch.exp(cum), torch.exp(cum[:, -1:] - cum), torch.exp(cum[:, -1])
+        if document_ids is not None:  # no term crosses a document boundary
+            same, read, write, carries = chunk_document_masks(
+                document_ids[:, s : s + chunk], document_ids[:, max(s - 1, 0)]
+            )
+            seg, reads = seg * same[:, None], reads * read[..., None]
+            to_end, carry = to_end * write[..., None], carry * carries[:, None]
+        scores = torch.einsum("blhn,bshn->bhls", cc, bc) * seg
+        y = torch.einsum("bhls,bshp->blhp", scores, xc)
+        y = y + torch.einsum("blhn,bhpn->blhp", cc, h) * reads[..., None]
+        h = h * carry[..., None, None] + torch.einsum("blhn,blhp->bhpn", bc * to_end[..., None], xc)
         outputs.append(y)
     return torch.cat(outputs, dim=1), h
 
@@ -230,11 +263,18 @@ class Mamba2Mixer(nn.Module):
         shape = (self.heads, self.head_dim, self.state)
         return MambaCache(batch, self.conv_dim, self.conv1d.kernel_size[0], shape, device)
 
-    def forward(self, x: torch.Tensor, cache: MambaCache | None = None, start: int = 0) -> torch.Tensor:
-        """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: MambaCache | None = None,
+        start: int = 0,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``; with
+        ``document_ids`` (B, T), restart the state and the convolution at every document boundary."""
         batch, length, _ = x.shape
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
-        xbc = causal_conv(xbc.transpose(1, 2), self.conv1d, cache, start).transpose(1, 2)
+        xbc = causal_conv(xbc.transpose(1, 2), self.conv1d, cache, start, document_ids).transpose(1, 2)
         xs, b, c = xbc.float().split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H)
         per_group = self.heads // self.groups
@@ -242,7 +282,7 @@ class Mamba2Mixer(nn.Module):
         xs = xs.view(batch, length, self.heads, self.head_dim)
         a = -torch.exp(self.A_log.float())
         h0 = cache.ssm if cache is not None else None
-        y, h = ssd_scan(xs * dt[..., None], dt * a, b, c, h0, self.chunk)
+        y, h = ssd_scan(xs * dt[..., None], dt * a, b, c, h0, self.chunk, document_ids)
         if cache is not None:
             cache.ssm.copy_(h)
         y = y + xs * self.D.float()[:, None]
@@ -279,7 +319,7 @@ MAMBA_TERMS = registry.Terms(flops=registry.zero, memory=registry.TRACED)
 
 
 def _forward(module: nn.Module, h: torch.Tensor, ctx: object, cache: MambaCache | None, start: int) -> torch.Tensor:
-    return module(h, cache, start)
+    return module(h, cache, start, getattr(ctx, "document_ids", None))
 
 
 def _new_cache(module: nn.Module, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> MambaCache:

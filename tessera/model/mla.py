@@ -97,16 +97,21 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
+        # A sequence split (context parallelism) brings its own core over the other ranks' keys.
+        out = ctx.attend(self, q, k, v, ctx) if ctx.attend is not None else self.attend(q, k, v, ctx)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """The core: (B, H, Tq, nope + rope) queries over (B, H, Tk, .) keys and (B, H, Tk, v_head_dim) values."""
         if self.weights_observer is not None:
             scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
             allowed = _allowed(ctx, q.shape[2], k.shape[2], q.device)
             scores = scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
             self.weights_observer(scores.softmax(dim=-1))
         dropout = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q, k, v, attn_mask=ctx.mask, dropout_p=dropout, is_causal=ctx.is_causal, scale=self.scale
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> LatentCache:
         """An empty latent cache for ``max_len`` positions."""
@@ -138,15 +143,13 @@ MIXER = registry.register(
         feature="latent attention",
         keys=("model.mla",),
         uses=lambda m: bool(m.mla.kv_rank),
-        unsupported={
-            "tp": "the tensor-parallel plan does not cover latent attention's projections",
-            "cp": "context parallelism's attention (all-gather or ring) exchanges standard attention's keys and "
-            "values, not the latent cache",
-        },
+        unsupported={},
+        # heads split after the low-rank projections (parallel/tensor_attention.py)
+        tp_plan={"q_b_proj": "colwise", "q_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"},
         checks=(check_mla,),
         terms=registry.Terms(flops=kernel_flops, memory=registry.TRACED),
         letters={"A": "attention", "G": "global attention"},
-        selects=lambda m: bool(m.mla.kv_rank),
+        selects=lambda m: bool(m.mla.kv_rank) and not m.dsa.topk,  # with [model.dsa]: the sparse mixer (dsa.py)
         attr="attention",
         build=lambda cfg, layer_id: scaled_by_layer(LatentAttention(cfg), cfg, layer_id),
         forward=_forward,

@@ -100,6 +100,7 @@ def _validate_heads_per_layer(m: ModelConfig) -> None:
         (m.position.kind in ("t5_bias", "alibi"), f"position.kind='{m.position.kind}' (a bias per head)"),
         (m.mla.kv_rank > 0, "model.mla (latent attention)"),
         ("M" in m.layer_pattern, "Mamba layers"),
+        ("D" in m.layer_pattern, "Gated DeltaNet layers"),
     ]
     unsupported = next((name for hit, name in refused if hit), "")
     require(
@@ -176,11 +177,12 @@ def _validate_mixers(m: ModelConfig) -> None:
     require(0.0 <= m.moe.jitter < 1.0, f"model.moe.jitter must be in [0, 1), got {m.moe.jitter}")
 
 
-def check_mamba_documents(job: JobConfig) -> None:
-    """Packed-document masks need attention layers: a Mamba scan carries state across the boundary."""
-    recurrent = next((s.feature for s in registry.used_by_model(job.model, "mixer") if s.recurrent), "")
+def check_document_masks(job: JobConfig) -> None:
+    """Packed-document masks reset every recurrent state (Mamba, Mamba-2, Gated DeltaNet) at each boundary; the
+    linear attention kernels' prefix sums (elu+1, Performer) cannot stop at one yet."""
+    kernel = job.model.attention.kernel
     require(
-        not (job.data.document_mask and recurrent),
-        f"data.document_mask cannot reset {recurrent}' state at document boundaries; set data.document_mask=false "
-        "or use attention layers only",
+        not (job.data.document_mask and kernel in ("linear", "performer")),
+        f"data.document_mask cannot stop model.attention.kernel='{kernel}' at document boundaries; set "
+        "data.document_mask=false or use the sdpa or eager kernel",
     )

@@ -207,7 +207,7 @@ class Stack(nn.Module):
         # Score biases are relative: padding shifts queries and keys alike, so they keep the slot positions.
         ctx_positions = positions if left_pad is None or self.rel_bias is None else None
         ctx = self.context(b, t, start, ctx_positions, document_ids, h.device, kv_start)
-        ctx.moe_log = moe_log
+        ctx.moe_log, ctx.document_ids, ctx.split = moe_log, document_ids, self.sequence_split
         global_ctx = (
             self.global_context(ctx, t, start, document_ids, h.device) if self.global_mask_spec is not None else ctx
         )

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from tessera.config import JobConfig
+from tessera.dtypes import DTYPES
 from tessera.model.blocks import block_containers
 from tessera.parallel.activation import apply_activation_checkpointing, apply_compile, compile_enabled
 from tessera.parallel.context import apply_context_parallel
@@ -15,11 +15,10 @@ from tessera.parallel.fp8 import convert_float8, convert_mxfp8
 from tessera.parallel.fsdp import apply_ddp, apply_fsdp
 from tessera.parallel.qat import apply_qat
 from tessera.parallel.grads import clip_grad_norm
+from tessera.parallel.env import resolve_device
 from tessera.parallel.tensor import apply_tensor_parallel
 
 __all__ = ["ParallelDims", "clip_grad_norm", "parallelize"]
-
-_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parallelize(
@@ -33,7 +32,7 @@ def parallelize(
     gradients to average (FSDP still shards it).
     """
     p = config.parallel
-    fp8, device_type = config.train.fp8, device_type or _configured_device_type(config.train.device)
+    fp8, device_type = config.train.fp8, device_type or resolve_device(config.train.device, require_visible=False).type
     t = config.train
     if t.qat != "none":  # first, like float8: a module swap before TP, compile and FSDP
         apply_qat(model, t.qat, t.qat_group_size, t.qat_start)
@@ -61,7 +60,7 @@ def parallelize(
     if uses_fsdp(dims):
         mesh = dims.submesh("hsdp") or dims.submesh("fsdp")
         experts = (dims.submesh("ehsdp") or dims.submesh("efsdp"), dims.dp * dims.cp) if ep_mesh is not None else None
-        apply_fsdp(model, mesh, _PARAM_DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload, experts)
+        apply_fsdp(model, mesh, DTYPES[config.train.dtype], p.reshard_after_forward, p.cpu_offload, experts)
     elif dims.dp_replicate > 1 and not frozen:
         model = apply_ddp(model, dims.submesh("dp"))
     return model
@@ -72,9 +71,3 @@ def uses_fsdp(dims: ParallelDims) -> bool:
     sharded, and for plain data parallelism beside TP or PP, where DDP cannot take DTensor
     parameters or per-micro-batch backward: FSDP2 on a (replicate, shard=1) mesh replicates."""
     return dims.dp_shard * dims.cp > 1 or (dims.dp_replicate > 1 and (dims.tp > 1 or dims.pp > 1))
-
-
-def _configured_device_type(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type

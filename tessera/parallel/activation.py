@@ -59,7 +59,7 @@ def compile_enabled(p: Any, device_type: str) -> bool:
     benchmarks/throughput.py measured 1.3% faster steps for 18-24 s of compiling (README, Performance)."""
     if isinstance(p.compile, bool):
         return p.compile
-    refused = p.engine == "deepspeed" or (p.pp > 1 and p.pp_schedule == "interleaved_zb")
+    refused = p.engine == "deepspeed" or (p.pp > 1 and p.pp_schedule in ("interleaved_zb", "zbv", "dualpipev"))
     return device_type == "cuda" and not refused
 
 

@@ -122,6 +122,41 @@ class ContextParallel:
 
         return attend
 
+    # Recurrent mixers (tessera.model.gated_deltanet.RecurrentSplit): this rank holds sequence chunks ``rank`` and
+    # ``2 cp - 1 - rank``; a scan visits the 2 cp chunks in order, so the pieces' halos and entering states come
+    # from the ranks holding the chunks before them (all-gathered, differentiable: gradients reach those ranks).
+
+    def _chunk_owner(self, chunk: int) -> tuple[int, int]:
+        """(rank, local piece) holding global chunk ``chunk`` of the 2 cp."""
+        return (chunk, 0) if chunk < self.size else (2 * self.size - 1 - chunk, 1)
+
+    def pieces(self, length: int) -> list[slice]:
+        """The two zigzag chunks of this rank's ``length`` tokens."""
+        half = length // 2
+        return [slice(0, half), slice(half, length)]
+
+    def _in_order(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's (pieces, ...) tensor, all-gathered, as one entry per global chunk in sequence order."""
+        every = funcol.wait_tensor(funcol.all_gather_tensor_autograd(local.contiguous(), 0, self.group))
+        every = every.view(self.size, *local.shape)
+        return [every[rank][piece] for rank, piece in map(self._chunk_owner, range(2 * self.size))]
+
+    def halos(self, tails: torch.Tensor) -> torch.Tensor:
+        """The last inputs of the chunk before each local piece (zeros before the first chunk)."""
+        ordered = self._in_order(tails.movedim(2, 0))
+        mine = (self.rank, 2 * self.size - 1 - self.rank)
+        return torch.stack([ordered[c - 1] if c else torch.zeros_like(ordered[0]) for c in mine], dim=2)
+
+    def entering_states(self, transitions: torch.Tensor, contributions: torch.Tensor) -> torch.Tensor:
+        """The state entering each local piece: the chunks' summaries combined in order from a zero state."""
+        dv = contributions.shape[-1]
+        ordered = self._in_order(torch.cat([contributions, transitions], dim=-1))
+        state, entering = torch.zeros_like(ordered[0][..., :dv]), []
+        for summary in ordered:
+            entering.append(state)
+            state = summary[..., dv:] @ state + summary[..., :dv]
+        return torch.stack([entering[self.rank], entering[2 * self.size - 1 - self.rank]])
+
     def _gather_documents(self, document_ids: torch.Tensor | None) -> list[torch.Tensor] | None:
         if document_ids is None:
             return None
@@ -212,7 +247,7 @@ class RingAttention(torch.autograd.Function):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         b, hkv = k.shape[:2]
         q5 = q.float().view(b, hkv, -1, *q.shape[2:])
-        out = torch.zeros_like(q5)
+        out = q5.new_zeros(*q5.shape[:-1], v.shape[-1])  # values may be narrower than keys (latent attention)
         lse = torch.full(q5.shape[:-1], float("-inf"), device=q.device)
         if sinks is not None:
             lse = ring_start(sinks, lse.shape)
@@ -234,14 +269,14 @@ class RingAttention(torch.autograd.Function):
                 kk, vv = wait()
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.step_mask, ctx.scale, ctx.group = step_mask, scale, group
-        return out.view_as(q).to(q.dtype)
+        return out.view(*q.shape[:-1], v.shape[-1]).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):
         """A second ring pass recomputing each block's probabilities from the saved log-sum-exp."""
         q, k, v, out, lse, sinks = ctx.saved_tensors
         rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        q5 = q.float().view_as(out)
+        q5 = q.float().view(*out.shape[:-1], q.shape[-1])
         dout5 = dout.float().view_as(out)
         delta = (dout5 * out).sum(-1)
         dq = torch.zeros_like(q5)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tessera.config import ParallelConfig
-from tessera.layout import check_expert_degree, resolve_dp_shard
+from tessera.layout import check_expert_degree, data_parallel_degree, resolve_dp_shard
 
 
 @dataclass
@@ -48,7 +48,7 @@ class ParallelDims:
     @property
     def dp(self) -> int:
         """Data-parallel degree: how many different batches are processed at once."""
-        return self.dp_replicate * self.dp_shard
+        return data_parallel_degree(self)
 
     @property
     def efsdp(self) -> int:

@@ -1,4 +1,4 @@
-"""The one place that reads the launcher's environment (torchrun / SLURM-started torchrun)."""
+"""The one place that reads the launcher's environment (torchrun / SLURM-started torchrun) and resolves devices."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tessera.errors import ConfigError
 from tessera.parallel.collective_log import enable_flight_recorder
 
 
@@ -50,6 +51,19 @@ def init_distributed(device_type: str) -> DistEnv:
         enable_flight_recorder()  # each rank's last collectives, for the hang report
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return env
+
+
+def resolve_device(name: str, require_visible: bool = True) -> torch.device:
+    """``train.device`` as a torch device ("auto" prefers CUDA); the one place a device name is resolved.
+
+    ``require_visible``: a CUDA device that this machine cannot see is a ConfigError (False: planning for
+    another machine, e.g. the launcher or the planner's measurement).
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if require_visible and name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but no CUDA device is visible; use train.device=cpu")
+    return torch.device(name)
 
 
 def device_for(env: DistEnv, device_type: str) -> torch.device:

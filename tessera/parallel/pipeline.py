@@ -35,13 +35,22 @@ from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    _Action,
+    _ComputationType,
+    _PipelineScheduleRuntime,
 )
+from torch.distributed.pipelining import schedules
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.tensor import DTensor, Shard
 
 from tessera.config import ConfigError, JobConfig
 from tessera.layout import (
     MULTI_STAGE_SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SCHEDULES,
     local_stage_ids,
     microbatches,
     pipeline_blocks,
@@ -52,6 +61,7 @@ from tessera.model import MoELog, build_model, moe_loss
 from tessera.model.mtp import MTPLog, mtp_losses, mtp_token_counts
 from tessera.model.transformer import OutputFn
 from tessera.plan.stages import stage_split
+from tessera.parallel.loss import LossWeights, MicroBatch, combine_losses, moe_aux_weight
 from tessera.parallel.shared import (
     SharedParameter,
     find_shared,
@@ -66,8 +76,9 @@ SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
-SPLIT_BACKWARD_SCHEDULES = frozenset({"interleaved_zb"})  # input and weight gradients in separate passes
 
 # (logits, labels, label_smoothing, loss_mask) -> mean loss over the masked positions
 LossFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], torch.Tensor]
@@ -95,6 +106,30 @@ class _AttachAux(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         (aux,) = ctx.saved_tensors
         return grad, torch.full_like(aux, ctx.scale), None
+
+
+@dataclass
+class StageTail:
+    """A micro-batch's metadata travelling after the hidden states from stage to stage (torch's pipelining
+    sends a stage's outputs as positional tensors): its positions and document ids (document masks), the
+    fused loss's targets, MTP's embedded tokens. Which of them travel is fixed for the whole run."""
+
+    documents: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) when the batch has document masks
+    targets: torch.Tensor | None = None  # (B, T, 2) labels and loss mask for the last stage's fused loss
+    embedded: torch.Tensor | None = None  # the embedded input tokens for the last stage's MTP modules
+
+    def pack(self) -> tuple[torch.Tensor, ...]:
+        """The tensors sent after the hidden states, in the order :meth:`unpack` reads them."""
+        embedded = () if self.embedded is None else (self.embedded.view_as(self.embedded),)
+        return self.documents + (() if self.targets is None else (self.targets,)) + embedded
+
+    @classmethod
+    def unpack(cls, tail: tuple[torch.Tensor, ...], targets: bool, embedded: bool) -> StageTail:
+        """The metadata received after the hidden states (``targets``, ``embedded``: whether they travel)."""
+        rest = list(tail)
+        kept = rest.pop() if embedded else None
+        wanted = rest.pop() if targets else None
+        return cls(tuple(rest), wanted, kept)
 
 
 @dataclass
@@ -134,18 +169,16 @@ class StageHooks:
     aux_losses: list[torch.Tensor] = field(default_factory=list)  # this step's weighted MoE losses (detached)
     logs: list[MoELog] = field(default_factory=list)  # this step's training forwards' MoE stats
     _log: MoELog = field(default_factory=MoELog)
-    _extras: tuple[torch.Tensor, ...] = ()  # (positions, document_ids) of the micro-batch in flight
+    _tail: StageTail = field(default_factory=StageTail)  # the metadata of the micro-batch in flight
     vocab_size: int = 0  # an encoder-decoder's: its stages carry token ids and the memory themselves
     mtp: bool = False  # the model has multi-token-prediction modules (on the last stage)
     mtp_active: bool = True  # the last stage runs them (training), else returns the main logits only
-    _embedded: torch.Tensor | None = None  # the micro-batch's embedded tokens, on their way to the last stage
     _mtp_log: MTPLog | None = None
     head_loss: HeadLoss | None = None  # the fused head and loss on the last stage (not for an encoder-decoder)
     vocab: int = 0  # the labels' bound, to keep shape inference's uninitialized targets valid
     label_smoothing: float = 0.0  # this run's (0 in evaluation), for ``head_loss``
     masked: bool = False  # this run's targets carry a loss mask
     split_backward: bool = False  # the schedule runs backward in two passes (input, then weight gradients)
-    _targets: tuple[torch.Tensor, ...] = ()  # the micro-batch's (targets,) on their way to the last stage
 
     def install(self, stage: nn.Module) -> None:
         """Register the hooks on ``stage`` (after it is parallelized)."""
@@ -155,7 +188,7 @@ class StageHooks:
             stage.tok_embeddings.register_forward_hook(self._keep_embeddings)
 
     def _keep_embeddings(self, _module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> None:
-        self._embedded = out.full_tensor() if isinstance(out, DTensor) else out
+        self._tail.embedded = out.full_tensor() if isinstance(out, DTensor) else out
 
     def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
         if self.vocab_size:
@@ -165,30 +198,34 @@ class StageHooks:
         targets = kwargs.get(_TARGETS)  # multi-stage schedules may hand every stage the first one's kwargs
         kwargs = {k: v for k, v in kwargs.items() if k != _TARGETS}
         if self.first:
-            extras = tuple(kwargs[k] for k in _DOCUMENT_KEYS if kwargs.get(k) is not None)
-            if self.head_loss is not None:
-                self._targets = (targets,)
+            documents = tuple(kwargs[k] for k in _DOCUMENT_KEYS if kwargs.get(k) is not None)
+            self._tail = StageTail(documents, targets if self.head_loss is not None else None)
         else:
-            extras = args[1:]
-            if self.mtp:
-                extras, self._embedded = extras[:-1], extras[-1]
-            if self.head_loss is not None:
-                extras, self._targets = extras[:-1], (_valid_targets(extras[-1], self.vocab),)
-            if extras:  # torch's shape inference runs a stage on uninitialized buffers: keep positions valid
-                extras = (extras[0].clamp(0, self.max_len - 1), *extras[1:])
-            kwargs = {**kwargs, **dict(zip(_DOCUMENT_KEYS, extras))}
+            self._tail = self._received_tail(args[1:])
+            kwargs = {**kwargs, **dict(zip(_DOCUMENT_KEYS, self._tail.documents))}
             if self.sp_mesh is not None:
                 x = DTensor.from_local(x, self.sp_mesh, (Shard(1),), run_check=False)
-        self._log, self._extras = MoELog(), extras
+        self._log = MoELog()
         if self.mtp and self.last and self.mtp_active:
-            self._mtp_log = MTPLog(embeddings=self._embedded)
+            self._mtp_log = MTPLog(embeddings=self._tail.embedded)
             kwargs = {**kwargs, "mtp": self._mtp_log}
         if self.last and self.head_loss is not None:
-            targets = self._targets[0]
+            targets = self._tail.targets
             mask = targets[..., 1].bool() if self.masked else None
             output_fn = self.head_loss(targets[..., 0], mask, self.label_smoothing, self.split_backward)
             kwargs = {**kwargs, "output_fn": output_fn}
         return (x,), {**kwargs, "moe_log": self._log}
+
+    def _received_tail(self, tail: tuple[torch.Tensor, ...]) -> StageTail:
+        """The metadata after a later stage's hidden states; torch's shape inference runs a stage on
+        uninitialized buffers, so positions and labels are kept valid."""
+        received = StageTail.unpack(tail, self.head_loss is not None, self.mtp)
+        if received.targets is not None:
+            received.targets = _valid_targets(received.targets, self.vocab)
+        if received.documents:
+            positions, *rest = received.documents
+            received.documents = (positions.clamp(0, self.max_len - 1), *rest)
+        return received
 
     def _received(self, x: torch.Tensor) -> torch.Tensor:
         """An encoder-decoder stage's input from the previous stage, as its model reads it."""
@@ -205,12 +242,11 @@ class StageHooks:
             out = out.to_local()
         out = self._with_aux(out)
         if self.last:
-            self._targets = ()
+            self._tail.targets = None
             if self.head_loss is not None:  # the loss, as a 1-vector: the schedule concatenates outputs
                 out = out.reshape(1)
             return self._with_mtp_logits(out)
-        passed = self._extras + self._targets + ((self._embedded.view_as(self._embedded),) if self.mtp else ())
-        self._embedded, self._targets = None, ()
+        passed, self._tail = self._tail.pack(), StageTail()
         return (out, *passed) if passed else out
 
     def _with_aux(self, out: torch.Tensor) -> torch.Tensor:
@@ -225,8 +261,32 @@ class StageHooks:
 
     def _with_mtp_logits(self, out: torch.Tensor) -> Any:
         """The last stage's logits, followed by each MTP depth's when they ran."""
-        log, self._mtp_log, self._embedded = self._mtp_log, None, None
+        log, self._mtp_log, self._tail.embedded = self._mtp_log, None, None
         return (out, *log.logits) if log is not None and log.logits else out
+
+
+class _VForward(_PipelineScheduleRuntime):
+    """Forward only, over stages placed in a V (rank r: stages r and 2 pp - 1 - r): every micro-batch through
+    a rank's first stage, then through its second."""
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable) -> None:
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        pp = stages[0].group_size
+        self.stage_index_to_group_rank = generate_stage_to_rank_mapping(pp, self._num_stages, style="v")
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        forward = _ComputationType.FORWARD
+        self.pipeline_order = {
+            rank: [_Action(s, forward, mb) for s in (rank, 2 * pp - 1 - rank) for mb in range(n_microbatches)]
+            for rank in range(pp)
+        }
+        # torch's schedule check requires every micro-batch's backward, which evaluation has not: lower the
+        # actions to communication with the check answering the V placement instead.
+        check, schedules._validate_schedule = schedules._validate_schedule, lambda *_: self.stage_index_to_group_rank
+        try:
+            self._prepare_schedule_with_comms(self.pipeline_order)
+        finally:
+            schedules._validate_schedule = check
 
 
 def _valid_targets(targets: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -322,7 +382,7 @@ def split_model(
     keys = _stage_keys(config)
     n = len(keys)
     every = {s: stage_model(full, config, keys[s], s == 0, s == n - 1) for s in range(n)}
-    shared = find_shared(every, config.parallel.pp)
+    shared = find_shared(every, config.parallel.pp, config.parallel.pp_schedule)
     rank = stage_ids[0] % config.parallel.pp
     children = {id(child): name for name, child in full.named_children()}
     keep = frozenset(children[id(m)] for sp in shared if rank in sp.ranks for m, _ in sp.uses if id(m) in children)
@@ -396,6 +456,11 @@ class Pipeline:
         cls = SCHEDULES[p.pp_schedule]
         first = pipe_stages if p.pp_schedule in MULTI_STAGE_SCHEDULES else pipe_stages[0]
         self.schedule = cls(first, self.microbatches, loss_fn=self._loss, scale_grads=False)
+        # torch's V schedules evaluate with their training actions, whose same-rank backward hand-over fails
+        # without a backward (torch 2.13): evaluation runs a forward-only schedule over the same V stages.
+        self.eval_schedule = (
+            _VForward(pipe_stages, self.microbatches, self._loss) if p.pp_schedule in V_SCHEDULES else self.schedule
+        )
 
     def _loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         rows = None
@@ -407,16 +472,16 @@ class Pipeline:
         count = labels.numel() if mask is None else mask.sum().double()  # a tensor: no host sync
         scale = count / self._targets.denominator * self._targets.token_scale
         loss = main.sum() if self.fused else self._loss_fn(main, labels, self._targets.label_smoothing, mask)
-        if rows is not None:
+        if rows is not None:  # distillation: its term mixes into the token loss before the weights
             loss = self.extra_loss(loss, main, rows, mask, count / self._targets.denominator * self._grad_accum)
-        loss = loss * scale
+        shares = []
         if ahead:  # weighted like the main loss: each micro-batch's share of the local batch's depth-k mean
             losses = mtp_losses(ahead, labels, mask, self._loss_fn, self._targets.label_smoothing)
             counts = mtp_token_counts(labels, mask, len(ahead))
             shares = [d * (c / den) for d, c, den in zip(losses, counts, self._targets.mtp_denominators)]
             self._mtp_shares.append([float(_local(share)) for share in shares])  # MTP only: host numbers
-            loss = loss + sum(shares) * (self.mtp_weight / len(ahead))
-        return loss * self._targets.scale
+        # the MoE losses are attached to each stage's output by its hooks (moe_aux_weight per micro-batch)
+        return combine_losses(loss, LossWeights(scale, self.mtp_weight), shares) * self._targets.scale
 
     def metrics(self) -> dict[str, float]:
         """Each MTP depth's loss over the step's local batches (``mtp_loss_1`` ...), then reset; {} without MTP."""
@@ -425,16 +490,9 @@ class Pipeline:
         return out
 
     def _run(
-        self,
-        args: tuple[torch.Tensor, ...],
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor | None,
-        denominator: float,
-        train: bool,
-        model_kwargs: dict[str, torch.Tensor] | None = None,
-        loss_scale: float = 1.0,
-        token_scale: float = 1.0,
+        self, batch: MicroBatch, denominator: float, train: bool, loss_scale: float = 1.0, token_scale: float = 1.0
     ) -> torch.Tensor:
+        args, labels, loss_mask, model_kwargs = batch.args, batch.labels, batch.loss_mask, batch.kwargs
         smoothing = self.label_smoothing if train else 0.0
         self._targets = _Targets(loss_mask is not None, denominator, smoothing, loss_scale, token_scale)
         if train and self.mtp_depth:
@@ -459,7 +517,7 @@ class Pipeline:
         if train:  # the micro-batches' outputs are not kept: each one's logits die with its backward
             self.schedule.step(*inputs, return_outputs=False, **kwargs)
         else:
-            self.schedule.eval(*inputs, **kwargs)
+            self.eval_schedule.eval(*inputs, **kwargs)
         # The first step's shape inference runs one extra forward per stage: count the schedule's own.
         aux = [a for hooks in self.hooks for a in hooks.aux_losses[-self.microbatches :]]
         parts = [_local(loss).double() / self._targets.scale for loss in losses] + [a.detach().double() for a in aux]
@@ -478,14 +536,7 @@ class Pipeline:
         return [log for hooks in self.hooks for log in hooks.logs[-self.microbatches :]]
 
     def step(
-        self,
-        args: tuple[torch.Tensor, ...],
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor | None,
-        grad_accum: int,
-        model_kwargs: dict[str, torch.Tensor] | None = None,
-        loss_scale: float = 1.0,
-        token_scale: float = 1.0,
+        self, batch: MicroBatch, grad_accum: int, loss_scale: float = 1.0, token_scale: float = 1.0
     ) -> torch.Tensor:
         """Forward and backward of one local batch through the pipeline; returns its loss / grad_accum.
 
@@ -496,11 +547,10 @@ class Pipeline:
         loss (context parallelism: this rank's share of the global token mean).
         """
         for hooks in self.hooks:
-            hooks.aux_scale, hooks.grad_scale = 1.0 / (grad_accum * self.microbatches), loss_scale
+            hooks.aux_scale, hooks.grad_scale = moe_aux_weight(grad_accum, self.microbatches), loss_scale
         self._grad_accum = grad_accum
-        tokens = labels.numel() if loss_mask is None else loss_mask.sum().clamp(min=1)
-        denominator = tokens * grad_accum
-        return self._run(args, labels, loss_mask, denominator, True, model_kwargs, loss_scale, token_scale)
+        tokens = batch.tokens() if batch.loss_mask is None else batch.tokens().clamp(min=1)
+        return self._run(batch, tokens * grad_accum, True, loss_scale, token_scale)
 
     def reduce_shared_grads(self) -> None:
         """Sum the gradients of parameters used on several pp ranks (before clipping and stepping)."""
@@ -510,20 +560,14 @@ class Pipeline:
         """Copies of shared parameters this rank leaves out of the global gradient norm."""
         return norm_duplicates(self.shared, self.pp_rank)
 
-    def eval_loss(
-        self,
-        args: tuple[torch.Tensor, ...],
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor | None,
-        model_kwargs: dict[str, torch.Tensor] | None = None,
-    ) -> float:
+    def eval_loss(self, batch: MicroBatch) -> float:
         """The summed (not averaged) token loss of a batch, forward only, on every pp rank."""
-        if labels.shape[0] % self.microbatches:
+        if batch.labels.shape[0] % self.microbatches:
             raise ConfigError(
-                f"an evaluation batch of {labels.shape[0]} sequences per rank is not divisible by "
+                f"an evaluation batch of {batch.labels.shape[0]} sequences per rank is not divisible by "
                 f"parallel.microbatches={self.microbatches}; raise train.eval_batches or the validation split"
             )
-        return self._run(args, labels, loss_mask, 1.0, False, model_kwargs).item()
+        return self._run(batch, 1.0, False).item()
 
 
 def build_pipeline(
@@ -545,7 +589,7 @@ def build_pipeline(
     pp_mesh = dims.submesh("pp")
     v = virtual_stages(p)
     n_stages = p.pp * v
-    stage_ids = local_stage_ids(pp_mesh.get_local_rank(), p.pp, v)
+    stage_ids = local_stage_ids(pp_mesh.get_local_rank(), p.pp, v, p.pp_schedule)
     on_meta = any(p.is_meta for p in model.parameters())  # meta init: materialized after sharding
     local, stage_models, shared = split_model(model if on_meta else model.to(device), config, stage_ids)
     sp_mesh = dims.submesh("tp") if p.tp > 1 and p.sequence_parallel else None

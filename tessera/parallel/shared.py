@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tessera.layout import stage_rank
+
 
 @dataclass
 class SharedParameter:
@@ -32,8 +34,9 @@ class SharedParameter:
         return next((p for p in params if isinstance(p, DTensor)), params[0])
 
 
-def find_shared(stage_models: dict[int, nn.Module], pp: int) -> list[SharedParameter]:
-    """The parameters that stages on different pp ranks use (stage ``s`` runs on rank ``s % pp``)."""
+def find_shared(stage_models: dict[int, nn.Module], pp: int, schedule: str = "1f1b") -> list[SharedParameter]:
+    """The parameters that stages on different pp ranks use (stage ``s`` runs on rank
+    :func:`~tessera.layout.stage_rank`: ``s % pp`` looped, in a V for the V schedules)."""
     uses: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
     ranks: dict[int, set[int]] = defaultdict(set)
     for stage_id, model in stage_models.items():
@@ -41,7 +44,7 @@ def find_shared(stage_models: dict[int, nn.Module], pp: int) -> list[SharedParam
             for attr, param in module.named_parameters(recurse=False):
                 if (module, attr) not in uses[id(param)]:
                     uses[id(param)].append((module, attr))
-                ranks[id(param)].add(stage_id % pp)
+                ranks[id(param)].add(stage_rank(stage_id, pp, schedule))
     return [SharedParameter(uses[key], sorted(ranks[key])) for key in uses if len(ranks[key]) > 1]
 
 

@@ -33,6 +33,9 @@ from torch.distributed.tensor.parallel import (
 from tessera import registry
 from tessera.model.ffn import DENSE
 from tessera.parallel.head_params import HeadSharded
+from tessera.model.mla import LatentAttention
+from tessera.parallel.tensor_attention import all_heads_norm_plan, latent_attention_plan
+from tessera.parallel.recurrent import GatedDeltaNetHeads, sum_grads_over
 
 
 class ReplicateInput(ParallelStyle):
@@ -122,30 +125,48 @@ class LocalHeads(ParallelStyle):
         return module
 
 
-def _styles(prefix: str, tp_plan: dict[str, str], sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
+def _styles(prefix: str, tp_plan: dict[str, str] | None, sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
     """A component spec's TP plan (submodule -> "colwise" | "rowwise", see tessera.registry) as DTensor
-    styles for the submodules ``module`` has; row-parallel outputs reduce to the stream's layout."""
+    styles for the submodules ``module`` has; row-parallel outputs reduce to the stream's layout. A spec
+    without a plan (Mamba: compat refuses tp) splits nothing (what the planner reads)."""
     out = Shard(1) if sp else Replicate()
     make = {
         "colwise": ColwiseParallel,
         "rowwise": lambda: RowwiseParallel(output_layouts=out, use_local_output=not sp),
     }
-    return {f"{prefix}.{name}": make[style]() for name, style in tp_plan.items() if hasattr(module, name)}
+    return {f"{prefix}.{name}": make[style]() for name, style in (tp_plan or {}).items() if hasattr(module, name)}
+
+
+def _qk_norm_plan(prefix: str, module: nn.Module) -> dict[str, ParallelStyle]:
+    """Per-head QK-norm (Qwen3) runs on this rank's heads (B, H/tp, T, D): its weight is shared by all heads,
+    so its gradient is a sum over the tp ranks' heads. As a Replicate DTensor over a head-sharded (dim 1)
+    input, DTensor reduces it; as a plain tensor each rank kept only its part."""
+    if getattr(module, "q_norm", None) is None or getattr(module, "qk_norm_all", True):
+        return {}
+    head_sharded = {name: SequenceParallel(sequence_dim=1, use_local_output=True) for name in ("q_norm", "k_norm")}
+    return {f"{prefix}.{name}": style for name, style in head_sharded.items()}
 
 
 def _attention_plan(prefix: str, sp: bool, module: nn.Module) -> dict[str, ParallelStyle]:
-    return {**_styles(prefix, registry.ATTENTION_TP, sp, module), prefix: ReplicateInput(sp)}
+    plan = {**_styles(prefix, registry.ATTENTION_TP, sp, module), prefix: ReplicateInput(sp)}
+    return {**plan, **_qk_norm_plan(prefix, module)}
 
 
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     mixer = block.mixer_spec  # compat refuses tp for a mixer without a TP plan
-    plan = {**_styles(mixer.attr, mixer.tp_plan, sp, getattr(block, mixer.attr)), mixer.attr: ReplicateInput(sp)}
+    module = getattr(block, mixer.attr)
+    if isinstance(module, LatentAttention):  # heads split after the low-rank projections
+        plan = latent_attention_plan(mixer.attr, module, sp)
+    else:
+        plan = {**_styles(mixer.attr, mixer.tp_plan, sp, module), mixer.attr: ReplicateInput(sp)}
+        plan.update(all_heads_norm_plan(mixer.attr, module))  # QK-norm over all heads: statistics over the ranks
+        plan.update(_qk_norm_plan(mixer.attr, module))  # per-head QK-norm: its weight's gradient over the ranks
     if getattr(getattr(block, mixer.attr), "sinks", None) is not None:  # per-head sink logits follow the heads
         plan[f"{mixer.attr}.sinks"] = HeadSharded()
     if block.cross_attention is not None:  # its k/v read the encoder memory, replicated like its input
         plan.update(_attention_plan("cross_attention", sp, block.cross_attention))
     if sp:
-        norms = ["attention_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention is not None else [])
+        norms = [f"{mixer.attr}_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention else [])
         plan.update({name: SequenceParallel() for name in norms})
     if block.moe is not None:
         if sp:
@@ -155,6 +176,13 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     plan.update(_styles("feed_forward", DENSE.tp_plan, sp, ffn))
     plan["feed_forward"] = ReplicateInput(sp)
     return plan
+
+
+def tp_sharded_modules(block: nn.Module) -> frozenset[str]:
+    """The modules of ``block`` the TP plan splits over the tp ranks (column- or row-parallel), by name in the
+    block: what the planner divides by tp (the plan is stated once, here)."""
+    plan = _present(block, _block_plan(block, sp=False))
+    return frozenset(name for name, style in plan.items() if isinstance(style, (ColwiseParallel, RowwiseParallel)))
 
 
 class SequenceShardInputs(ParallelStyle):
@@ -239,6 +267,16 @@ def _stack_plan(stack: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
+def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The Gated DeltaNet's per-channel parameters (sliced per rank) and per-head QK-norm gains (each rank
+    sees its heads): gradients summed over the tp ranks."""
+    if getattr(block, "gdn", None) is not None:
+        parallelize_module(block.gdn, tp_mesh, GatedDeltaNetHeads())
+    attention = block.attention
+    if getattr(attention, "q_norm", None) is not None and not getattr(attention, "qk_norm_all", True):
+        sum_grads_over(attention, ["q_norm.weight", "k_norm.weight"], tp_mesh)
+
+
 def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """The plan's entries whose module exists (a pipeline stage lacks the other stages' parts)."""
     out = {}
@@ -265,6 +303,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         for block in blocks:
             # Attention derives its local head count from the sharded projections' widths.
             parallelize_module(block, tp_mesh, _block_plan(block, sp))
+            _replicated_partial_grads(block, tp_mesh)
         if sp and replicated_embedding and blocks:
             parallelize_module(blocks[0], tp_mesh, ShardSequence())
     for module in (getattr(model, "mtp", None) or {}).values():  # multi-token prediction (on the last stage)

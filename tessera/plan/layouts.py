@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 from tessera.config import JobConfig
 from tessera.errors import ConfigError
-from tessera.layout import COST_SPLIT, check_layout, microbatches, resolve_dp_shard, virtual_stages
+from tessera.layout import (
+    COST_SPLIT,
+    check_layout,
+    data_parallel_degree,
+    microbatches,
+    resolve_dp_shard,
+    virtual_stages,
+    world_size_of,
+)
 from tessera.plan.shapes import divisors
 
 AC_MODES = ("none", "op", "selective", "full")
@@ -48,12 +56,12 @@ class Layout:
     @property
     def world(self) -> int:
         """Processes the layout needs."""
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        return world_size_of(self)
 
     @property
     def dp(self) -> int:
         """Data-parallel degree (different batches at once)."""
-        return self.dp_replicate * self.dp_shard
+        return data_parallel_degree(self)
 
     @property
     def shard(self) -> int:
@@ -169,7 +177,7 @@ def layout_of(config: JobConfig, world: int) -> Layout:
     """The layout ``config`` asks for on ``world`` processes (``dp_shard = -1`` resolved)."""
     p = config.parallel
     dp_shard = resolve_dp_shard(p, world)
-    dp = p.dp_replicate * dp_shard
+    dp = data_parallel_degree(p, dp_shard)
     if p.pp > 1:
         mb = microbatches(p)
         micro = max(1, global_batch(config) // (dp * mb))

@@ -29,9 +29,8 @@ import torch
 from torch import nn
 
 from tessera.config import JobConfig
+from tessera.dtypes import DTYPES
 from tessera.errors import ConfigError
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ def _step(
 
     from tessera.model.moe import MoELog, moe_loss
     from tessera.parallel import clip_grad_norm
-    from tessera.train.distributed import add_replicated
+    from tessera.parallel.loss import LossWeights, MicroBatch, combine_losses
     from tessera.train.loss import FusedHeadLoss, lm_loss
 
     dtype = DTYPES[config.train.dtype]
@@ -86,7 +85,7 @@ def _step(
         with loss_parallel() if spec.tp and not fused else contextlib.nullcontext():
             if spec.pipeline is not None:
                 with autocast:
-                    spec.pipeline.step((inputs,), labels, None, accum)
+                    spec.pipeline.step(MicroBatch((inputs,), {}, labels), accum)
                 after_micro()
                 continue
             log = MoELog()
@@ -99,7 +98,7 @@ def _step(
             if not fused:
                 loss = lm_loss(logits, labels, train.label_smoothing)
             aux = moe_loss(log)
-            loss = (loss if aux is None else add_replicated(loss, aux)) / accum
+            loss = combine_losses(loss, LossWeights(), aux=aux) / accum  # the trainer's terms (no MTP here)
             loss.backward()
         after_micro()
     if spec.clip:

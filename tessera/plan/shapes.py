@@ -26,8 +26,8 @@ from tessera.model import build_model
 from tessera.model.blocks import block_containers, muon_parameters
 from tessera.model.ffn import GATED, ffn_hidden_size
 from tessera.model.mla import LatentAttention
-
-_TP_SHARDED = tuple(f"{a}.{p}_proj" for a in ("attention", "cross_attention") for p in "qkvo") + ("feed_forward.",)
+from tessera.parallel.tensor import tp_sharded_modules
+from tessera.train.flops import flops_per_token
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,9 @@ class ModelShape:
         return self.head + (self.vocab * self.dim if self.tied else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per trained token: 6 N_active + 12 L H Q T (PaLM's, as tessera's MFU), with L the
-        attention layers only (a Mamba layer has no score products)."""
-        return sum(self.block_flops(seq_len)) + 6.0 * self.head_matmul
+        """Model FLOPs per trained token, the count tessera's MFU uses (tessera/train/flop_count.py: active
+        experts, causal attention over the keys each query sees, every mixer and head as it runs)."""
+        return flops_per_token(self.cfg, seq_len)
 
     def block_flops(self, seq_len: int) -> list[float]:
         """Each block's share of :meth:`flops_per_token`: 6 per active matrix parameter (top-k of the routed
@@ -117,6 +117,7 @@ def cost_split(shape: ModelShape, seq_len: int, n_stages: int) -> str:
 
 def _classify(block: nn.Module, layer: int) -> BlockParams:
     muon = {id(p) for p in muon_parameters(block)}
+    sharded = tp_sharded_modules(block)  # parallel/tensor.py's TP plan
     counts = [0, 0, 0]  # tp, replicated, experts
     matrices = [0, 0, 0]
     for name, p in block.named_parameters():
@@ -125,7 +126,7 @@ def _classify(block: nn.Module, layer: int) -> BlockParams:
         elif name.startswith("moe."):
             kind = 1
         else:
-            kind = 0 if name.startswith(_TP_SHARDED) else 1
+            kind = 0 if name.rpartition(".")[0] in sharded else 1
         counts[kind] += p.numel()
         matrices[kind] += p.numel() if id(p) in muon else 0
     tp, replicated, experts = counts

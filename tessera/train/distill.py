@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from tessera.config import ConfigError, JobConfig, ModelConfig
 from tessera.layout import check_model_layout
-from tessera.train.distributed import ParallelContext, add_replicated, scalar
+from tessera.parallel.loss import add_replicated
+from tessera.train.distributed import ParallelContext, scalar
 from tessera.train.init_from import InitSource, check_tensors, open_source
 
 KEY = "train.distill.teacher"

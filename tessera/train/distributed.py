@@ -154,13 +154,6 @@ def local_value(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def add_replicated(loss: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
-    """``loss + extra`` where ``loss`` may be a replicated DTensor (loss parallelism) and ``extra`` is not."""
-    if isinstance(loss, DTensor) and not isinstance(extra, DTensor):
-        extra = DTensor.from_local(extra, loss.device_mesh, loss.placements, run_check=False)
-    return loss + extra
-
-
 def teardown_parallel() -> None:
     """Leave the process group (end of a distributed run)."""
     if dist.is_initialized():

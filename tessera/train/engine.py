@@ -1,8 +1,8 @@
 """The seam between the training loop and a non-torch engine: backward, optimizer step, checkpoint state.
 
 The trainer computes losses the same way for every engine. Under ``parallel.engine = "torch"``
-(FSDP2/DDP/TP/PP/CP/EP, GradScaler, global-norm clipping, AdamW) it steps itself and
-:func:`build_engine` returns None; under ``"deepspeed"`` it hands backward, step, save and load
+(FSDP2/DDP/TP/PP/CP/EP, GradScaler, global-norm clipping, AdamW) it steps itself; under
+``"deepspeed"`` its step runner (``train/steps.py``, ``DeepSpeedSteps``) hands backward, step, save and load
 to :class:`DeepSpeedEngine` (ZeRO-1/2/3 with offload). Both write tessera's own DCP checkpoint
 layout, so a run started under one engine resumes under the other, at any world size.
 """
@@ -146,8 +146,3 @@ class DeepSpeedEngine:
                 buffer.copy_(model[key])
             elif key in optim:
                 ds.set_full(param, model[key], optim[key])
-
-
-def build_engine(config: JobConfig, model: nn.Module, parallel: ParallelContext) -> DeepSpeedEngine | None:
-    """The DeepSpeed engine around ``model`` under ``parallel.engine = "deepspeed"``; None under torch's."""
-    return DeepSpeedEngine(config, model, parallel) if config.parallel.engine == "deepspeed" else None

@@ -1,10 +1,9 @@
 """Model FLOPs per token and the peak FLOP/s of a device, for MFU.
 
-FLOPs per token follow PaLM (appendix B): 6 * N + 12 * L * H * Q * T, where N counts the
-parameters that take part in matmuls (everything but the token-embedding lookup), L layers,
-H heads of size Q, and T the sequence length (the attention score and value products). The
-per-layer term is each layer's mixer's (``Terms.flops`` in the registry: its kernel's for
-attention, none for a Mamba scan), so the trainer's MFU counts what the planner counts.
+FLOPs per token are counted from the modules that run (tessera/train/flop_count.py, checked against
+torch's FlopCounterMode): active experts only, causal attention over the keys each query sees, MLA,
+Mamba, linear attention, MTP and the head. MFU uses model FLOPs; hardware FLOPs add what activation
+checkpointing recomputes and what masked kernels compute anyway.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tessera.config import ModelConfig
-from tessera.model.mixers import mixer_for
+from tessera.train.flop_count import count_config, per_token
 from tessera.threads import machine_load_if_busy
 
 # Dense bf16 tensor-core peaks (FLOP/s) of common accelerators, by a substring of the device name.
@@ -33,9 +32,14 @@ GPU_PEAK_BF16 = {
 }
 
 
-def flops_per_token(matmul_params: int, cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token: the matmuls, then every layer's mixer term."""
-    return 6.0 * matmul_params + sum(mixer_for(cfg, i).terms.flops(cfg, seq_len) for i in range(cfg.n_layers))
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model training FLOPs (forward + backward) per trained token, MFU's numerator."""
+    return per_token(count_config(cfg, seq_len).model_training, seq_len)
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, checkpoint: str = "none", every: int = 2) -> float:
+    """What the kernels execute per trained token, with activation checkpointing's recompute (HFU's numerator)."""
+    return per_token(count_config(cfg, seq_len, checkpoint, every).hardware_training, seq_len)
 
 
 def measure_cpu_peak_flops(size: int = 1024, repeats: int = 20) -> float:

@@ -1,8 +1,9 @@
 """The multi-token-prediction term of the training loss (``model.mtp_depth``, ``train.mtp_loss_weight``).
 
 The model records each depth's logits in an :class:`~tessera.model.mtp.MTPLog` passed to its
-forward; this term adds ``mtp_loss_weight / D * sum_k loss_k`` to the step's loss (DeepSeek-V3's
-weighting) and keeps each depth's loss for the log (``mtp_loss_1`` .. ``mtp_loss_D``).
+forward; :func:`~tessera.parallel.loss.combine_losses` adds ``mtp_loss_weight / D * sum_k loss_k`` to
+the step's loss (DeepSeek-V3's weighting) and this term keeps each depth's loss for the log
+(``mtp_loss_1`` .. ``mtp_loss_D``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from tessera.model.mtp import LossFn, MTPLog, mtp_losses
 from tessera.train.distributed import scalar
@@ -29,22 +29,14 @@ class MTPLoss:
         self._log = MTPLog()
         return {"mtp": self._log}
 
-    def add(
-        self,
-        loss: torch.Tensor,
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """``loss`` plus the weighted mean of this micro-batch's per-depth losses."""
+    def depth_losses(self, labels: torch.Tensor, loss_mask: torch.Tensor | None) -> list[torch.Tensor]:
+        """This micro-batch's mean loss at each depth (recorded for the log); :func:`combine_losses` weighs them."""
         losses = mtp_losses(self._log.logits, labels, loss_mask, self.loss_fn, self.label_smoothing)
         self._log = MTPLog()  # release the logits once the graph holds what backward needs
         for k, depth_loss in enumerate(losses):
             self._sums[k] += scalar(depth_loss)
         self._count += 1
-        extra = sum(losses) * (self.weight / self.depth)
-        if isinstance(extra, DTensor) and not isinstance(loss, DTensor):  # fused main loss beside loss_parallel's
-            extra = extra.full_tensor()
-        return loss + extra
+        return losses
 
     def metrics(self) -> dict[str, float]:
         """Each depth's mean loss over the micro-batches since the last call (``mtp_loss_1`` ...)."""

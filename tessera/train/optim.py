@@ -15,11 +15,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from tessera.config import ConfigError, OptimConfig
+from tessera.dtypes import DTYPES
 from tessera.model.blocks import muon_parameters
 from tessera.train.checkpoint import CheckpointError
 from tessera.train.muon import MuonAdamW
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -15,6 +15,11 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len or shorten "
         "train.seq_len",
     )
+    require(
+        not m.dsa.topk or m.dsa.topk < t.seq_len,
+        f"model.dsa.topk={m.dsa.topk} is not smaller than train.seq_len={t.seq_len}: every query would attend to "
+        "every key (dense attention at sparse cost); pick a topk below the sequence length",
+    )
     require(0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
     require(
         t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tessera.config import ConfigError, JobConfig, eval_task_names
+from tessera.config import JobConfig, eval_task_names
 from tessera.data.objectives import Objective
 from tessera.data.inspect import realized_mix
 from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
@@ -21,7 +21,8 @@ from tessera.evaluate.loop import DownstreamEval
 from tessera.parallel.fp8 import check_fp8_device
 from tessera.parallel.qat import set_qat_step
 from tessera.plan.stages import describe_stages
-from tessera.model import MoELog, build_model, count_parameters, generate, moe_loss
+from tessera.model import build_model, count_parameters, generate
+from tessera.parallel.loss import MicroBatch
 from tessera.train.async_checkpoint import build_checkpointer
 from tessera.train.checkpoint import CheckpointError, latest_checkpoint, read_meta
 from tessera.train.distill import Distillation, build_teacher, check_teacher_tokenizer, open_teacher
@@ -34,8 +35,6 @@ from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve, re
 from tessera.train.moe_stats import ExpertLoadTracker
 from tessera.train.mtp_loss import MTPLoss
 from tessera.train.optim import (
-    build_optimizer,
-    build_scheduler,
     check_optimizer_unchanged,
     keep_config_hyperparameters,
     warmup_notice,
@@ -50,36 +49,14 @@ from tessera.train.spike import SpikeGuard
 from tessera.train.straggler import StragglerDetector, describe as describe_straggler
 from tessera.train.rundir import check_resumable, completed_step, config_changes, describe_changes, open_run
 from tessera.train.rundir import resolved_config_text, truncate_metrics, write_summary, write_text_atomic
-from tessera.parallel.grads import clip_grads, global_grad_norm
-from tessera.parallel.checksum import parameter_sums_of_squares
 from tessera.parallel.activation import compile_enabled, use_inductor_cache
-from tessera.parallel.env import dist_env
+from tessera.dtypes import DTYPES
+from tessera.parallel.env import dist_env, resolve_device
 from tessera.parallel.init import shard_seeds
 from tessera.parallel.scaler import build_grad_scaler
-from tessera.train.distributed import add_replicated, local_value, scalar, setup_parallel, teardown_parallel
-from tessera.train.engine import build_engine
+from tessera.train.distributed import setup_parallel, teardown_parallel
+from tessera.train.steps import ModelLoss, StepParts, TorchSteps, runner_class
 from tessera.train.loss import FusedHeadLoss, lm_loss
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """``train.device`` as a torch device ("auto" prefers CUDA)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} but no CUDA device is visible; use train.device=cpu")
-    return torch.device(name)
-
-
-MicroBatch = tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor, "torch.Tensor | None"]
-
-
-def on_device(parts: MicroBatch, device: torch.device) -> MicroBatch:
-    """An objective's (args, kwargs, labels, loss_mask) moved to ``device``."""
-    args, kwargs, labels, loss_mask = parts
-    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-    return tuple(map(move, args)), {k: move(v) for k, v in kwargs.items()}, move(labels), move(loss_mask)
 
 
 def resolve_resume(config: JobConfig) -> Path | None:
@@ -139,34 +116,17 @@ class Trainer:
         self.moe_tracker = ExpertLoadTracker.for_model(config.model, self.model, self.device, self.parallel.dims.tp)
         self.objective = Objective(config.model, config.train.seed)  # causal LM, masked LM or span corruption
         self.mtp_loss, self.distill = self._build_extra_losses()  # train.mtp_loss_weight, train.distill.teacher
-        self.engine = build_engine(config, self.model, self.parallel)  # DeepSpeed (train/engine.py), or None: torch
-        if self.engine is None:
-            self.optimizer = build_optimizer(self.model, config.optim)
-            self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
-        else:
-            self.model, self.optimizer, self.scheduler = self.engine.model, self.engine.optimizer, self.engine.scheduler
-        self.qk_clip = QKClip.attach(self.model, self.optimizer, config.optim.qk_clip_threshold)  # None when off
-        fp16_scaler = self.dtype == torch.float16 and self.engine is None  # DeepSpeed scales fp16 losses itself
-        self.scaler = build_grad_scaler(self.device, fp16_scaler, self.parallel.env.is_distributed)
+        self.runner = self._build_runner()  # the one choice of engine: torch, pipeline or DeepSpeed (train/steps.py)
         c = config.checkpoint
-        if c.async_save and self.engine is not None:
-            raise ConfigError(
-                "checkpoint.async=true does not work with parallel.engine=deepspeed (its saves gather full tensors "
-                "with collectives); set checkpoint.async=false"
-            )
         self.checkpointer = build_checkpointer(self.run_dir, c.keep_last, self.parallel.is_main, c.async_save)
         self.hf_exports = HFExports(self.run_dir, c.hf_every, self.parallel.is_main)  # checkpoint.hf_every
         self.save_schedule = SaveSchedule(c.every, c.every_minutes, config.train.steps, c.enabled, self.device)
         self.step = 0
         self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.train.seq_len
-        self.flops_per_token = flops_per_token(
-            self.n_params - self.n_embedding_params, config.model, config.train.seq_len
-        )
+        self.flops_per_token = flops_per_token(config.model, config.train.seq_len)
         self.peak, self.peak_source = peak_flops(
             self.device, config.log.peak_flops, cache_dir(config.data.cache_dir), self.parallel.env.local_world_size
         )
-        self.nonfinite = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
-        self.spikes = SpikeGuard.for_train(config.train)  # train.on_spike (train/spike.py)
         self.faults = Faults.from_env()  # the resilience tests' injected faults; none unless $TESSERA_FAULTS
         env = self.parallel.env
         self.stragglers = StragglerDetector(
@@ -175,6 +135,47 @@ class Trainer:
         self.stragglers.attach(self.model, self.optimizer)  # per-rank phase times (train/straggler.py)
         self.faults.attach(self.model, env.rank)
         self.downstream = self._build_downstream()  # [eval] tasks, or None
+
+    def _build_runner(self) -> TorchSteps:
+        """The optimizer, schedule, grad scaler and the step runner of the configured engine."""
+        cfg = self.config
+        runner = runner_class(cfg)
+        runner.check_config(cfg)
+        # DeepSpeed wraps the model and brings its optimizer (self.engine, train/engine.py); torch's are built here
+        self.engine, self.model, self.optimizer, self.scheduler = runner.prepare(cfg, self.model, self.parallel)
+        self.qk_clip = QKClip.attach(self.model, self.optimizer, cfg.optim.qk_clip_threshold)  # None when off
+        fp16_scaler = self.dtype == torch.float16 and not runner.scales_fp16_itself
+        scaler = build_grad_scaler(self.device, fp16_scaler, self.parallel.env.is_distributed)
+        # train.fused_loss, except where the engine cannot fuse the head and with distillation (it reads logits)
+        fused = cfg.train.fused_loss and runner.fuses_head and self.distill is None
+        loss = ModelLoss(self.model, cfg, self.parallel, self._autocast, (self.mtp_loss, self.distill), fused)
+        self.nonfinite = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_nonfinite_skips)
+        self.spikes = SpikeGuard.for_train(cfg.train)  # train.on_spike (train/spike.py)
+        parts = StepParts(
+            cfg,
+            self.parallel,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            scaler,
+            loss,
+            self._autocast,
+            self.nonfinite,
+            self.spikes,
+            self.moe_tracker,
+            self.qk_clip,
+            self._extra_metrics,
+        )
+        return runner.create(parts, self.engine, self.pipeline)
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        """The fp16 grad scaler (disabled otherwise) the step runner uses."""
+        return self.runner.parts.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: torch.amp.GradScaler) -> None:
+        self.runner.parts.scaler = scaler
 
     def _weights_only_resume(self) -> None:
         """A ``convert hf-import`` checkpoint holds weights only: start from it (or init_from) instead of resuming."""
@@ -205,7 +206,7 @@ class Trainer:
         """The multi-token-prediction term (a pipeline's last stage adds it itself) and distillation."""
         cfg = self.config
         mtp = None
-        if cfg.model.mtp_depth and self.pipeline is None:  # a pipeline adds the MTP term on its last stage itself
+        if cfg.model.mtp_depth and cfg.parallel.pp == 1:  # a pipeline adds the MTP term on its last stage itself
             mtp = MTPLoss(cfg.model.mtp_depth, cfg.train.mtp_loss_weight, lm_loss, cfg.train.label_smoothing)
         distill = None
         if self.teacher_source is not None:
@@ -223,11 +224,11 @@ class Trainer:
     def _extra_metrics(self) -> dict[str, float]:
         """This step's MTP losses per depth and distillation KL, averaged over the data-parallel ranks."""
         found: dict[str, float] = {}
-        for source in (self.mtp_loss, self.distill, self.pipeline):
+        for source in (self.mtp_loss, self.distill, self.runner):
             found.update(source.metrics() if source is not None else {})
         if not found:
             return {}
-        if self.distill is not None and self.pipeline is not None:  # measured on the last stage only
+        if self.distill is not None and self.config.parallel.pp > 1:  # measured on the last stage only
             found["distill_kl"] = self.parallel.sum_over_pp([found["distill_kl"]])[0]
         ranks = self.parallel.dp_size * self.parallel.dims.cp  # cp ranks' figures carry their token share
         return dict(zip(found, (v / ranks for v in self.parallel.sum_over_dp(list(found.values())))))
@@ -298,10 +299,7 @@ class Trainer:
             check_resumable(changes, path)
             check_optimizer_unchanged(changes, path)
         fresh_groups = [dict(group) for group in self.optimizer.param_groups]
-        if self.engine is not None:
-            meta = self.engine.load(path)
-        else:
-            meta = self.checkpointer.load(path, self.model, self.optimizer)
+        meta = self.runner.load(self.checkpointer, path)
         self.scheduler.load_state_dict(meta["scheduler"])
         keep_config_hyperparameters(self.optimizer, self.scheduler, fresh_groups)
         try:
@@ -326,67 +324,13 @@ class Trainer:
             "config": self.config.to_dict(),
         }
         self.hf_exports.wait()  # the save's pruning must not delete a checkpoint an HF export still reads
-        if self.engine is not None:
-            return self.engine.save(self.checkpointer, self.step, extra)
-        return self.checkpointer.save(self.step, self.model, self.optimizer, extra)
-
-    def _pipeline_loss_scale(self) -> float:
-        """The fp16 loss scale for a pipeline step (whose schedule runs backward itself), else 1."""
-        if not self.scaler.is_enabled():
-            return 1.0
-        self.scaler.scale(torch.zeros((), device=self.device))  # initializes the scaler's state on first use
-        return float(self.scaler.get_scale())
+        return self.runner.save(self.checkpointer, self.step, extra)
 
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step over ``grad_accum`` micro-batches; returns its metrics.
-
-        Without MoE the host waits for the device once per optimizer step: the loss and the gradient
-        norm are read together for the non-finite guard and clipping.
-        """
-        cfg = self.config
-        accum = cfg.train.grad_accum
-        losses: list[torch.Tensor] = []  # per micro-batch, divided by grad_accum, detached
-        moe_logs: list[MoELog] = []
-        if cfg.train.qat != "none":  # from the step alone: a resumed run switches at the same step
-            set_qat_step(self.model, self.step, cfg.train.qat_start)
-        for _ in range(accum):
-            args, kwargs, labels, loss_mask = self._micro_batch()
-            scale = self.parallel.loss_scale(labels, loss_mask)  # cp: local tokens' share of the global mean
-            if self.pipeline is not None:
-                if self.distill is not None:
-                    self.distill.prepare(args, kwargs, scale)
-                with self.parallel.loss_context(), self._autocast():
-                    fp16_scale = self._pipeline_loss_scale()
-                    losses.append(
-                        self.pipeline.step(args, labels, loss_mask, accum, kwargs, fp16_scale, token_scale=scale)
-                    )
-                continue
-            moe_logs.append(MoELog())
-            with self._loss_context():
-                smoothing = cfg.train.label_smoothing
-                loss = self._loss(args, kwargs, labels, loss_mask, smoothing, moe_logs[-1], token_scale=scale) / accum
-                if self.engine is not None:
-                    self.engine.backward(loss)
-                else:
-                    self.scaler.scale(loss).backward()
-            losses.append(local_value(loss.detach()))
-        if self.engine is not None:
-            return self._engine_step(self.parallel.mean_over_dp(torch.stack(losses).sum()).item(), moe_logs)
-        self.scaler.unscale_(self.optimizer)
-        skip = ()
-        if self.pipeline is not None:  # parameters used on several pp ranks: gradients summed, counted once
-            self.pipeline.reduce_shared_grads()
-            skip = self.pipeline.norm_duplicates()
-        grad_norm = global_grad_norm(self.model.parameters(), self.parallel.pp_mesh, skip)
-        loss = self.parallel.mean_over_dp(torch.stack([x.double() for x in losses]).sum())
-        loss_value, norm_value = torch.stack([loss, grad_norm.double()]).tolist()  # the step's one host sync
-        lr = self.scheduler.get_last_lr()[0]
-        self._update(loss_value, norm_value, lr)
-        if self.pipeline is not None:
-            moe_logs = self.pipeline.moe_logs()
-        moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}  # all ranks' load; aux-free bias
-        qk = self.qk_clip.metrics() if self.qk_clip else {}  # max attention logit per layer
-        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, **moe, **qk, **self._extra_metrics()}
+        """One optimizer step over ``grad_accum`` micro-batches through the step runner; returns its metrics."""
+        if self.config.train.qat != "none":  # from the step alone: a resumed run switches at the same step
+            set_qat_step(self.model, self.step, self.config.train.qat_start)
+        return self.runner.step(self.step + 1, self._micro_batch)
 
     def _micro_batch(self) -> MicroBatch:
         """The next micro-batch through the objective (on the host: no device syncs), then on the device."""
@@ -394,12 +338,7 @@ class Trainer:
         at_step = loader.consumed // (loader.global_batch * self.config.train.grad_accum) + 1
         batch = self.faults.corrupt(at_step, loader.next_batch(), self.config.model.vocab_size)
         parts = self.parallel.split_batch(*self.objective(batch))  # cp: this rank's slice
-        return on_device(parts, self.device)
-
-    def _loss_context(self) -> contextlib.AbstractContextManager:
-        """``loss_parallel`` for the unfused loss on vocab-sharded logits (the fused loss needs none)."""
-        fused_only = self._fused_loss and self.mtp_loss is None  # MTP's own heads make logits (training)
-        return contextlib.nullcontext() if fused_only else self.parallel.loss_context()
+        return MicroBatch.of(parts).to(self.device)
 
     def _pipeline_head_loss(self) -> Callable[..., FusedHeadLoss] | None:
         """The pipeline's last stage fuses the head into the loss too (``train.fused_loss``)."""
@@ -407,69 +346,6 @@ class Trainer:
         if not self.config.train.fused_loss or self.config.train.distill.teacher:  # distillation reads the logits
             return None
         return lambda labels, mask, smoothing, twice: FusedHeadLoss(labels, mask, smoothing, chunk, twice)
-
-    @property
-    def _fused_loss(self) -> bool:
-        """``train.fused_loss``, except under the DeepSpeed engine (ZeRO-3 gathers the head's weight only
-        inside the head's own forward, which the fused loss does not call) and with distillation (it needs
-        the student's logits)."""
-        return self.config.train.fused_loss and self.engine is None and self.distill is None
-
-    def _loss(
-        self,
-        args: tuple[torch.Tensor, ...],
-        kwargs: dict[str, Any],
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor | None,
-        label_smoothing: float,
-        moe_log: MoELog | None,
-        training: bool = True,
-        token_scale: float = 1.0,
-    ) -> torch.Tensor:
-        """The micro-batch's mean loss (times ``token_scale``: under context parallelism this rank's share
-        of the global token mean) plus (training) its distillation, multi-token-prediction and MoE losses;
-        the head is fused into the loss unless ``train.fused_loss=false``."""
-        cfg = self.config.train
-        mtp = self.mtp_loss if training else None
-        extra = mtp.forward_kwargs() if mtp is not None else {}
-        with self._autocast():
-            if self._fused_loss:
-                head = FusedHeadLoss(labels, loss_mask, label_smoothing, cfg.loss_chunk_tokens)
-                loss = self.model(*args, **kwargs, moe_log=moe_log, output_fn=head, **extra)
-            else:
-                logits = self.model(*args, **kwargs, moe_log=moe_log, **extra)
-        if not self._fused_loss:
-            loss = lm_loss(logits, labels, label_smoothing, loss_mask)
-        if token_scale != 1.0:
-            loss = loss * token_scale
-        if self.distill is not None and training:  # never fused: it reads the student's logits
-            loss = self.distill.add(loss, logits, args, kwargs, loss_mask, token_scale)
-        if mtp is not None:
-            loss = mtp.add(loss, labels, loss_mask)
-        aux = moe_loss(moe_log) if moe_log is not None else None  # MoE load-balancing and router z-losses
-        return loss if aux is None else add_replicated(loss, aux)
-
-    def _engine_step(self, loss: float, moe_logs: list[MoELog]) -> dict[str, float]:
-        """The DeepSpeed engine's reduce, clip and update; ``train.on_nonfinite`` judges the loss before it
-        (skipping is refused at config time: DeepSpeed's step cannot be held back) and the grad norm after."""
-        lr = self.scheduler.get_last_lr()[0]
-        self.nonfinite.allows_update(self.step + 1, loss, 0.0, lr)
-        grad_norm = self.engine.step()
-        self.nonfinite.allows_update(self.step + 1, loss, grad_norm, lr)
-        self.spikes.judge(self.step + 1, loss, grad_norm)  # a rollback restores the checkpoint over the update
-        moe = self.moe_tracker.step(moe_logs) if self.moe_tracker is not None else {}
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **moe}
-
-    def _update(self, loss: float, grad_norm: float, lr: float) -> None:
-        """Clip and apply the step's update unless ``train.on_nonfinite`` forbids it (host floats: no sync)."""
-        # With fp16 the grad scaler itself skips steps whose gradients overflowed; only the loss is judged.
-        norm = 0.0 if self.scaler.is_enabled() else grad_norm
-        if self.nonfinite.allows_update(self.step + 1, loss, norm, lr) and self.spikes.judge(self.step + 1, loss, norm):
-            clip_grads(self.model.parameters(), self.config.optim.grad_clip, grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def evaluate(self, dataset: Split | None = None) -> float:
@@ -490,13 +366,7 @@ class Trainer:
             batch = self.data.collate([dataset[i] for i in range(start, start + size)])
             parts = self.parallel.split_batch(*self.objective(batch))  # cp: this rank's slice (on the host)
             weight = parts[2].numel() if parts[3] is None else int(parts[3].sum())  # on the host
-            args, kwargs, labels, loss_mask = on_device(parts, self.device)
-            if self.pipeline is not None:
-                with self.parallel.loss_context(), self._autocast():
-                    total += self.pipeline.eval_loss(args, labels, loss_mask, kwargs)
-            else:
-                with self._loss_context():
-                    total += scalar(self._loss(args, kwargs, labels, loss_mask, 0.0, None, training=False)) * weight
+            total += self.runner.eval_loss(MicroBatch.of(parts).to(self.device), weight)
             count += weight
         self.model.train()
         if n or self.parallel.cp_mesh is not None:  # cp ranks hold parts of the same batches: always summed
@@ -722,7 +592,7 @@ class Trainer:
         ]
         extra = [busy_hint(self.threads.threads) if self.device.type == "cpu" else "", realized_mix(self.data.train)]
         extra += [warmup_notice(self.config.optim, self.config.train.steps), self.data.notice]
-        extra.append(describe_stages(self.config) if self.pipeline is not None else "")
+        extra.append(describe_stages(self.config) if self.config.parallel.pp > 1 else "")
         extra.append(self._init_line())
         return "\n".join(lines + [f"tessera: {line}" for line in extra if line])
 
@@ -739,7 +609,7 @@ class Trainer:
         cfg = self.config
         if cfg.log.plot and self.parallel.is_main:
             plot_loss_curve(self.run_dir)
-        split = self.parallel.tp_enabled or self.pipeline is not None or self.parallel.cp_mesh is not None
+        split = self.parallel.tp_enabled or cfg.parallel.pp > 1 or self.parallel.cp_mesh is not None
         if cfg.train.sample_tokens > 0 and split:
             logger.print(
                 f"sample skipped under tensor/pipeline/context parallelism; run: tessera generate {self.run_dir}"
@@ -751,9 +621,7 @@ class Trainer:
             logger.print("sample:\n" + result.sample)
         if self.moe_tracker is not None:
             logger.print(self.moe_tracker.finish(self.run_dir, write=self.parallel.is_main))
-        param_sumsq = (  # collective: every rank
-            parameter_sums_of_squares(self.model) if self.engine is None else self.engine.parameter_sums_of_squares()
-        )
+        param_sumsq = self.runner.parameter_sums_of_squares()  # collective: every rank
         if not self.parallel.is_main:
             return
         final_loss = result.losses[-1] if result.losses else None

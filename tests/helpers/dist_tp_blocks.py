@@ -1,6 +1,6 @@
 """Under torchrun (2 ranks): every TP-sharded block's outputs and gradients equal the unsharded block's.
 
-For a dense and a MoE decoder, with and without sequence parallelism, the sharded copy of a
+For a dense and a MoE decoder (the MoE one with Qwen3's per-head QK-norm), with and without sequence parallelism, the sharded copy of a
 model and the original see the same tokens; each block's output (hooked) and every parameter
 gradient are compared after a forward and backward through the loss.
 """
@@ -47,7 +47,7 @@ def check(cfg: ModelConfig, sp: bool, mesh) -> None:
     F.cross_entropy(ref(tokens).flatten(0, 1), labels.flatten()).backward()
     with loss_parallel():
         F.cross_entropy(tp(tokens).flatten(0, 1), labels.flatten()).backward()
-    where = f"moe={cfg.moe.experts} sp={sp}"
+    where = f"moe={cfg.moe.experts} mla={cfg.mla.kv_rank}/{cfg.mla.q_rank} qk_norm={cfg.attention.qk_norm} sp={sp}"
     for name in ref_out:
         torch.testing.assert_close(
             tp_out[name], ref_out[name], atol=ATOL, rtol=RTOL, msg=lambda m: f"{where} block {name} output: {m}"
@@ -87,6 +87,18 @@ def check_collectives(mesh) -> None:
         assert dict(bwd.counts) == expected[sp], f"sp={sp} backward collectives {dict(bwd.counts)}"
 
 
+def attention_variants() -> list[ModelConfig]:
+    """Latent attention (with and without the query bottleneck; its RoPE key is shared by every rank's
+    heads) and QK-norm over all heads (its statistics span every rank's channels)."""
+    base = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=32, tie_embeddings=False)
+    mla = {"kv_rank": 16, "rope_head_dim": 8, "nope_head_dim": 8, "v_head_dim": 12}
+    return [
+        model_config(**base, mla={**mla, "q_rank": 24}),
+        model_config(**base, mla=mla),
+        model_config(**base, n_kv_heads=2, attention={"qk_norm": True, "qk_norm_scope": "all"}),
+    ]
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -104,9 +116,10 @@ def main() -> None:
             max_seq_len=32,
             moe_experts=4,
             moe_top_k=2,
+            attention={"qk_norm": True},  # Qwen3-MoE: per-head QK-norm, one weight shared by the tp ranks' heads
             tie_embeddings=False,
         )
-        for cfg in (dense, moe):
+        for cfg in (dense, moe, *attention_variants()):
             for sp in (False, True):
                 check(cfg, sp, mesh)
         check_collectives(mesh)

@@ -50,7 +50,7 @@ def _reference(recipe: Path, hf: Path, run: Path, cache_dir: Path, steps: int):
 
     def recording():
         parts = take()
-        batches.append((parts[0][0].clone(), parts[2].clone()))
+        batches.append((parts.args[0].clone(), parts.labels.clone()))
         return parts
 
     trainer._micro_batch = recording

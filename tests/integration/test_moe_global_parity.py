@@ -1,6 +1,7 @@
 """MoE with the global-batch balance loss (the default) trains the single-process model on every layout.
 
-One 4-process torchrun world trains the layouts (tests/helpers/dist_variants.py): FSDP x EP, FSDP x TP x EP,
+One 4-process torchrun world trains the layouts (tests/helpers/dist_variants.py): FSDP x EP, FSDP x TP x EP
+(with Qwen3-MoE's per-head QK-norm),
 HSDP x EP, DP x CP, pipeline x EP, and Switch routing with capacity dropping decided over the global
 batch. Each matches one process (fp32, 1e-5 relative on loss and grad norm per step, final parameter
 sums of squares). The per-rank scope ("micro") on the same world is shown to differ from one process,
@@ -32,11 +33,13 @@ BASE = [
     "model.moe.aux_loss_coef=0.05",
     "model.moe.z_loss_coef=0.001",
 ]
+# Qwen3-MoE's per-head QK-norm: one weight over all heads, whose gradient the tp ranks' heads share.
+QK_NORM = ["model.attention.qk_norm=true"]
 SWITCH = ["model.moe.top_k=1", "model.moe.router=softmax_topk", "model.moe.capacity_factor=1.0"]
 PP_REFERENCE = ["train.batch_size=4", "train.grad_accum=2"]
 WORLD4 = {
     "dp4_ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
-    "dp2_tp2_ep2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"],
+    "dp2_tp2_ep2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", *QK_NORM],
     "hsdp_ep2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
     "dp2_cp2": ["parallel.dp_shard=2", "parallel.cp=2"],
     "pp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.microbatches=2"],
@@ -45,13 +48,13 @@ WORLD4 = {
 }
 REFERENCE_OF = {
     "dp4_ep4": "plain",
-    "dp2_tp2_ep2": "plain",
+    "dp2_tp2_ep2": "qk_norm",
     "hsdp_ep2": "plain",
     "dp2_cp2": "plain",
     "pp2_ep2": "pp",
     "switch_dp4_ep2": "switch",
 }
-REFERENCES = {"plain": [], "pp": PP_REFERENCE, "switch": SWITCH}
+REFERENCES = {"plain": [], "qk_norm": QK_NORM, "pp": PP_REFERENCE, "switch": SWITCH}
 
 
 @pytest.fixture(scope="module")

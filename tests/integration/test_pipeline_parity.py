@@ -79,11 +79,14 @@ def test_schedules_moe_and_checkpoints_across_layouts(recipe, references, tmp_pa
         "1f1b": [*PP2, "parallel.pp_schedule=1f1b", "parallel.microbatches=2", "parallel.layers_per_stage=1,3"],
         "interleaved_1f1b": [*PP2, "parallel.pp_schedule=interleaved_1f1b", "parallel.microbatches=2"],
         "interleaved_zb": [*PP2, "parallel.pp_schedule=interleaved_zb", "parallel.microbatches=4"],
+        # V schedules: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2
+        "zbv": [*PP2, "parallel.pp_schedule=zbv", "parallel.microbatches=4"],
+        "dualpipev": [*PP2, "parallel.pp_schedule=dualpipev", "parallel.microbatches=4"],
         "moe": [*PP2, *MOE, "parallel.microbatches=2"],
         "single_to_pp2": [*PP2, "parallel.microbatches=2"],
     }
     torchrun(2, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
-    for name in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"):
+    for name in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"):
         _assert_run_matches(tmp_path / name, references / "dense")
     _assert_run_matches(tmp_path / "single_to_pp2", references / "dense", after=3)  # its 3 resumed steps
     _assert_run_matches(tmp_path / "moe", references / "moe", validation=False)  # its reference evaluates other batches

@@ -41,9 +41,13 @@ PUBLISHED = {
     "qwen3-moe-30b-a3b": 30_532_122_624,
     "qwen2-moe-a2.7b": 14_315_784_192,  # Qwen1.5-MoE-A2.7B
     "deepseek-v3": 671_026_404_352,  # without the multi-token-prediction module
+    # DeepSeek-V3.2: V3 plus 61 lightning indexers of 13_959_424 (= transformers' DeepseekV32ForCausalLM on meta)
+    "deepseek-v3.2": 671_877_929_216,
     # DeepSeekMoE 16B ("16.4B"): embeddings 2 x 102400 x 2048, 28 x (attention 4 x 2048^2 + 2 norms), a dense
     # first FFN 3 x 2048 x 10944, 27 x (64 experts + 2 shared experts of 3 x 2048 x 1408, router 64 x 2048).
     "deepseek-moe-16b": 16_375_728_128,
+    # Qwen3-Next-80B-A3B; HF's Qwen3NextForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
+    "qwen3-next-80b-a3b": 79_674_391_296,
 }
 
 
@@ -61,7 +65,7 @@ TINY = sorted(p.stem for p in (CONFIGS / "tiny").glob("*.toml"))
 def test_every_family_has_a_tiny_recipe():
     assert set(TINY) >= {
         *("llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"),
-        *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3"),
+        *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "qwen3_next"),
     }
 
 

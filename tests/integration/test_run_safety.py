@@ -23,9 +23,9 @@ from test_preempt import PREEMPT_OVERRIDES, metrics, wait_for_steps
 from tessera.cli import main
 from tessera.config import ConfigError
 from tessera.hf.convert import hf_export, hf_import
-from tessera.train import trainer as trainer_module
 from tessera.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
 from tessera.train.guard import HANG_EXIT_CODE, NonFiniteError
+from tessera.train.steps import ModelLoss  # every engine's micro-batch loss
 from tessera.train.optim import lr_multiplier
 from tessera.train.preemption import INTERRUPTED_EXIT_CODE, PREEMPTION_MARKER, PreemptionGuard
 from tessera.train.trainer import Trainer, train
@@ -165,7 +165,7 @@ def _weights(ckpt: Path) -> list[torch.Tensor]:
 
 def _nan_loss_on(monkeypatch, steps: set[int]) -> None:
     """Make the training loss NaN on the given optimizer steps (1-based; evaluation untouched)."""
-    real = trainer_module.Trainer._loss
+    real = ModelLoss.__call__
     calls = {"n": 0}
 
     def loss_with_nans(*args, **kwargs):
@@ -176,7 +176,7 @@ def _nan_loss_on(monkeypatch, steps: set[int]) -> None:
                 return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(trainer_module.Trainer, "_loss", loss_with_nans)
+    monkeypatch.setattr(ModelLoss, "__call__", loss_with_nans)
 
 
 def test_skip_leaves_weights_and_schedule_alone_and_stops_after_n_in_a_row(tiny_config, monkeypatch):

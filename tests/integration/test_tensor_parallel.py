@@ -30,6 +30,10 @@ def test_every_sharded_block_matches_its_unsharded_twin():
             ["parallel.tp=2", "train.seq_len=33", "model.max_seq_len=64"],
             "train.seq_len=33 is not divisible by parallel.tp=2",
         ),
+        (  # latent attention splits its heads after the low-rank projections: they must divide too
+            ["parallel.tp=2", "model.n_heads=3", "model.dim=96", "model.mla.kv_rank=16", "model.mla.rope_head_dim=8"],
+            "model.n_heads=3 is not divisible by parallel.tp=2",
+        ),
         (["parallel.pp=4", "model.n_layers=2"], "4 pipeline stages (pp=4 x 1 per rank) but model.n_layers=2"),
         (
             ["parallel.dp_shard=4", "train.batch_size=6"],

@@ -57,6 +57,22 @@ def test_out_of_range_values_name_the_key(override, message, capsys, monkeypatch
     fails_with(["train", "configs/smoke.toml", override, "--print-config"], capsys, message)
 
 
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.dsa.topk=64", "train.seq_len=64"], "model.dsa.topk=64 is not smaller than train.seq_len=64"),
+        (["model.dsa.topk=8", "model.mla.q_rank=0"], "model.dsa (sparse attention) runs on latent attention"),
+        (["model.dsa.index_head_dim=4"], "model.dsa.index_head_dim=4 must be >= model.mla.rope_head_dim=8"),
+        (["parallel.tp=2", "parallel.dp_shard=1", "model.n_heads=3", "model.dim=96"], "model.n_heads=3 is not "
+         "divisible by parallel.tp=2"),
+        (["parallel.tp=2", "parallel.dp_shard=1"], "DeepSeek sparse attention with tp"),
+    ],
+)
+def test_sparse_and_latent_attention_mistakes_are_one_line(overrides, message, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    fails_with(["train", "configs/tiny/deepseek_v32.toml", *overrides, "--print-config"], capsys, message)
+
+
 def test_config_files_that_are_not_toml_text(tmp_path, capsys):
     garbage = tmp_path / "garbage.toml"
     garbage.write_bytes(bytes(range(128, 256)) * 3)

@@ -8,7 +8,7 @@ args, raising :class:`HFConversionError` for any option tessera cannot reproduce
 
 from __future__ import annotations
 
-from tessera.hf.families import bert, deepseek, gpt2, llama, mamba, moe, t5
+from tessera.hf.families import bert, deepseek, deepseek_v32, gpt2, llama, mamba, moe, qwen3_next, t5
 from tessera.hf.families.common import Family, HFConversionError, Rule
 
 FAMILIES: dict[str, Family] = {
@@ -19,6 +19,8 @@ FAMILIES: dict[str, Family] = {
     **moe.FAMILIES,
     **mamba.FAMILIES,
     **deepseek.FAMILIES,
+    **deepseek_v32.FAMILIES,
+    **qwen3_next.FAMILIES,
 }
 
 __all__ = ["FAMILIES", "Family", "HFConversionError", "Rule"]

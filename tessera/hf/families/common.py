@@ -41,6 +41,8 @@ class Family:
     ignored: tuple[str, ...] = ()  # HF tensor-name substrings that carry nothing tessera needs
     # Rewrites an HF checkpoint's tensors in place into the layout ``rules`` expect (hf config, tessera config).
     prepare: Callable[[dict[str, Any], ModelConfig, dict[str, Any]], None] | None = None
+    # Rewrites exported HF tensors in place into the checkpoint's layout (the inverse of ``prepare``'s rewrite).
+    finish: Callable[[ModelConfig, dict[str, Any]], None] | None = None
 
 
 def copy(ours: str, theirs: str) -> Rule:

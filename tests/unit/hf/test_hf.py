@@ -80,6 +80,20 @@ def _jamba() -> transformers.PreTrainedModel:
     return transformers.JambaForCausalLM(cfg)
 
 
+def _qwen3_next(**kw) -> transformers.PreTrainedModel:
+    """Gated DeltaNet layers 0-2, gated attention in layer 3 (HF's default 3:1 interval), partial rotary."""
+    cfg = transformers.Qwen3NextConfig(
+        **{**_LLAMA_LIKE, "num_hidden_layers": 4},
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        **kw,
+    )
+    return transformers.Qwen3NextForCausalLM(cfg)
+
+
 def _deepseek(**kw) -> transformers.PreTrainedModel:
     """Latent attention in every layer; dense FFNs unless first_k_dense_replace says otherwise."""
     kw = {"first_k_dense_replace": 2, **kw}
@@ -98,6 +112,29 @@ def _deepseek(**kw) -> transformers.PreTrainedModel:
         **kw,
     )
     return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def _deepseek_v32() -> transformers.PreTrainedModel:
+    """DeepSeek Sparse Attention: each query attends to the 8 keys (of up to 28) its lightning indexer picks."""
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        index_topk=8,
+        index_n_heads=4,
+        index_head_dim=16,
+        max_position_embeddings=128,
+        **_DEEPSEEK_MOE,
+    )
+    return transformers.DeepseekV32ForCausalLM(cfg)
 
 
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
@@ -181,6 +218,8 @@ HF_MODELS = {
         )
     ),
     "jamba": _jamba,
+    "qwen3_next": lambda: _qwen3_next(num_experts=0),
+    "qwen3_next_moe": lambda: _qwen3_next(**_QWEN_MOE, shared_expert_intermediate_size=24, decoder_sparse_step=2),
     "deepseek_v3": lambda: _deepseek(rope_interleave=True, q_lora_rank=16),
     "deepseek_v3_plain_rope": lambda: _deepseek(rope_interleave=False, q_lora_rank=None),
     # DeepSeek's YaRN: mscale = mscale_all_dim (cos/sin magnitude 1) and the softmax scale times mscale(40)^2
@@ -197,6 +236,7 @@ HF_MODELS = {
         transformers.Qwen2MoeConfig(**_LLAMA_LIKE, **_QWEN_MOE, shared_expert_intermediate_size=24)
     ),
     "deepseek_v3_moe": lambda: _deepseek(q_lora_rank=16, **_DEEPSEEK_MOE),
+    "deepseek_v32": _deepseek_v32,
     "deepseek_v3_yarn": lambda: _deepseek(
         q_lora_rank=16,
         rope_parameters={
@@ -279,6 +319,23 @@ def test_hf_parity_and_roundtrip(family, tmp_path):
     save_hf(model, tmp_path / "out")
     back = _auto(family).from_pretrained(tmp_path / "out").eval()
     assert (_logits(back, x, y, hf=True) - ref).abs().max().item() <= TOL
+
+
+def test_qwen3_next_recipe_exports_to_the_published_size():
+    """The full-size recipe's exported config builds (on meta) an HF model with as many parameters as ours."""
+    from pathlib import Path
+
+    from tessera.hf.weights import export_config
+    from tessera.model import count_parameters
+    from tessera.validate import load_config
+
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / "qwen3-next-80b-a3b.toml")
+    hf_config, family = export_config(config.model)
+    assert family == "qwen3_next"
+    with torch.device("meta"):
+        hf = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**hf_config))
+        ours = build_model(config.model)
+    assert sum(p.numel() for p in hf.parameters()) == count_parameters(ours) == 79_674_391_296
 
 
 def test_untied_t5_from_a_transformers_4_checkpoint(tmp_path):
@@ -374,6 +431,17 @@ def test_cli_unsupported_option_is_a_clear_error(tmp_path):
     res = run_cli("convert", "hf-import", str(tmp_path / "hf"), str(tmp_path / "run"))
     assert res.returncode == 2
     assert "rope_type" in res.stderr and "dynamic" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_qwen3_next_state_dims_that_disagree_are_one_line(tmp_path):
+    """A Qwen3-Next config whose value heads do not split evenly over its key heads: exit 2, one line."""
+    _qwen3_next(num_experts=0).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "linear_num_value_heads": 3}))
+    res = run_cli("convert", "hf-import", str(tmp_path / "hf"), str(tmp_path / "run"))
+    assert res.returncode == 2
+    assert "linear_num_value_heads" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_unsupported_family(tmp_path):

@@ -86,11 +86,13 @@ def _tiny(**model) -> ModelConfig:
 
 
 def test_flops_per_token_is_6n_plus_attention_with_only_active_experts():
-    """6 N_active + 12 L H Q T; an MoE layer counts top_k of its experts."""
+    """6 N_matmul + 6 L H Q (T + 1) (causal: T (T + 1) / 2 pairs; norms are not matmuls); an MoE layer
+    counts top_k of its experts."""
     dense = model_shape(_tiny())
     n = count_parameters(build_model(_tiny()), exclude_embeddings=True)
     assert dense.active_matmul == n
-    assert dense.flops_per_token(32) == 6 * n + 12 * 4 * 64 * 32
+    norms = 4 * 2 * 64 + 64
+    assert dense.flops_per_token(32) == 6 * (n - norms) + 6 * 4 * 64 * 33
     cfg = dataclasses.replace(_tiny(), moe=dataclasses.replace(ModelConfig().moe, experts=4, top_k=2, ffn_hidden=96))
     moe = model_shape(cfg)
     experts = sum(b.experts for b in moe.blocks)

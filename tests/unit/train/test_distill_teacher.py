@@ -49,7 +49,7 @@ def test_hf_teacher_distils_like_transformers_by_hand(pair, tmp_path, cache_dir)
 
     def recording():
         parts = take()
-        batches.append((parts[0][0].clone(), parts[2].clone()))
+        batches.append((parts.args[0].clone(), parts.labels.clone()))
         return parts
 
     trainer._micro_batch = recording

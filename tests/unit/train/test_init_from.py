@@ -47,7 +47,7 @@ def test_init_from_hf_trains_like_transformers(llama, tmp_path, cache_dir):
 
     def recording():
         parts = take()
-        batches.append((parts[0][0].clone(), parts[2].clone()))
+        batches.append((parts.args[0].clone(), parts.labels.clone()))
         return parts
 
     trainer._micro_batch = recording
