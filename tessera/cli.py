@@ -635,11 +635,17 @@ def _add_quantize(actions: argparse._SubParsersAction) -> None:
     qnt.add_argument("out_dir", help="HF model directory to write (quantized safetensors, config, tokenizer)")
     qnt.add_argument(
         "--scheme",
-        required=True,
+        default=None,
         choices=("int8-weight", "int4-weight", "fp8"),
-        help="int8 per-row, int4 per-group (torchao IntxWeightOnlyConfig, runs on CPU) or fp8 e4m3 per-row weights",
+        help="int8 per-row, int4 per-group (torchao IntxWeightOnlyConfig, runs on CPU) or fp8 e4m3 per-row weights "
+        "(default: the run's train.qat scheme)",
     )
-    qnt.add_argument("--group-size", type=int, default=32, help="int4-weight: input columns per scale (default 32)")
+    qnt.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="int4-weight: input columns per scale (default: the run's train.qat_group_size, else 32)",
+    )
 
 
 def _add_deepspeed_import(actions: argparse._SubParsersAction) -> None:
@@ -667,10 +673,11 @@ def _cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     _no_overrides("convert", overrides)
     if args.convert_command == "quantize":
-        from tessera.quantize.convert import quantize_run
+        from tessera.quantize.convert import quantize_run, run_scheme
 
-        out = quantize_run(args.run, args.out_dir, args.scheme, args.group_size)
-        print(f"quantized {args.run} -> {out} ({args.scheme})")
+        scheme, group_size = run_scheme(args.run, args.scheme, args.group_size)
+        out = quantize_run(args.run, args.out_dir, scheme, group_size)
+        print(f"quantized {args.run} -> {out} ({scheme})")
         return 0
     from tessera.hf.convert import consolidate, deepspeed_import, hf_export, hf_import, init_from_command
 

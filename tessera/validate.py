@@ -36,6 +36,7 @@ def validate(config: JobConfig) -> None:
     data_rules.check_data(config.data)
     engine_rules.check_engine(config.parallel, config.train)
     engine_rules.check_fp8(config)
+    engine_rules.check_qat(config)
     engine_rules.check_engine_optimizer(config.parallel, config.optim)
     check_document_masks(config)
     data_rules.check_blend_schedule(config.data.blend_schedule, config.train.steps)

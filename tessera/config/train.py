@@ -49,4 +49,7 @@ class TrainConfig:
     loss_chunk_tokens: int = 0  # tokens per chunk of the fused head + loss; 0 = 64 MiB of fp32 logits per chunk
     mtp_loss_weight: float = 0.3  # with model.mtp_depth: the loss adds this times the mean of the depths' losses
     fp8: Literal["off", "tensorwise", "rowwise", "mxfp8"] = "off"  # torchao fp8 training of block linears; CPU emulates
+    qat: Literal["none", "int8-weight", "int4-weight"] = "none"  # torchao fake-quantized block linears (QAT)
+    qat_start: int = 0  # train.qat: steps trained before fake quantization is switched on (0 = from the start)
+    qat_group_size: int = 32  # train.qat=int4-weight: input columns per scale (as convert quantize --group-size)
     distill: DistillConfig = field(default_factory=DistillConfig)

@@ -13,6 +13,7 @@ from tessera.parallel.dims import ParallelDims
 from tessera.parallel.expert import apply_expert_parallel, apply_global_batch_group
 from tessera.parallel.fp8 import convert_float8, convert_mxfp8
 from tessera.parallel.fsdp import apply_ddp, apply_fsdp
+from tessera.parallel.qat import apply_qat
 from tessera.parallel.grads import clip_grad_norm
 from tessera.parallel.env import resolve_device
 from tessera.parallel.tensor import apply_tensor_parallel
@@ -23,7 +24,7 @@ __all__ = ["ParallelDims", "clip_grad_norm", "parallelize"]
 def parallelize(
     model: nn.Module, dims: ParallelDims, config: JobConfig, device_type: str = "", frozen: bool = False
 ) -> nn.Module:
-    """Apply TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to ``model``.
+    """Apply QAT/fp8 -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to ``model``.
 
     ``dims.build_mesh`` must have run. Returns the model to train (the same module, or its
     DDP wrapper). ``device_type`` (default: ``train.device``, "auto" meaning CUDA when available) decides
@@ -32,6 +33,9 @@ def parallelize(
     """
     p = config.parallel
     fp8, device_type = config.train.fp8, device_type or resolve_device(config.train.device, require_visible=False).type
+    t = config.train
+    if t.qat != "none":  # first, like float8: a module swap before TP, compile and FSDP
+        apply_qat(model, t.qat, t.qat_group_size, t.qat_start)
     if fp8 in ("tensorwise", "rowwise"):  # before TP: torchao's plans shard its Float8Linear
         convert_float8(model, fp8, device_type, fsdp_all_gather=uses_fsdp(dims) and device_type == "cuda")
     tp_mesh = dims.submesh("tp")

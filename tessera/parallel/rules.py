@@ -8,6 +8,7 @@ from pathlib import Path
 from tessera.config import JobConfig, OptimConfig, ParallelConfig, TrainConfig
 from tessera.config.checks import require
 from tessera.errors import ConfigError
+from tessera.model.ffn import ffn_hidden_size
 
 
 def check_engine(p: ParallelConfig, t: TrainConfig) -> None:
@@ -90,3 +91,40 @@ def check_fp8(config: JobConfig) -> None:
         f"train.fp8='mxfp8' scales blocks of 32 tokens: train.seq_len={t.seq_len} (x batch {t.batch_size} = "
         f"{rows} rows) must be a multiple of 32",
     )
+
+
+def check_qat(config: JobConfig) -> None:
+    """train.qat: the torch engine without TP (the fake-quantizers are swapped in before FSDP and tested so),
+    not with fp8, a start within the run, and (int4) a group size dividing every block linear's input."""
+    t, m = config.train, config.model
+    if t.qat == "none":
+        return
+    require(
+        t.fp8 == "off",
+        f"train.qat={t.qat!r} and train.fp8={t.fp8!r} both replace the block linears; set one of them off",
+    )
+    require(
+        config.parallel.engine == "torch",
+        f"train.qat={t.qat!r} runs in the torch engine (torchao swaps the linears before FSDP); "
+        "parallel.engine='deepspeed' does not support it: set train.qat=none or parallel.engine=torch",
+    )
+    require(
+        config.parallel.tp == 1,
+        f"train.qat={t.qat!r} is not supported with tensor parallelism (parallel.tp={config.parallel.tp}); use tp=1",
+    )
+    require(
+        0 <= t.qat_start < t.steps,
+        f"train.qat_start={t.qat_start} must be in [0, train.steps={t.steps}): it is the step fake quantization "
+        "starts at; lower it",
+    )
+    if t.qat != "int4-weight":
+        return
+    head_dim = m.head_dim or m.dim // m.n_heads
+    inputs = {"model.dim": m.dim, "model.n_heads*head_dim": m.n_heads * head_dim}
+    inputs["the FFN hidden size"] = ffn_hidden_size(m.dim, m.activation, m.ffn_hidden, m.ffn_multiplier, m.multiple_of)
+    for name, value in inputs.items():
+        require(
+            t.qat_group_size > 0 and value % t.qat_group_size == 0,
+            f"train.qat_group_size={t.qat_group_size} does not divide the input dimension {name}={value}; "
+            "use a divisor of it (e.g. 32)",
+        )

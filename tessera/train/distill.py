@@ -72,7 +72,7 @@ def teacher_job(config: JobConfig, teacher: ModelConfig) -> JobConfig:
     """The student's job with the teacher's ``[model]``: the layout it is placed under (no activation
     checkpointing, no compile, no fp8: it never runs backward)."""
     parallel = dataclasses.replace(config.parallel, activation_checkpoint="none", compile=False)
-    train = dataclasses.replace(config.train, fp8="off")
+    train = dataclasses.replace(config.train, fp8="off", qat="none")
     return dataclasses.replace(config, model=teacher, parallel=parallel, train=train)
 
 

@@ -19,6 +19,7 @@ from tessera.data.pipeline import DataBundle, Split, build_data, cache_dir
 from tessera.data.sources import DataError
 from tessera.evaluate.loop import DownstreamEval
 from tessera.parallel.fp8 import check_fp8_device
+from tessera.parallel.qat import set_qat_step
 from tessera.plan.stages import describe_stages
 from tessera.model import build_model, count_parameters, generate
 from tessera.parallel.loss import MicroBatch
@@ -327,6 +328,8 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum`` micro-batches through the step runner; returns its metrics."""
+        if self.config.train.qat != "none":  # from the step alone: a resumed run switches at the same step
+            set_qat_step(self.model, self.step, self.config.train.qat_start)
         return self.runner.step(self.step + 1, self._micro_batch)
 
     def _micro_batch(self) -> MicroBatch:
