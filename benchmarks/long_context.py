@@ -184,8 +184,10 @@ def _dsa_inputs(model, length: int):
 def dsa_part(lengths: list[int], rounds: int, topk: int, dense_limit: int = DSA_DENSE_LIMIT) -> None:
     """Sparse core vs dense sdpa: peak activation memory and time per length (interleaved rounds)."""
     print(f"## DeepSeek sparse attention (top-{topk}) vs dense causal sdpa: one latent-attention core, fwd+bwd")
-    print("| length | sparse MiB | dense MiB | sparse s (median, spread) | dense s (median, spread) | dense/sparse time "
-          "| indexer top-k s |")
+    print(
+        "| length | sparse MiB | dense MiB | sparse s (median, spread) | dense s (median, spread) | dense/sparse time "
+        "| indexer top-k s |"
+    )
     print("|---|---|---|---|---|---|---|")
     model = _dsa_layer(topk)
     for length in lengths:

@@ -270,7 +270,12 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="real: decoder blocks (split over p * v stages)")
     parser.add_argument("--pp", type=_numbers(int), default=[2, 4], help="pipeline ranks")
     parser.add_argument("--microbatches", type=_numbers(int), default=[4, 8], help="micro-batches per step")
-    parser.add_argument("--schedules", type=lambda t: t.split(","), default=[s for s in SCHEDULES if s not in V_SCHEDULES], help="schedules (the V ones on request)")
+    parser.add_argument(
+        "--schedules",
+        type=lambda t: t.split(","),
+        default=[s for s in SCHEDULES if s not in V_SCHEDULES],
+        help="schedules (the V ones on request)",
+    )
     parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
     parser.add_argument("--splits", type=lambda t: t.split(","), default=["even"], help="real: even and/or cost")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the splits (median reported)")

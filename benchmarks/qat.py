@@ -48,7 +48,9 @@ def main() -> None:
         extra += [f"train.qat_group_size={args.group_size}"] if qat == "int4-weight" else []
         train(load_config(args.recipe, [*base, *extra, f"train.run_dir={run}"]))
     batches, _ = validation_batches(load_run(runs["none"]).config, args.batches)
-    print(f"{args.recipe}, {args.steps} steps, QAT from step {args.qat_start}, int4 group {args.group_size}; perplexity on {args.batches} batches")
+    print(
+        f"{args.recipe}, {args.steps} steps, QAT from step {args.qat_start}, int4 group {args.group_size}; perplexity on {args.batches} batches"
+    )
     print(f"{'scheme':<12} {'fp32 (no QAT)':>14} {'PTQ':>9} {'QAT fp32':>9} {'QAT+convert':>12} {'QAT vs PTQ':>10}")
     fp32 = float(torch.tensor(validation_loss(load(runs["none"]), batches)).exp())
     for scheme in SCHEMES:

@@ -794,9 +794,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.plan.cli import run_plan
 
     print(
-        run_plan(
-            args.config, overrides, args.gpus, args.gpu, args.nodes_of, args.top, args.measure, args.max_layouts
-        )
+        run_plan(args.config, overrides, args.gpus, args.gpu, args.nodes_of, args.top, args.measure, args.max_layouts)
     )
     return 0
 

@@ -17,6 +17,9 @@ class DeepSpeedConfig:
     config: str = ""  # a ds.json merged into the generated config; contradictions refused
 
 
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
+
+
 @dataclass
 class ParallelConfig:
     """Parallel degrees; their product must equal the world size (dp_shard=-1 takes the rest)."""
@@ -25,7 +28,7 @@ class ParallelConfig:
     dp_shard: int = -1  # ranks sharding params, grads and optimizer state (FSDP); -1 = the processes left
     tp: int = 1  # tensor-parallel degree (Megatron-style column/row-parallel linears, vocab-parallel head)
     pp: int = 1  # pipeline stages (the outermost mesh dimension)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"] = "1f1b"  # pipeline schedule (pp > 1)
+    pp_schedule: PipelineSchedule = "1f1b"  # pipeline schedule (pp > 1)
     microbatches: int = 0  # micro-batches per pipeline step; 0 means pp
     pp_virtual_stages: int = 0  # stages per pp rank; 0 means 2 for interleaved/zero-bubble schedules, else 1
     layers_per_stage: str = ""  # block counts per stage, e.g. "3,5"; "cost": even FLOPs (head too); empty: even

@@ -289,7 +289,6 @@ def freeze_for_indexer_warmup(model: nn.Module) -> None:
         param.requires_grad_(".indexer." in f".{name}")
 
 
-
 def check_dsa(m: ModelConfig) -> None:
     """[model.dsa]: the indexer reads the latent query and rotates its first rope_head_dim channels."""
     dsa = m.dsa

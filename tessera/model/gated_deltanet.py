@@ -151,13 +151,19 @@ def split_causal_conv(x: torch.Tensor, weight: torch.Tensor, split: RecurrentSpl
     width = weight.shape[-1]
     pieces = split.pieces(x.shape[-1])
     halos = split.halos(torch.stack([x[..., p][..., x[..., p].shape[-1] - (width - 1) :] for p in pieces], dim=2))
-    outs = [F.conv1d(torch.cat([halos[:, :, i], x[..., p]], -1), weight, groups=x.shape[1]) for i, p in
-            enumerate(pieces)]
+    outs = [
+        F.conv1d(torch.cat([halos[:, :, i], x[..., p]], -1), weight, groups=x.shape[1]) for i, p in enumerate(pieces)
+    ]
     return torch.cat(outs, dim=-1)
 
 
 def split_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk: int,
     split: RecurrentSplit,
 ) -> torch.Tensor:
     """The gated delta rule over a split sequence: each local piece is scanned from a zero state and from the
@@ -171,12 +177,15 @@ def split_gated_delta_rule(
         probe = torch.cat([v[:, :, p], v.new_zeros(*v[:, :, p].shape[:-1], dk)], dim=-1)
         eye = torch.eye(dk, device=v.device, dtype=v.dtype).expand(*v.shape[:2], dk, dk)
         start = torch.cat([v.new_zeros(*v.shape[:2], dk, dv), eye], dim=-1)
-        summaries.append(chunk_gated_delta_rule(q[:, :, p], k[:, :, p], probe, g[:, :, p], beta[:, :, p], chunk,
-                                                start)[1])
+        summaries.append(
+            chunk_gated_delta_rule(q[:, :, p], k[:, :, p], probe, g[:, :, p], beta[:, :, p], chunk, start)[1]
+        )
     final = torch.stack(summaries)  # (pieces, B, H, Dk, Dv + Dk): [contribution | transition]
     entering = split.entering_states(final[..., dv:], final[..., :dv])
-    outs = [chunk_gated_delta_rule(q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p], beta[:, :, p], chunk,
-                                   entering[i])[0] for i, p in enumerate(pieces)]
+    outs = [
+        chunk_gated_delta_rule(q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p], beta[:, :, p], chunk, entering[i])[0]
+        for i, p in enumerate(pieces)
+    ]
     return torch.cat(outs, dim=2)
 
 

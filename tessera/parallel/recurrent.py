@@ -47,8 +47,9 @@ def _local_channels(gdn: nn.Module, rank: int, size: int) -> dict[str, torch.Ten
     key_dim = (gdn.conv_dim - gdn.dt_bias.shape[0] * gdn.value_head_dim) // 2
     value_dim = gdn.conv_dim - 2 * key_dim
     kl, vl = key_dim // size, value_dim // size
-    conv = torch.cat([torch.arange(s + rank * n, s + (rank + 1) * n) for s, n in
-                      ((0, kl), (key_dim, kl), (2 * key_dim, vl))])
+    conv = torch.cat(
+        [torch.arange(s + rank * n, s + (rank + 1) * n) for s, n in ((0, kl), (key_dim, kl), (2 * key_dim, vl))]
+    )
     heads = gdn.dt_bias.shape[0] // size
     per_head = torch.arange(rank * heads, (rank + 1) * heads)
     return {"conv1d.weight": conv, "dt_bias": per_head, "A_log": per_head}

@@ -100,9 +100,7 @@ def _linear_term(name: str) -> str:
     first = name.split(".")[0]
     if first == "moe":
         return "moe_shared" if ".shared" in name else "moe_router"
-    return {"attention": "attention_proj", "cross_attention": "attention_proj", "mamba": "mamba_proj"}.get(
-        first, "ffn"
-    )
+    return {"attention": "attention_proj", "cross_attention": "attention_proj", "mamba": "mamba_proj"}.get(first, "ffn")
 
 
 def _allowed_pairs(spec: MaskSpec, length: int, rows: int = 1024) -> float:

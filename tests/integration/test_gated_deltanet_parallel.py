@@ -59,8 +59,13 @@ def test_qwen3_next_hybrid_layouts_match_single_process(tmp_path, cache_dir):
 
 def test_key_heads_not_divisible_by_tp_is_one_clear_error(tiny_config):
     with pytest.raises(ConfigError, match=r"model.gdn.key_heads=3 is not divisible by parallel.tp=2"):
-        tiny_config("parallel.tp=2", "parallel.dp_shard=1", "model.layer_pattern=DA", "model.gdn.key_heads=3",
-                    "model.gdn.value_heads=6")
+        tiny_config(
+            "parallel.tp=2",
+            "parallel.dp_shard=1",
+            "model.layer_pattern=DA",
+            "model.gdn.key_heads=3",
+            "model.gdn.value_heads=6",
+        )
 
 
 def test_gated_deltanet_with_tp_and_fsdp_is_refused(tiny_config):

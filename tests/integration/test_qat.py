@@ -58,7 +58,9 @@ def test_qat_linear_matches_torchao_and_is_plain_before_qat_start(scheme):
     x, grad_out = torch.randn(2, 32, plain.in_features), torch.randn(2, 32, plain.out_features)
     for step in (0, 2):  # before train.qat_start: the plain linear, bit for bit
         set_qat_step(model, step, 3)
-        for got, want in zip(_forward_backward(layer, x, grad_out), _forward_backward(copy.deepcopy(plain), x, grad_out)):
+        for got, want in zip(
+            _forward_backward(layer, x, grad_out), _forward_backward(copy.deepcopy(plain), x, grad_out)
+        ):
             assert torch.equal(got, want)
         layer.weight.grad = None
     set_qat_step(model, 3, 3)
@@ -69,11 +71,20 @@ def test_qat_linear_matches_torchao_and_is_plain_before_qat_start(scheme):
 
 
 def test_trainer_with_qat_trains_and_resumes_bitwise_across_qat_start(tiny_config, tmp_path):
-    args = [*QAT_QUICK, "train.qat=int4-weight", "train.qat_start=3", "checkpoint.every=2", "checkpoint.keep_last=8", "optim.lr=3e-3"]
+    args = [
+        *QAT_QUICK,
+        "train.qat=int4-weight",
+        "train.qat_start=3",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=8",
+        "optim.lr=3e-3",
+    ]
     full = train(tiny_config(*args, "train.steps=8", run_dir=tmp_path / "full"))
     losses = step_losses(tmp_path / "full")
     assert losses[-1] < losses[0] - 0.3, losses
-    plain = train(tiny_config(*QAT_QUICK, "checkpoint.every=2", "optim.lr=3e-3", "train.steps=8", run_dir=tmp_path / "p"))
+    plain = train(
+        tiny_config(*QAT_QUICK, "checkpoint.every=2", "optim.lr=3e-3", "train.steps=8", run_dir=tmp_path / "p")
+    )
     assert plain.losses[:3] == full.losses[:3] and plain.losses[3] != full.losses[3]  # on from step 4 exactly
     half = tmp_path / "half"  # the full run stopped after step 2 (qat_start must lie within train.steps)
     shutil.copytree(tmp_path / "full", half)

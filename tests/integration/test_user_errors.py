@@ -63,8 +63,10 @@ def test_out_of_range_values_name_the_key(override, message, capsys, monkeypatch
         (["model.dsa.topk=64", "train.seq_len=64"], "model.dsa.topk=64 is not smaller than train.seq_len=64"),
         (["model.dsa.topk=8", "model.mla.q_rank=0"], "model.dsa (sparse attention) runs on latent attention"),
         (["model.dsa.index_head_dim=4"], "model.dsa.index_head_dim=4 must be >= model.mla.rope_head_dim=8"),
-        (["parallel.tp=2", "parallel.dp_shard=1", "model.n_heads=3", "model.dim=96"], "model.n_heads=3 is not "
-         "divisible by parallel.tp=2"),
+        (
+            ["parallel.tp=2", "parallel.dp_shard=1", "model.n_heads=3", "model.dim=96"],
+            "model.n_heads=3 is not divisible by parallel.tp=2",
+        ),
         (["parallel.tp=2", "parallel.dp_shard=1"], "DeepSeek sparse attention with tp"),
     ],
 )

@@ -32,9 +32,7 @@ def _partial_rotary(hf: dict[str, Any]) -> float:
 def _pattern_from_hf(hf: dict[str, Any]) -> str:
     n = hf["num_hidden_layers"]
     interval = hf.get("full_attention_interval", 4)
-    types = hf.get("layer_types") or [
-        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)
-    ]
+    types = hf.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
     bad = sorted(set(types) - set(_KINDS))
     if bad:
         fail("layer_types", bad[0], "qwen3_next", "supported: linear_attention, full_attention")
@@ -94,8 +92,10 @@ def _to_hf(cfg: ModelConfig) -> dict[str, Any]:
         return {**hf, "num_experts": 0, "mlp_only_layers": []}
     moe = cfg.moe
     if moe.shared_experts != 1 or not moe.shared_gate:
-        raise HFConversionError("qwen3_next MoE layers have one gated shared expert: set model.moe.shared_experts=1 "
-                                "and model.moe.shared_gate=true")
+        raise HFConversionError(
+            "qwen3_next MoE layers have one gated shared expert: set model.moe.shared_experts=1 "
+            "and model.moe.shared_gate=true"
+        )
     shared = moe.shared_ffn_hidden or moe.ffn_hidden or ffn_hidden(cfg)
     return {**hf, **_moe_to_hf(cfg), "shared_expert_intermediate_size": shared}
 

@@ -19,7 +19,10 @@ from tessera.cli import main
             ["model.attention.sinks=true", "model.attention.kernel=performer"],
             "model.attention.kernel='performer' has no softmax denominator",
         ),
-        (["model.attention.sinks=true", "model.mla.kv_rank=16"], "latent attention (model.mla.kv_rank > 0) has no sinks"),
+        (
+            ["model.attention.sinks=true", "model.mla.kv_rank=16"],
+            "latent attention (model.mla.kv_rank > 0) has no sinks",
+        ),
         (
             ["model.attention.sliding_window=4096", "model.max_seq_len=256"],
             "model.attention.sliding_window=4096 is larger than the context (model.max_seq_len=256)",

@@ -28,9 +28,21 @@ def _ours(topk: int, stage: str = "sparse") -> torch.nn.Module:
 
 def _hf(topk: int) -> torch.nn.Module:
     config = hf_v32.DeepseekV32Config(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
-        index_topk=topk, index_head_dim=16, index_n_heads=4, rms_norm_eps=1e-6, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        index_topk=topk,
+        index_head_dim=16,
+        index_n_heads=4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     config._attn_implementation = "sdpa"

@@ -17,8 +17,15 @@ DIM, HIDDEN, E, K = 32, 24, 4, 2
 
 def _pair(limit: float) -> tuple[torch.nn.Module, MoE]:
     cfg = transformers.GptOssConfig(
-        hidden_size=DIM, intermediate_size=HIDDEN, num_local_experts=E, num_experts_per_tok=K, swiglu_limit=limit,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        hidden_size=DIM,
+        intermediate_size=HIDDEN,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        swiglu_limit=limit,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
     )
     torch.manual_seed(0)
     hf = hf_gpt_oss.GptOssMLP(cfg)
@@ -26,9 +33,17 @@ def _pair(limit: float) -> tuple[torch.nn.Module, MoE]:
         torch.nn.init.normal_(p, std=0.5)
     ours = MoE(
         model_config(
-            dim=DIM, n_heads=4,
-            moe={"experts": E, "top_k": K, "ffn_hidden": HIDDEN, "router_bias": True, "expert_biases": True,
-                 "swiglu_limit": limit, "aux_loss_coef": 0.0},
+            dim=DIM,
+            n_heads=4,
+            moe={
+                "experts": E,
+                "top_k": K,
+                "ffn_hidden": HIDDEN,
+                "router_bias": True,
+                "expert_biases": True,
+                "swiglu_limit": limit,
+                "aux_loss_coef": 0.0,
+            },
         )
     )
     assert isinstance(ours.experts, BiasedExperts)

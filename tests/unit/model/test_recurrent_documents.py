@@ -12,8 +12,9 @@ from tessera.validate import load_config
 
 _BASE = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=64)
 HYBRIDS = {
-    "gated_deltanet": dict(layer_pattern="DA", gdn=dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8,
-                                                         chunk=4)),
+    "gated_deltanet": dict(
+        layer_pattern="DA", gdn=dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8, chunk=4)
+    ),
     "mamba": dict(layer_pattern="MA", mamba=dict(version=1, state=8, chunk=4)),
     "mamba2": dict(layer_pattern="MA", mamba=dict(version=2, state=8, head_dim=16, chunk=4)),
 }

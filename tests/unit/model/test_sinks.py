@@ -20,8 +20,13 @@ DIM, HEADS, KV_HEADS, HEAD_DIM, T = 32, 4, 2, 8, 40
 def _pair(kernel: str, window: int) -> tuple[torch.nn.Module, Attention]:
     """A random HF GptOssAttention and a tessera Attention holding the same weights and sinks."""
     cfg = transformers.GptOssConfig(
-        hidden_size=DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        num_hidden_layers=1, sliding_window=window or 128, attention_bias=True,
+        hidden_size=DIM,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_hidden_layers=1,
+        sliding_window=window or 128,
+        attention_bias=True,
     )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -30,7 +35,10 @@ def _pair(kernel: str, window: int) -> tuple[torch.nn.Module, Attention]:
         torch.nn.init.normal_(p, std=0.2)
     ours = Attention(
         model_config(
-            dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+            dim=DIM,
+            n_heads=HEADS,
+            n_kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
             attention={"kernel": kernel, "sinks": True, "qkv_bias": True, "o_bias": True, "sliding_window": window},
         )
     )
@@ -123,7 +131,9 @@ def test_the_virtual_key_scores_exactly_the_sink():
     q2, k2, v2 = with_sink_key(q, k, v, sinks, scale)
     scores = (q2.view(2, KV_HEADS, 2, 5, -1) @ k2[:, :, None].transpose(-2, -1)) * scale
     torch.testing.assert_close(scores[..., 0].reshape(2, HEADS, 5), sinks.view(1, HEADS, 1).expand(2, HEADS, 5))
-    torch.testing.assert_close(scores[..., 1:], (q.view(2, KV_HEADS, 2, 5, -1) @ k[:, :, None].transpose(-2, -1)) * scale)
+    torch.testing.assert_close(
+        scores[..., 1:], (q.view(2, KV_HEADS, 2, 5, -1) @ k[:, :, None].transpose(-2, -1)) * scale
+    )
     assert (v2[:, :, 0] == 0).all()
 
 
@@ -134,7 +144,13 @@ def test_gpt_oss_shaped_decoder_decodes_as_it_reads():
     from tessera.model.attention import SlidingKVCache
 
     cfg = model_config(
-        vocab_size=300, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64, layer_pattern="AG",
+        vocab_size=300,
+        dim=32,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=64,
+        layer_pattern="AG",
         attention={"sinks": True, "sliding_window": 6, "qkv_bias": True, "o_bias": True},
     )
     torch.manual_seed(0)

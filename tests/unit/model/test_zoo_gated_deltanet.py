@@ -167,8 +167,15 @@ def test_gated_attention_with_partial_rotary_matches_hf():
         for p in hf.parameters():
             p.copy_(0.3 * torch.randn(p.shape, generator=gen))
     cfg = model_config(
-        dim=32, n_heads=4, n_kv_heads=2, head_dim=16, norm="zero_centered_rmsnorm", norm_eps=1e-6, max_seq_len=64,
-        attention=dict(qk_norm=True, output_gate=True, kernel="eager"), position=dict(rotary_fraction=0.25),
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        norm="zero_centered_rmsnorm",
+        norm_eps=1e-6,
+        max_seq_len=64,
+        attention=dict(qk_norm=True, output_gate=True, kernel="eager"),
+        position=dict(rotary_fraction=0.25),
     )
     ours = Attention(cfg)
     ours.load_state_dict(hf.state_dict())

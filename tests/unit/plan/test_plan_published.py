@@ -211,7 +211,7 @@ def predict(run: Run, efficiency: float) -> tuple[float, Speed]:
             / 1e12
         )
     else:  # the papers' model FLOPs are PaLM's 6 N + 12 L H Q T (no causal halving), not tessera's count
-        palm = (6 * shape.active_matmul + 12 * m_layers(shape) * shape.n_heads * shape.head_dim * run.seq_len)
+        palm = 6 * shape.active_matmul + 12 * m_layers(shape) * shape.n_heads * shape.head_dim * run.seq_len
         per_gpu = palm * speed.tokens_per_step / speed.step / run.layout.world
         value = per_gpu / kind.peak_flops if run.metric == "mfu" else per_gpu / 1e12
     return value, speed

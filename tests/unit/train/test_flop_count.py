@@ -53,8 +53,21 @@ VARIANTS = {
 CASES = {path.stem: (path.stem, [], "none") for path in RECIPES} | VARIANTS
 
 
-def _grouped_conv_backward(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, _transposed,
-                           _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+def _grouped_conv_backward(
+    grad_out_shape,
+    x_shape,
+    w_shape,
+    _bias,
+    _stride,
+    _padding,
+    _dilation,
+    _transposed,
+    _output_padding,
+    _groups,
+    output_mask,
+    out_shape=None,
+    **kwargs,
+) -> int:
     """convolution_backward with groups: each requested gradient costs the forward's products.
     (torch's formula ignores groups for the weight gradient: a depthwise conv's counts as a dense C x C one.)"""
     return sum(bool(m) for m in output_mask[:2]) * conv_flop_count(x_shape, w_shape, grad_out_shape)
@@ -103,11 +116,13 @@ def test_count_matches_flop_counter(case):
     tokens = torch.randint(0, cfg.vocab_size - cfg.sentinel_tokens, (BATCH, SEQ + 1))
     measured, args = _measured(model, cfg, tokens)
     lengths = sample_lengths(cfg, SEQ)
-    assert (lengths.tokens, lengths.memory) == ((args[-1].shape[1], args[0].shape[1]) if len(args) == 2 else (
-        args[0].shape[1], 0
-    ))
+    assert (lengths.tokens, lengths.memory) == (
+        (args[-1].shape[1], args[0].shape[1]) if len(args) == 2 else (args[0].shape[1], 0)
+    )
     counted = count_model(model, cfg, lengths, checkpoint, job.parallel.ac_every).hardware_training * BATCH
-    assert counted == pytest.approx(measured, rel=RTOL), f"{case}: counted {counted:.4g}, FlopCounterMode {measured:.4g}"
+    assert counted == pytest.approx(measured, rel=RTOL), (
+        f"{case}: counted {counted:.4g}, FlopCounterMode {measured:.4g}"
+    )
     # what the trainer and planner use: a meta build of one period of the layers, repeated
     reduced = count_config(cfg, SEQ, checkpoint, job.parallel.ac_every).hardware_training * BATCH
     assert reduced == pytest.approx(measured, rel=RTOL), f"{case}: one period counts {reduced:.4g}"
