@@ -7,8 +7,7 @@ out [q | k | v], so a rank's channels are three separate ranges), the per-head `
 ``dt_bias``, and the output norm's gain shared by all heads. They stay whole (plain tensors,
 equal on every rank, as checkpoints expect); for each forward the module sees only this rank's
 slice, and their gradients - each rank's nonzero on its slice only, or partial for the shared
-gain - are summed over the tp ranks, so the replicas stay equal. Per-head QK-norm gains of
-attention layers are partial in the same way and get the same gradient sum.
+gain - are summed over the tp ranks, so the replicas stay equal.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from tessera.model.ffn import DENSE
 from tessera.parallel.head_params import HeadSharded
 from tessera.model.mla import LatentAttention
 from tessera.parallel.tensor_attention import all_heads_norm_plan, latent_attention_plan
-from tessera.parallel.recurrent import GatedDeltaNetHeads, sum_grads_over
+from tessera.parallel.recurrent import GatedDeltaNetHeads
 
 
 class ReplicateInput(ParallelStyle):
@@ -268,13 +268,10 @@ def _stack_plan(stack: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
 
 
 def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """The Gated DeltaNet's per-channel parameters (sliced per rank) and per-head QK-norm gains (each rank
-    sees its heads): gradients summed over the tp ranks."""
+    """The Gated DeltaNet's per-channel parameters (sliced per rank): gradients summed over the tp ranks.
+    (Per-head QK-norm gains are Replicate DTensors through :func:`_qk_norm_plan`; DTensor sums theirs.)"""
     if getattr(block, "gdn", None) is not None:
         parallelize_module(block.gdn, tp_mesh, GatedDeltaNetHeads())
-    attention = block.attention
-    if getattr(attention, "q_norm", None) is not None and not getattr(attention, "qk_norm_all", True):
-        sum_grads_over(attention, ["q_norm.weight", "k_norm.weight"], tp_mesh)
 
 
 def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:

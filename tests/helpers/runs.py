@@ -55,7 +55,7 @@ def torchrun(nproc: int, *args: str, timeout: float = 900) -> subprocess.Complet
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
-    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stderr[-20000:]}"
     return result
 
 
