@@ -461,7 +461,10 @@ def test_slurm_asks_for_gpus_even_from_a_machine_without_one(capsys, monkeypatch
     assert main(["slurm", "configs/smoke.toml", "--gpus-per-node", "1", "--dry-run"]) == 0
     captured = capsys.readouterr()
     assert "#SBATCH --gres=gpu:1" in captured.out.splitlines()
-    assert captured.err.startswith("tessera: notice: the planner's fit check did not run") and captured.err.count("\n") == 1
+    assert (
+        captured.err.startswith("tessera: notice: the planner's fit check did not run")
+        and captured.err.count("\n") == 1
+    )
     assert f"PYTHON={sys.executable}" in captured.out and '"$PYTHON" -m torch.distributed.run' in captured.out
 
 
