@@ -94,6 +94,27 @@ def _qwen3_next(**kw) -> transformers.PreTrainedModel:
     return transformers.Qwen3NextForCausalLM(cfg)
 
 
+def _qwen3_5(moe: bool = False, **kw) -> transformers.PreTrainedModel:
+    """Qwen3.5's text model: Qwen3-Next's layout with four separate Gated DeltaNet input projections; the MoE model
+    renormalizes its top-k in every layer. rope_parameters carry the multimodal sections, as released configs do."""
+    shape = {k: v for k, v in _LLAMA_LIKE.items() if k != "intermediate_size" or not moe}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}
+    args = dict(
+        **{**shape, "num_hidden_layers": 4},
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        rope_parameters={**rope, "mrope_interleaved": True},
+        **kw,
+    )
+    if moe:
+        moe_args = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+        return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**args, **moe_args))
+    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**args))
+
+
 def _deepseek(**kw) -> transformers.PreTrainedModel:
     """Latent attention in every layer; dense FFNs unless first_k_dense_replace says otherwise."""
     kw = {"first_k_dense_replace": 2, **kw}
@@ -220,6 +241,9 @@ HF_MODELS = {
     "jamba": _jamba,
     "qwen3_next": lambda: _qwen3_next(num_experts=0),
     "qwen3_next_moe": lambda: _qwen3_next(**_QWEN_MOE, shared_expert_intermediate_size=24, decoder_sparse_step=2),
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_tied": lambda: _qwen3_5(tie_word_embeddings=True),
+    "qwen3_5_moe": lambda: _qwen3_5(moe=True),
     "deepseek_v3": lambda: _deepseek(rope_interleave=True, q_lora_rank=16),
     "deepseek_v3_plain_rope": lambda: _deepseek(rope_interleave=False, q_lora_rank=None),
     # DeepSeek's YaRN: mscale = mscale_all_dim (cos/sin magnitude 1) and the softmax scale times mscale(40)^2
@@ -251,6 +275,11 @@ HF_MODELS = {
         },
     ),
 }
+
+
+# Families an exported config cannot be told apart from by its numbers (Qwen3.5's text model is Qwen3-Next's):
+# the export names them.
+_EXPORT_AS = {"qwen3_5": "qwen3_5_text", "qwen3_5_tied": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -316,8 +345,9 @@ def test_hf_parity_and_roundtrip(family, tmp_path):
     assert ref.std() > 0.1  # the comparison is not between near-constant logits
     _check_generation(family, hf, model, x)
 
-    save_hf(model, tmp_path / "out")
+    save_hf(model, tmp_path / "out", _EXPORT_AS.get(family))
     back = _auto(family).from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(hf)
     assert (_logits(back, x, y, hf=True) - ref).abs().max().item() <= TOL
 
 
