@@ -368,6 +368,28 @@ def test_qwen3_next_recipe_exports_to_the_published_size():
     assert sum(p.numel() for p in hf.parameters()) == count_parameters(ours) == 79_674_391_296
 
 
+@pytest.mark.parametrize(
+    "recipe, family, count",
+    [("qwen3.5-27b", "qwen3_5_text", 26_895_998_464), ("qwen3.5-35b-a3b", "qwen3_5_moe_text", 34_660_610_688)],
+)
+def test_qwen3_5_recipes_export_to_the_published_text_models(recipe, family, count):
+    """The full-size recipes export to the released text configs' shapes: HF's model of the exported config (on
+    meta) counts what the released text_config gives (Qwen3.5-27B, Qwen3.5-35B-A3B) and what tessera builds."""
+    from pathlib import Path
+
+    from tessera.hf.weights import export_config
+    from tessera.model import count_parameters
+    from tessera.validate import load_config
+
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / f"{recipe}.toml")
+    hf_config, _ = export_config(config.model, family)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_config))
+        ours = build_model(config.model)
+    assert type(hf).__name__ == ("Qwen3_5MoeForCausalLM" if "moe" in family else "Qwen3_5ForCausalLM")
+    assert sum(p.numel() for p in hf.parameters()) == count_parameters(ours) == count
+
+
 def test_untied_t5_from_a_transformers_4_checkpoint(tmp_path):
     """A T5 v1.1-style checkpoint (own lm_head, tie_word_embeddings false, so no output scaling) imports and exports."""
     hf = _randomize(_t5("gated-gelu"), seed=1)
