@@ -390,6 +390,25 @@ def test_qwen3_5_recipes_export_to_the_published_text_models(recipe, family, cou
     assert sum(p.numel() for p in hf.parameters()) == count_parameters(ours) == count
 
 
+def test_qwen3_5_released_multimodal_checkpoint_imports_its_text_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration directory (as released: text_config, model.language_model.* weights, a
+    vision tower): tessera reads the text model, whose logits equal the multimodal model's on text (1e-4); export
+    names the text family instead of writing a model without its vision tower."""
+    text = _qwen3_5().config.to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4)
+    tokens = dict(image_token_id=95, video_token_id=96, vision_start_token_id=97, vision_end_token_id=98)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens)
+    hf = _randomize(transformers.Qwen3_5ForConditionalGeneration(cfg), seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    model = tessera.load(tmp_path / "hf")
+    x = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(input_ids=x).logits
+        assert (model(x) - ref).abs().max().item() <= TOL and ref.std() > 0.1
+    with pytest.raises(HFConversionError, match="qwen3_5_text"):
+        save_hf(model, tmp_path / "out", "qwen3_5")
+
+
 def test_untied_t5_from_a_transformers_4_checkpoint(tmp_path):
     """A T5 v1.1-style checkpoint (own lm_head, tie_word_embeddings false, so no output scaling) imports and exports."""
     hf = _randomize(_t5("gated-gelu"), seed=1)
