@@ -115,6 +115,28 @@ def _qwen3_5(moe: bool = False, **kw) -> transformers.PreTrainedModel:
     return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**args))
 
 
+def _nemotron_h(**kw) -> transformers.PreTrainedModel:
+    """Mamba-2 + MLP, a Mamba-2 layer alone, attention + MLP, Mamba-2 + MLP (7 HF layers, 4 tessera layers)."""
+    types = ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp", "linear_attention", "mlp"]
+    cfg = transformers.NemotronHConfig(
+        vocab_size=V,
+        hidden_size=32,
+        layers_block_type=types,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        n_groups=2,
+        chunk_size=8,
+        max_position_embeddings=128,
+        **kw,
+    )
+    return transformers.NemotronHForCausalLM(cfg)
+
+
 def _deepseek(**kw) -> transformers.PreTrainedModel:
     """Latent attention in every layer; dense FFNs unless first_k_dense_replace says otherwise."""
     kw = {"first_k_dense_replace": 2, **kw}
@@ -244,6 +266,8 @@ HF_MODELS = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_tied": lambda: _qwen3_5(tie_word_embeddings=True),
     "qwen3_5_moe": lambda: _qwen3_5(moe=True),
+    "nemotron_h": _nemotron_h,
+    "nemotron_h_bias": lambda: _nemotron_h(mlp_bias=True, use_bias=True),
     "deepseek_v3": lambda: _deepseek(rope_interleave=True, q_lora_rank=16),
     "deepseek_v3_plain_rope": lambda: _deepseek(rope_interleave=False, q_lora_rank=None),
     # DeepSeek's YaRN: mscale = mscale_all_dim (cos/sin magnitude 1) and the softmax scale times mscale(40)^2
