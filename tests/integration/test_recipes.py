@@ -52,6 +52,8 @@ PUBLISHED = {
     # exported configs count the same (tests/unit/hf/test_hf.py)
     "qwen3.5-27b": 26_895_998_464,
     "qwen3.5-35b-a3b": 34_660_610_688,
+    # Nemotron-H-8B-Base-8K; HF's NemotronHForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
+    "nemotron-h-8b": 8_100_852_736,
 }
 
 

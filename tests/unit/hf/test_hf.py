@@ -394,11 +394,16 @@ def test_qwen3_next_recipe_exports_to_the_published_size():
 
 @pytest.mark.parametrize(
     "recipe, family, count",
-    [("qwen3.5-27b", "qwen3_5_text", 26_895_998_464), ("qwen3.5-35b-a3b", "qwen3_5_moe_text", 34_660_610_688)],
+    [
+        ("qwen3.5-27b", "qwen3_5_text", 26_895_998_464),
+        ("qwen3.5-35b-a3b", "qwen3_5_moe_text", 34_660_610_688),
+        ("nemotron-h-8b", "nemotron_h", 8_100_852_736),
+    ],
 )
-def test_qwen3_5_recipes_export_to_the_published_text_models(recipe, family, count):
-    """The full-size recipes export to the released text configs' shapes: HF's model of the exported config (on
-    meta) counts what the released text_config gives (Qwen3.5-27B, Qwen3.5-35B-A3B) and what tessera builds."""
+def test_hybrid_recipes_export_to_the_published_models(recipe, family, count):
+    """The full-size recipes export to the released configs' shapes: HF's model of the exported config (on meta)
+    counts what the released config gives (Qwen3.5-27B's and Qwen3.5-35B-A3B's text_config, Nemotron-H-8B) and
+    what tessera builds; Nemotron-H's 28 tessera blocks are its 52 HF layers."""
     from pathlib import Path
 
     from tessera.hf.weights import export_config
@@ -410,7 +415,7 @@ def test_qwen3_5_recipes_export_to_the_published_text_models(recipe, family, cou
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_config))
         ours = build_model(config.model)
-    assert type(hf).__name__ == ("Qwen3_5MoeForCausalLM" if "moe" in family else "Qwen3_5ForCausalLM")
+    assert type(hf).__name__ == transformers.AutoConfig.for_model(**hf_config).architectures[0]
     assert sum(p.numel() for p in hf.parameters()) == count_parameters(ours) == count
 
 
