@@ -8,6 +8,7 @@ tokenizer may have any vocabulary size.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -542,6 +543,45 @@ def test_cli_qwen3_next_state_dims_that_disagree_are_one_line(tmp_path):
     assert res.returncode == 2
     assert "linear_num_value_heads" in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "make, field, value",
+    [
+        (_nemotron_h, "n_groups", 3),  # 8 Mamba heads do not split into 3 B/C groups
+        (_qwen3_5, "layer_types", ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+    ],
+)
+def test_cli_hybrid_state_dims_that_disagree_are_one_line(make, field, value, tmp_path):
+    """An HF config whose state dimensions or layer types tessera cannot build: exit 2, one line naming the field."""
+    make().save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, field: value}))
+    res = run_cli("convert", "hf-import", str(tmp_path / "hf"), str(tmp_path / "run"))
+    assert res.returncode == 2
+    assert field in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "family, change, field",
+    [
+        ("nemotron_h", {"mamba_head_dim": 10}, "mamba_num_heads"),  # 8 x 10 is no multiple of hidden_size 32
+        ("nemotron_h", {"layers_block_type": ["linear_attention", "moe"]}, "layers_block_type[1]"),
+        ("nemotron_h", {"layers_block_type": ["full_attention", "linear_attention"]}, "layers_block_type[0]"),
+        ("nemotron_h", {"layers_block_type": ["mlp", "linear_attention"]}, "layers_block_type[0]"),
+        ("nemotron_h", {"mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
+        ("qwen3_5", {"linear_num_value_heads": 3}, "linear_num_value_heads"),
+        ("qwen3_5", {"attn_output_gate": False}, "attn_output_gate"),
+    ],
+)
+def test_hybrid_configs_tessera_cannot_build_name_the_field(family, change, field):
+    """Each refused option raises one HFConversionError naming the HF field (the CLI prints it, exit 2)."""
+    from tessera.hf.weights import config_from_hf
+
+    hf = HF_MODELS[family]().config.to_dict()
+    with pytest.raises(HFConversionError, match=re.escape(field)):
+        config_from_hf({**hf, **change})
 
 
 def test_unsupported_family(tmp_path):
