@@ -15,18 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.hf.families.common import (
-    Family,
-    HFConversionError,
-    Rule,
-    copy,
-    ends_rules,
-    fail,
-    ffn_hidden,
-    get,
-    heads,
-    linear,
-)
+from tessera.hf.families.common import Family, HFConversionError, Rule, copy, ends_rules, fail, ffn_hidden, get
+from tessera.hf.families.common import heads, linear
 from tessera.hf.families.llama import attention_rules
 from tessera.hf.families.mamba import compress_pattern, mixer_rules
 from tessera.model.block import layer_kind
