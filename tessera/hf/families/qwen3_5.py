@@ -144,6 +144,14 @@ def _family(name: str, architecture: str, moe: bool, composite: bool = False) ->
     )
 
 
+# What an imported Qwen3.5 run exports as by default: its numbers are Qwen3-Next's, so detection alone cannot tell.
+EXPORT_AS = {
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_text": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen3_5_moe_text": "qwen3_5_moe_text",
+}
+
 FAMILIES = {
     "qwen3_5_text": _family("qwen3_5_text", "Qwen3_5ForCausalLM", moe=False),
     "qwen3_5_moe_text": _family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", moe=True),

@@ -437,6 +437,15 @@ def test_qwen3_5_released_multimodal_checkpoint_imports_its_text_model(tmp_path)
         assert (model(x) - ref).abs().max().item() <= TOL and ref.std() > 0.1
     with pytest.raises(HFConversionError, match="qwen3_5_text"):
         save_hf(model, tmp_path / "out", "qwen3_5")
+    # imported and exported without naming a family: the text model comes back as Qwen3.5, not as Qwen3-Next
+    from tessera.hf.convert import hf_export, hf_import
+
+    hf_import(tmp_path / "hf", tmp_path / "run")
+    assert hf_export(tmp_path / "run", tmp_path / "out") == "qwen3_5_text"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is transformers.Qwen3_5ForCausalLM
+    with torch.no_grad():
+        assert (back(x).logits - ref).abs().max().item() <= TOL
 
 
 def test_untied_t5_from_a_transformers_4_checkpoint(tmp_path):
