@@ -8,7 +8,8 @@ args, raising :class:`HFConversionError` for any option tessera cannot reproduce
 
 from __future__ import annotations
 
-from tessera.hf.families import bert, deepseek, deepseek_v32, gpt2, llama, mamba, moe, nemotron_h, qwen3_5, qwen3_next, t5
+from tessera.hf.families import bert, deepseek, deepseek_v32, gpt2, llama, mamba, moe, qwen3_next, t5
+from tessera.hf.families import nemotron_h, qwen3_5
 from tessera.hf.families.common import Family, HFConversionError, Rule
 
 FAMILIES: dict[str, Family] = {

@@ -593,6 +593,20 @@ def test_hybrid_configs_tessera_cannot_build_name_the_field(family, change, fiel
         config_from_hf({**hf, **change})
 
 
+def test_nemotron_h_layer_orders_in_every_form_pair_the_same():
+    """Released configs give the order as hybrid_override_pattern (M * - E), older ones with legacy type names:
+    all read as the same tessera blocks."""
+    from tessera.hf.weights import config_from_hf
+
+    hf = HF_MODELS["nemotron_h"]().config.to_dict()
+    types = hf.pop("layers_block_type")
+    legacy = [{"linear_attention": "mamba", "full_attention": "attention"}.get(t, t) for t in types]
+    want, _ = config_from_hf({**hf, "layers_block_type": types})
+    assert want.layer_pattern == "MmAM" and want.n_layers == 4
+    assert config_from_hf({**hf, "hybrid_override_pattern": "M-M*-M-"})[0] == want
+    assert config_from_hf({**hf, "layers_block_type": legacy})[0] == want
+
+
 def test_unsupported_family(tmp_path):
     _llama().save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
