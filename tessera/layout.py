@@ -238,6 +238,17 @@ def _check_context_parallel(config: JobConfig) -> None:
     )
     if "D" in m.layer_pattern:
         _check_gated_deltanet_cp(config)
+    piece = t.seq_len // (2 * p.cp)
+    _require(
+        "M" not in m.layer_pattern or piece >= m.mamba.conv - 1,
+        f"model.mamba.conv={m.mamba.conv} is wider than the local sequence piece train.seq_len / (2 x parallel.cp) "
+        f"= {piece} + 1 (a piece's convolution window reaches only into the piece before it); use a longer seq_len",
+    )
+    _require(
+        m.arch == "decoder" or m.attention.kernel not in ("linear", "performer"),
+        f"model.attention.kernel='{m.attention.kernel}' under context parallelism is causal only (the split form "
+        f"combines prefix sums), not model.arch='{m.arch}'; set parallel.cp=1 or use sdpa",
+    )
 
 
 def _check_gated_deltanet_cp(config: JobConfig) -> None:
@@ -248,11 +259,6 @@ def _check_gated_deltanet_cp(config: JobConfig) -> None:
         piece % g.chunk == 0 and piece >= g.conv - 1,
         f"model.gdn.chunk={g.chunk} does not divide the local sequence piece train.seq_len / (2 x parallel.cp) = "
         f"{piece} (Gated DeltaNet under context parallelism); pick a chunk that divides {piece}",
-    )
-    _require(
-        not config.data.document_mask,
-        "data.document_mask with Gated DeltaNet layers under context parallelism is not supported yet (a document "
-        "boundary at a rank's chunk start); set data.document_mask=false or parallel.cp=1",
     )
 
 
