@@ -204,6 +204,8 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         "supported yet (the per-rank parameter slices would not follow FSDP's sharded parameters); set "
         "parallel.dp_shard=1 and use parallel.dp_replicate for data parallelism",
     )
+    if "M" in m.layer_pattern:
+        _check_mamba_tp(m, p)
     _require(
         m.vocab_size % p.tp == 0,
         f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
@@ -214,6 +216,30 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}"
         + (f" x parallel.cp={p.cp}" if p.cp > 1 else "")
         + " (sequence parallelism splits each rank's tokens); change seq_len or set parallel.sequence_parallel=false",
+    )
+
+
+def _check_mamba_tp(m: ModelConfig, p: ParallelConfig) -> None:
+    """Mamba layers under tp: whole channels (Mamba-1) or whole heads and B/C groups (Mamba-2) per rank."""
+    mamba, inner = m.mamba, m.mamba.expand * m.dim
+    if mamba.version == 1:
+        _require(
+            inner % p.tp == 0,
+            f"the Mamba inner width model.mamba.expand x model.dim = {inner} is not divisible by parallel.tp={p.tp}; "
+            "pick a tp that divides it",
+        )
+    else:
+        _require(
+            (inner // mamba.head_dim) % p.tp == 0 and mamba.groups % p.tp == 0,
+            f"Mamba-2 under parallel.tp={p.tp} needs whole heads ({inner // mamba.head_dim}) and B/C groups "
+            f"(model.mamba.groups={mamba.groups}) per rank (its gated norm is per group); set model.mamba.groups to a "
+            "multiple of tp",
+        )
+    _require(
+        p.dp_shard == 1 and p.cp == 1,
+        "Mamba layers with parallel.tp > 1 and FSDP (parallel.dp_shard or parallel.cp > 1) are not supported yet "
+        "(the per-rank parameter slices would not follow FSDP's sharded parameters); set parallel.dp_shard=1 and "
+        "use parallel.dp_replicate for data parallelism",
     )
 
 

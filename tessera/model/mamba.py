@@ -56,14 +56,14 @@ def causal_conv(
     if cache is None and document_ids is not None:
         out = causal_depthwise_conv(x, conv.weight, document_ids)
         return F.silu(out + conv.bias[:, None] if conv.bias is not None else out)
-    if cache is None:
-        return F.silu(conv(x)[..., :length])
+    if cache is None:  # groups from the input: a tensor-parallel rank convolves only its channels
+        return F.silu(F.conv1d(F.pad(x, (width - 1, 0)), conv.weight, conv.bias, groups=x.shape[1]))
     if start == 0:
         cache.conv.zero_()
         cache.ssm.zero_()
     full = torch.cat([cache.conv.to(x.dtype), x], dim=-1)
     cache.conv.copy_(full[..., full.shape[-1] - (width - 1) :])
-    return F.silu(F.conv1d(full, conv.weight, conv.bias, groups=conv.groups))
+    return F.silu(F.conv1d(full, conv.weight, conv.bias, groups=x.shape[1]))
 
 
 def prefix_scan(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,12 +269,13 @@ def _segment_sum(a: torch.Tensor) -> torch.Tensor:
 
 
 class GatedRMSNorm(nn.Module):
-    """Mamba-2's output norm: RMSNorm(y * silu(z)) over groups of channels."""
+    """Mamba-2's output norm: RMSNorm(y * silu(z)) over groups of ``dim / groups`` channels (HF's
+    ``MambaRMSNormGated``: one group per B/C group; a tensor-parallel rank normalizes its whole groups)."""
 
     def __init__(self, dim: int, groups: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.groups, self.eps = groups, eps
+        self.group_size, self.eps = dim // groups, eps
 
     def reset_parameters(self) -> None:
         """Unit gain."""
@@ -283,7 +284,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Normalized gated ``y`` (..., dim) in ``y``'s dtype."""
         h = y.float() * F.silu(z.float())
-        g = h.view(*h.shape[:-1], self.groups, -1)
+        g = h.view(*h.shape[:-1], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * g.view(h.shape).to(y.dtype)
 
@@ -325,13 +326,16 @@ class Mamba2Mixer(RecurrentMixer):
         """See :meth:`~tessera.model.recurrent.RecurrentMixer.forward`."""
         document_ids = docs
         batch, length, _ = x.shape
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        # Widths from the parameters: a tensor-parallel rank holds some heads and their B/C groups.
+        heads, conv_dim = self.A_log.shape[0], self.conv1d.weight.shape[0]
+        inner = heads * self.head_dim
+        groups = (conv_dim - inner) // (2 * self.state)
+        z, xbc, dt = self.in_proj(x).split([inner, conv_dim, heads], dim=-1)
         xbc = causal_conv(xbc.transpose(1, 2), self.conv1d, cache, start, document_ids, split).transpose(1, 2)
-        xs, b, c = xbc.float().split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
+        xs, b, c = xbc.float().split([inner, groups * self.state, groups * self.state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H)
-        per_group = self.heads // self.groups
-        b, c = (t.view(batch, length, self.groups, self.state).repeat_interleave(per_group, dim=2) for t in (b, c))
-        xs = xs.view(batch, length, self.heads, self.head_dim)
+        b, c = (t.view(batch, length, groups, self.state).repeat_interleave(heads // groups, dim=2) for t in (b, c))
+        xs = xs.view(batch, length, heads, self.head_dim)
         a = -torch.exp(self.A_log.float())
         h0 = cache.ssm if cache is not None else None
         if split is not None:
@@ -341,7 +345,7 @@ class Mamba2Mixer(RecurrentMixer):
         if cache is not None:
             cache.ssm.copy_(h)
         y = y + xs * self.D.float()[:, None]
-        return self.out_proj(self.norm(y.reshape(batch, length, self.inner), z).to(x.dtype))
+        return self.out_proj(self.norm(y.reshape(batch, length, inner), z).to(x.dtype))
 
 
 def build_mamba(cfg: ModelConfig) -> nn.Module:
@@ -365,9 +369,9 @@ def check_mamba(m: ModelConfig) -> None:
         )
 
 
-MAMBA_UNSUPPORTED = {
-    "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
-}  # cp: each rank scans its pieces from zero; the summaries combine over the ranks (split_scan, parallel/context.py)
+# tp: channels and heads split by tessera/parallel/recurrent.py; cp: each rank scans its pieces from zero and the
+# summaries combine over the ranks (split_scan, parallel/context.py).
+MAMBA_UNSUPPORTED: dict[str, str] = {}
 # FLOPs: no score products (PaLM's term); the projections are in 6 * N. Memory: measured by the planner.
 MAMBA_TERMS = registry.Terms(flops=registry.zero, memory=registry.TRACED)
 
@@ -389,6 +393,9 @@ def _mamba_spec(name: str, version: int, mixer: type[nn.Module]) -> registry.Mix
         unsupported=MAMBA_UNSUPPORTED,
         checks=(check_mamba,),
         terms=MAMBA_TERMS,
+        # Empty: no projection is a DTensor shard (HF's fused in_proj is laid out by role, not by head); every
+        # parameter is sliced per rank by tessera/parallel/recurrent.py's MambaChannels.
+        tp_plan={},
         letters={"M": "Mamba"},
         selects=lambda m: (m.mamba.version == 2) == (version == 2),
         attr="mamba",
