@@ -50,7 +50,7 @@ def causal_conv(
     """silu(depthwise causal conv) of ``x`` (B, C, T); with a cache, continue from its window at ``start``;
     with ``document_ids`` (B, T), restart the window at every document boundary; with ``split``, ``x`` is this
     forward's part of each sequence (the windows start with the inputs before each piece)."""
-    width, length = conv.kernel_size[0], x.shape[-1]
+    width = conv.kernel_size[0]
     if split is not None:
         return F.silu(split_causal_conv(x, conv.weight, split, document_ids, conv.bias))
     if cache is None and document_ids is not None:

@@ -134,16 +134,22 @@ RECURRENT = {
 
 
 def _recurrent_cases(cases: dict, meshes: dict) -> None:
-    """Each recurrent mixer at cp2 and cp4 (with document masks where the mixer has them: the linear kernels have
-    none), and the cross-rank state and the convolution halo dropped on purpose."""
-    for name, kw in RECURRENT.items():
-        linear = "kernel" in kw.get("attention", {})
-        for mesh_name, mesh in meshes.items():
-            for documents in (False,) if linear else (False, True):
-                case = f"{mesh_name}_recurrent_{name}{'_docs' if documents else ''}"
-                cases[case] = run_case(mesh, "allgather", documents, kw)
-    cases["bug_recurrent_no_state"] = run_case(meshes["cp2"], "allgather", False, RECURRENT["mamba2_linear"], "no_state")
-    cases["bug_recurrent_no_halo"] = run_case(meshes["cp2"], "allgather", True, RECURRENT["mamba"], "no_halo")
+    """Each recurrent mixer at cp2, three of them at cp4, with document masks where the mixer has them (the linear
+    kernels have none; without documents the mixers run in the linear-kernel models and in the run-level world of
+    tests/integration/test_gated_deltanet_parallel.py), and the cross-rank state and the convolution halo dropped on
+    purpose."""
+    plan = {
+        "cp2": ("mamba2_linear", "mamba_performer", "mamba2", "mamba", "gdn"),
+        "cp4": ("mamba2_linear", "mamba", "gdn"),
+    }
+    for mesh_name, names in plan.items():
+        for name in names:
+            documents = "kernel" not in RECURRENT[name].get("attention", {})
+            case = f"{mesh_name}_recurrent_{name}{'_docs' if documents else ''}"
+            cases[case] = run_case(meshes[mesh_name], "allgather", documents, RECURRENT[name])
+    cp2 = meshes["cp2"]
+    cases["bug_recurrent_no_state"] = run_case(cp2, "allgather", False, RECURRENT["mamba2_linear"], "no_state")
+    cases["bug_recurrent_no_halo"] = run_case(cp2, "allgather", True, RECURRENT["mamba"], "no_halo")
 
 
 def main() -> None:

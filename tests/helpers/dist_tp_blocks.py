@@ -113,7 +113,9 @@ def recurrent_variants() -> list[ModelConfig]:
     gdn = {"key_heads": 2, "value_heads": 4, "key_head_dim": 16, "value_head_dim": 16, "chunk": 8}
     return [
         model_config(**base, layer_pattern="MA", mamba={**mamba, "dt_norm": True}, attention={"kernel": "performer"}),
-        model_config(**base, layer_pattern="MA", mamba={**mamba, "version": 2, "groups": 2}, attention={"kernel": "linear"}),
+        model_config(
+            **base, layer_pattern="MA", mamba={**mamba, "version": 2, "groups": 2}, attention={"kernel": "linear"}
+        ),
         model_config(**base, layer_pattern="DA", gdn=gdn),
     ]
 

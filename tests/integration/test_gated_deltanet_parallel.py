@@ -1,10 +1,11 @@
 """A Qwen3-Next-shaped hybrid (Gated DeltaNet + gated attention with per-head QK-norm, zero-centred norms, partial
-rotary, MoE with a gated shared expert) under tp2, tp2 + SP, pipeline stages and cp2 (chunk summaries combined over
-the ranks, convolution halos from the rank before), with document masks at cp2; the same hybrid with Mamba-2 + elu+1
-attention and with Mamba-1 + Performer attention at tp2 + SP and cp2, and Mamba-2 + softmax attention at cp2 with
-document masks: each matches its single-process run on losses, grad norms and final parameters (fp32, 1e-5
-relative, 4 steps), all in one spawned world of 2. (Layer-level cp2 / cp4 parity of every recurrent mixer, with
-boundaries placed inside a rank's slice and on a rank boundary: tests/helpers/dist_cp.py.)"""
+rotary, MoE with a gated shared expert) under tp2 + SP, pipeline stages and cp2 (chunk summaries combined over the
+ranks, convolution halos from the rank before), also with document masks at cp2; the same hybrid with Mamba-2 + elu+1
+attention at tp2 + SP and cp2, and Mamba-2 + softmax attention at cp2 with document masks: each matches its
+single-process run on losses, grad norms and final parameters (fp32, 1e-5 relative, 4 steps), all in one spawned
+world of 2. Layer level, with spread-out weights: tp and SP without it for every recurrent mixer
+(tests/helpers/dist_tp_blocks.py), cp2 / cp4 with document boundaries inside a rank's slice and on a rank boundary
+(tests/helpers/dist_cp.py)."""
 
 from __future__ import annotations
 
@@ -49,22 +50,18 @@ MIXERS = {  # model variant -> its overrides (each has its own single-process re
     "gdn": [],
     "gdn_docs": ["data.document_mask=true"],
     "mamba2_linear": [*MAMBA, "model.mamba.version=2", "model.mamba.groups=2", "model.attention.kernel=linear"],
-    "mamba_performer": [*MAMBA, "model.attention.kernel=performer"],
     "mamba2_docs": [*MAMBA, "model.mamba.version=2", "data.document_mask=true"],
 }
 TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]
 SP = ["parallel.sequence_parallel=true"]
 CP2 = ["parallel.cp=2", "parallel.dp_shard=1"]
 LAYOUTS = {  # name -> (layout, model variant)
-    "tp2": (TP2, "gdn"),
     "tp2_sp": ([*TP2, *SP], "gdn"),
     "pp2": (["parallel.pp=2", "parallel.dp_shard=1"], "gdn"),
     "cp2": (CP2, "gdn"),
     "cp2_docs": (CP2, "gdn_docs"),
     "tp2_sp_mamba2_linear": ([*TP2, *SP], "mamba2_linear"),
     "cp2_mamba2_linear": (CP2, "mamba2_linear"),
-    "tp2_sp_mamba_performer": ([*TP2, *SP], "mamba_performer"),
-    "cp2_mamba_performer": (CP2, "mamba_performer"),
     "cp2_mamba2_docs": (CP2, "mamba2_docs"),
 }
 
