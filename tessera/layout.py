@@ -198,12 +198,6 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         f"model.gdn.key_heads={m.gdn.key_heads} is not divisible by parallel.tp={p.tp} (each rank holds whole "
         "Gated DeltaNet key-head groups); pick a tp that divides it",
     )
-    _require(
-        "D" not in m.layer_pattern or (p.dp_shard == 1 and p.cp == 1),
-        "Gated DeltaNet layers with parallel.tp > 1 and FSDP (parallel.dp_shard or parallel.cp > 1) are not "
-        "supported yet (the per-rank parameter slices would not follow FSDP's sharded parameters); set "
-        "parallel.dp_shard=1 and use parallel.dp_replicate for data parallelism",
-    )
     if "M" in m.layer_pattern:
         _check_mamba_tp(m, p)
     _require(
@@ -235,12 +229,6 @@ def _check_mamba_tp(m: ModelConfig, p: ParallelConfig) -> None:
             f"(model.mamba.groups={mamba.groups}) per rank (its gated norm is per group); set model.mamba.groups to a "
             "multiple of tp",
         )
-    _require(
-        p.dp_shard == 1 and p.cp == 1,
-        "Mamba layers with parallel.tp > 1 and FSDP (parallel.dp_shard or parallel.cp > 1) are not supported yet "
-        "(the per-rank parameter slices would not follow FSDP's sharded parameters); set parallel.dp_shard=1 and "
-        "use parallel.dp_replicate for data parallelism",
-    )
 
 
 def _check_context_parallel(config: JobConfig) -> None:
