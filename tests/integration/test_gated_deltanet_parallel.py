@@ -111,3 +111,8 @@ def test_mamba2_groups_not_divisible_by_tp_is_one_clear_error(tiny_config):
 def test_chunk_not_dividing_the_local_piece_is_one_clear_error(tiny_config):
     with pytest.raises(ConfigError, match=r"model.gdn.chunk=16 does not divide the local sequence piece .* = 8"):
         tiny_config("parallel.cp=2", "parallel.dp_shard=1", "model.layer_pattern=DA", "model.gdn.chunk=16")
+
+
+def test_mamba_conv_wider_than_the_local_piece_is_one_clear_error(tiny_config):
+    with pytest.raises(ConfigError, match=r"model.mamba.conv=10 is wider than the local sequence piece"):
+        tiny_config("parallel.cp=2", "parallel.dp_shard=1", "model.layer_pattern=MA", "model.mamba.conv=10")
