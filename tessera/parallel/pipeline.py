@@ -100,7 +100,7 @@ class _AttachAux(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(aux)
         ctx.scale = scale
-        return h.view_as(h)
+        return h.clone()  # not a view: the zero-bubble schedules' split backward detaches stage outputs in place
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
