@@ -107,14 +107,17 @@ class KernelSpec(Spec):
     """An attention kernel: ``attend(layer, q, k, v, ctx, dropout) -> out`` with (B, H, Tq, D) queries and
     (B, H_kv, Tk, D) keys/values; ``scores``: it forms a score matrix (takes masks, score biases, windows
     and document masks); ``state(cfg, head_dim)``: a per-layer module it keeps (``layer.features``) or None;
-    ``pattern``: it brings its own sparsity pattern (model/masks.py draws it), so it cannot serve layers
-    that need plain (global) attention."""
+    ``pattern``: its own sparsity pattern (a ``tessera.model.masks.Pattern``, which model/masks.py draws) or
+    None; a kernel with one cannot serve layers that need plain (global) attention; ``dense_mask``: it reads
+    the whole boolean (Tq, Tk) mask (its weights are what inspection tools observe), so the stack builds no
+    block-sparse plan for it and context parallelism hands it the boolean mask, not sdpa's additive copy."""
 
     kind: str = "attention_kernel"
     attend: Callable[..., Any]
     scores: bool = True
     state: Callable[..., Any] | None = None
-    pattern: bool = False
+    pattern: Any = None
+    dense_mask: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

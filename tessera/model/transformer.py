@@ -126,11 +126,11 @@ class Stack(nn.Module):
             ctx.bias = self.rel_bias(q_pos, k_pos)
         return ctx
 
-    def _runs_eager(self) -> bool:
-        """Whether any attention layer of this stack runs the eager kernel now (configured, or set by an
-        inspection tool for this forward)."""
-        kernels = (getattr(getattr(layer, "attention", None), "kernel", None) for layer in self.layers.values())
-        return self.cfg.attention.kernel == "eager" or "eager" in kernels
+    def _needs_dense_mask(self) -> bool:
+        """Whether any attention layer of this stack runs a kernel that reads the whole mask now (configured,
+        or set by an inspection tool for this forward: ``KernelSpec.dense_mask``)."""
+        kernels = {getattr(getattr(layer, "attention", None), "kernel", None) for layer in self.layers.values()}
+        return any(kernel_spec(k).dense_mask for k in ({self.cfg.attention.kernel} | kernels) - {None})
 
     def _masking(
         self,
@@ -156,7 +156,7 @@ class Stack(nn.Module):
         kv_len = start + length - kv_start
         # The block-sparse kernel serves plain attention without a dense score bias (eager keeps dense
         # weights for inspection tools, which switch layers to eager; latent attention reads the mask itself).
-        sparse_ok = not self._runs_eager() and self.rel_bias is None and not self.cfg.mla.kv_rank
+        sparse_ok = not self._needs_dense_mask() and self.rel_bias is None and not self.cfg.mla.kv_rank
         if sparse_ok and start == 0 and kv_start == 0:
             blocks = block_layout(spec, length, device, document_ids)
             if blocks is not None:

@@ -40,7 +40,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tessera.model.attention import Attention, AttnContext
+from tessera.model.attention import Attention, AttnContext, kernel_spec
 from tessera.model.masks import MaskSpec, allowed
 from tessera.model.moe import MoE, TokenGroup
 from tessera.model.sinks import ring_sink_grad, ring_start
@@ -112,7 +112,7 @@ class ContextParallel:
         mask = allowed(spec, q_idx[:, None], keys[None, :], *docs).view(-1, 1, length, keys.numel())
         # sdpa would turn a bool mask into a float copy per layer: share one (a score bias needs the bool one)
         additive = mask
-        if spec.kernel != "eager":
+        if not kernel_spec(spec.kernel).dense_mask:
             additive = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
         plain, biased = AttnContext(mask=additive), AttnContext(mask=mask)
 

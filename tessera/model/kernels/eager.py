@@ -57,5 +57,6 @@ SPEC = register(
         terms=Terms(flops=attention_flops, memory=_eager_memory),
         tp_plan=ATTENTION_TP,
         attend=eager_attend,
+        dense_mask=True,
     )
 )
