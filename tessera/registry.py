@@ -33,7 +33,8 @@ Adding a component (see docs/ARCHITECTURE.md, "Adding a component")::
         attend=local_attend,                           # kind-specific fields (KernelSpec, MixerSpec)
     ))
 
-``register`` returns the spec and refuses a second spec of the same kind and name; ``get(kind, name)``
+``register`` returns the spec and refuses a second spec of the same kind and name (``option(**fields)``
+registers a ``Spec(kind="option")``); ``get(kind, name)``
 raises ``KeyError`` naming the registered ones; ``names(kind)`` and ``specs(kind)`` list them in
 registration order; ``used(job, kind)`` lists the specs a JobConfig turns on, ``used_by_model(m, kind)``
 the model-scoped ones a ModelConfig turns on (``model/rules.py`` runs their ``checks``);
@@ -161,6 +162,11 @@ def register(spec: Spec) -> Spec:
         raise ValueError(f"a {spec.kind} named {spec.name!r} is already registered")
     REGISTRY[spec.kind][spec.name] = spec
     return spec
+
+
+def option(**declared: Any) -> Spec:
+    """Register a model or job option (``Spec(kind="option", **declared)``) and return its spec."""
+    return register(Spec(kind="option", **declared))
 
 
 def get(kind: str, name: str) -> Any:

@@ -225,14 +225,11 @@ MIXER = registry.register(
     )
 )
 
-QK_NORM_ALL = registry.register(
-    registry.Spec(
-        kind="option",
-        name="qk_norm_all",
-        feature="QK-norm over all heads",
-        keys=("model.attention.qk_norm", "model.attention.qk_norm_scope"),
-        uses=lambda m: m.attention.qk_norm and m.attention.qk_norm_scope == "all",
-        unsupported={},  # under tp its statistics are reduced over the ranks (parallel/tensor_attention.py)
-        checks=(),
-    )
+QK_NORM_ALL = registry.option(
+    name="qk_norm_all",
+    feature="QK-norm over all heads",
+    keys=("model.attention.qk_norm", "model.attention.qk_norm_scope"),
+    uses=lambda m: m.attention.qk_norm and m.attention.qk_norm_scope == "all",
+    unsupported={},  # under tp its statistics are reduced over the ranks (parallel/tensor_attention.py)
+    checks=(),
 )

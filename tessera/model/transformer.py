@@ -521,8 +521,7 @@ def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
 
 
 def _option(name: str, feature: str, key: str, uses: Callable[[ModelConfig], bool], unsupported: dict) -> None:
-    spec = registry.Spec(kind="option", name=name, feature=feature, keys=(key,), uses=uses, unsupported=unsupported)
-    registry.register(dataclasses.replace(spec, checks=()))
+    registry.option(name=name, feature=feature, keys=(key,), uses=uses, unsupported=unsupported, checks=())
 
 
 _option("tied_embeddings", "tied embeddings", "model.tie_embeddings", lambda m: m.tie_embeddings, {})

@@ -79,8 +79,6 @@ class SequenceSplit(Protocol):
         ...
 
 
-
-
 def allowed_mask(ctx: AttnContext, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
     """The context's boolean mask, materializing the implicit causal one when needed."""
     if ctx.mask is None and ctx.is_causal:
