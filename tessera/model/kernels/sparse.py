@@ -104,32 +104,25 @@ def check_longformer(m: Any) -> None:
     )
 
 
-LONGFORMER = register(
-    KernelSpec(
-        name="longformer",
-        feature=FEATURE,
-        keys=KEYS,
-        uses=uses_kernel("longformer"),
-        unsupported={},
-        checks=(check_longformer,),
-        terms=SOFTMAX_TERMS,
-        tp_plan=ATTENTION_TP,
-        attend=sdpa_attend,
-        pattern=LongformerPattern(),
+def _sparse_kernel(name: str, pattern: Any, keys: tuple[str, ...], checks: tuple) -> KernelSpec:
+    """A kernel of this file: sdpa (block-sparse) over ``pattern``; one table row, every layout supported."""
+    return register(
+        KernelSpec(
+            name=name,
+            feature=FEATURE,
+            keys=(*KEYS, *keys),
+            uses=uses_kernel(name),
+            unsupported={},
+            checks=checks,
+            terms=SOFTMAX_TERMS,
+            tp_plan=ATTENTION_TP,
+            attend=sdpa_attend,
+            pattern=pattern,
+        )
     )
-)
 
-BIGBIRD = register(
-    KernelSpec(
-        name="bigbird",
-        feature=FEATURE,
-        keys=(*KEYS, "model.attention.block_size", "model.attention.random_blocks"),
-        uses=uses_kernel("bigbird"),
-        unsupported={},
-        checks=(),
-        terms=SOFTMAX_TERMS,
-        tp_plan=ATTENTION_TP,
-        attend=sdpa_attend,
-        pattern=BigBirdPattern(),
-    )
+
+LONGFORMER = _sparse_kernel("longformer", LongformerPattern(), (), (check_longformer,))
+BIGBIRD = _sparse_kernel(
+    "bigbird", BigBirdPattern(), ("model.attention.block_size", "model.attention.random_blocks"), checks=()
 )
