@@ -308,21 +308,34 @@ def _init_module(name: str, module: nn.Module, cfg: ModelConfig) -> None:
         module.reset_parameters()
 
 
-class Decoder(Stack):
+class TiedOutput:
+    """What the three architectures share at the top: the output head tied to the token embedding
+    (``model.tie_embeddings``) and :meth:`init_weights`."""
+
+    cfg: ModelConfig
+    tok_embeddings: nn.Embedding
+    output: nn.Linear
+
+    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
+        """See :func:`init_weights`."""
+        init_weights(self, self.cfg, seed_of)
+
+    def _tie_and_init(self) -> None:
+        """Share the token embedding's weight with the output head when the config ties them, then initialize."""
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+
+class Decoder(TiedOutput, Stack):
     """Causal LM: token embedding, ``n_layers`` causal blocks, final norm, output head (optionally tied)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, cfg.n_layers, causal=True)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
         self.mtp = build_mtp(cfg)  # multi-token prediction modules (model.mtp_depth), or None
-        self.init_weights()
-
-    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
-        """See :func:`init_weights`."""
-        init_weights(self, self.cfg, seed_of)
+        self._tie_and_init()
 
     def forward(
         self,
@@ -373,7 +386,7 @@ class MLMHead(nn.Module):
         return self.norm(self.act(self.dense(h)))
 
 
-class Encoder(Stack):
+class Encoder(TiedOutput, Stack):
     """Bidirectional encoder with a masked-LM head (BERT); tied output with a vocab bias."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -382,13 +395,7 @@ class Encoder(Stack):
         self.type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.dim) if cfg.type_vocab_size else None
         self.head = MLMHead(cfg)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=True)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.init_weights()
-
-    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
-        """See :func:`init_weights`."""
-        init_weights(self, self.cfg, seed_of)
+        self._tie_and_init()
 
     def embed(self, tokens: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token (+ token-type) embeddings (B, T, dim)."""
@@ -426,7 +433,7 @@ class Encoder(Stack):
         return apply_output(self.head(h), self.output, output_fn) if self.output is not None else h
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(TiedOutput, nn.Module):
     """Seq2seq (T5): shared token embedding, encoder stack, decoder stack with cross-attention, head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -436,13 +443,7 @@ class EncoderDecoder(nn.Module):
         self.encoder = Stack(cfg, cfg.n_layers, causal=False)
         self.decoder = Stack(cfg, cfg.n_decoder_layers or cfg.n_layers, causal=True, cross=True)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.init_weights()
-
-    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
-        """See :func:`init_weights`."""
-        init_weights(self, self.cfg, seed_of)
+        self._tie_and_init()
 
     def encode(self, input_ids: torch.Tensor, moe_log: MoELog | None = None) -> torch.Tensor:
         """Encoder output (B, S, dim), the decoder's cross-attention memory."""

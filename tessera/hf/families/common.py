@@ -87,6 +87,22 @@ def ffn_hidden(cfg: ModelConfig) -> int:
     return ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
 
 
+def decoder_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config keys every RMSNorm decoder family writes alike (Llama, DeepSeek, Jamba)."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": ffn_hidden(cfg),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+        "hidden_act": ACT_OUT.get(cfg.activation, cfg.activation),
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
+
+
 def heads(hf: dict[str, Any], dim: int, n_heads: int) -> dict[str, Any]:
     """``head_dim`` (0 when it is dim // n_heads)."""
     head_dim = get(hf, "head_dim", default=dim // n_heads)

@@ -9,11 +9,11 @@ import torch
 from tessera.config import ModelConfig
 from tessera.hf.families.common import (
     ACT_IN,
-    ACT_OUT,
     Family,
     HFConversionError,
     Rule,
     copy,
+    decoder_to_hf,
     ends_rules,
     fail,
     ffn_hidden,
@@ -23,7 +23,7 @@ from tessera.hf.families.common import (
     rope_params,
     rope_to_hf,
 )
-from tessera.hf.families.llama import dense_ffn_rules, expert_rules
+from tessera.hf.families.llama import dense_ffn_rules, expert_rules, layer_norm_rules
 from tessera.model.moe import is_moe_layer
 
 
@@ -122,16 +122,8 @@ def _deepseek_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         for params in (rope["rope_scaling"], rope["rope_parameters"]):
             params["mscale_all_dim"] = mla.mscale
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": ffn_hidden(cfg),
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_heads,
-        "hidden_act": ACT_OUT.get(cfg.activation, cfg.activation),
-        "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings,
+        **decoder_to_hf(cfg),
+        "num_key_value_heads": cfg.n_heads,  # latent attention: every head has its keys and values
         "attention_bias": cfg.attention.qkv_bias,
         "kv_lora_rank": mla.kv_rank,
         "q_lora_rank": mla.q_rank or None,
@@ -162,11 +154,7 @@ def _mla_rules(cfg: ModelConfig, ours: str, theirs: str) -> list[Rule]:
 
 def _layer_rules(cfg: ModelConfig, ours: str, theirs: str, index: int) -> list[Rule]:
     """One block's rules (``index`` says whether it is a MoE layer)."""
-    rules = [
-        copy(f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
-        copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-    ]
-    rules += _mla_rules(cfg, f"{ours}.attention", f"{theirs}.self_attn")
+    rules = layer_norm_rules(ours, theirs) + _mla_rules(cfg, f"{ours}.attention", f"{theirs}.self_attn")
     if not is_moe_layer(cfg, index):
         return rules + dense_ffn_rules(cfg, f"{ours}.feed_forward", f"{theirs}.mlp")
     rules += [
