@@ -87,6 +87,26 @@ def ffn_hidden(cfg: ModelConfig) -> int:
     return ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
 
 
+def decoder_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The [model] keys every RMSNorm decoder family reads alike from its HF config (Llama, DeepSeek, Jamba);
+    an activation tessera does not have is refused."""
+    act = hf.get("hidden_act", "silu")
+    if act not in ACT_IN:
+        fail("hidden_act", act, family)
+    return {
+        "vocab_size": hf["vocab_size"],
+        "dim": hf["hidden_size"],
+        "n_layers": hf["num_hidden_layers"],
+        "n_heads": hf["num_attention_heads"],
+        "ffn_hidden": hf["intermediate_size"],
+        "activation": ACT_IN[act],
+        "norm": "rmsnorm",
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "max_seq_len": hf["max_position_embeddings"],
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
 def decoder_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config keys every RMSNorm decoder family writes alike (Llama, DeepSeek, Jamba)."""
     return {

@@ -8,7 +8,6 @@ import torch
 
 from tessera.config import ModelConfig
 from tessera.hf.families.common import (
-    ACT_IN,
     Family,
     HFConversionError,
     Rule,
@@ -22,6 +21,7 @@ from tessera.hf.families.common import (
     rope_from_hf,
     rope_params,
     rope_to_hf,
+    decoder_from_hf,
 )
 from tessera.hf.families.llama import dense_ffn_rules, expert_rules, layer_norm_rules
 from tessera.model.moe import is_moe_layer
@@ -42,25 +42,14 @@ def _mla_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    act = hf.get("hidden_act", "silu")
-    if act not in ACT_IN:
-        fail("hidden_act", act, "deepseek_v3")
+    out = decoder_from_hf(hf, "deepseek_v3")
     n_heads = hf["num_attention_heads"]
     if get(hf, "num_key_value_heads", default=n_heads) != n_heads:
         fail("num_key_value_heads", hf["num_key_value_heads"], "deepseek_v3", "latent attention expands every head")
     n_layers = hf["num_hidden_layers"]
     bias = bool(hf.get("attention_bias", False))
     out = {
-        "vocab_size": hf["vocab_size"],
-        "dim": hf["hidden_size"],
-        "n_layers": n_layers,
-        "n_heads": n_heads,
-        "ffn_hidden": hf["intermediate_size"],
-        "activation": ACT_IN[act],
-        "norm": "rmsnorm",
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "max_seq_len": hf["max_position_embeddings"],
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        **out,
         "attention": {"qkv_bias": bias, "o_bias": bias},
         "position": rope_from_hf(hf, "deepseek_v3"),
         "mla": _mla_from_hf(hf),

@@ -6,7 +6,6 @@ from typing import Any
 
 from tessera.config import ModelConfig
 from tessera.hf.families.common import (
-    ACT_IN,
     Family,
     Rule,
     copy,
@@ -18,29 +17,19 @@ from tessera.hf.families.common import (
     linear,
     rope_from_hf,
     rope_to_hf,
+    decoder_from_hf,
 )
 from tessera.model.moe import is_moe_layer
 
 
 def llama_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """The ModelConfig keys of a Llama-like HF config (also the base of Mistral, Qwen2, Mixtral, the MoE families)."""
-    act = hf.get("hidden_act", "silu")
-    if act not in ACT_IN:
-        fail("hidden_act", act, family)
+    out = decoder_from_hf(hf, family)
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     attention_bias = bool(hf.get("attention_bias", False))  # Llama: biases on q, k, v and o
     return {
-        "vocab_size": hf["vocab_size"],
-        "dim": dim,
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": n_heads,
+        **out,
         "n_kv_heads": get(hf, "num_key_value_heads", default=n_heads),
-        "ffn_hidden": hf["intermediate_size"],
-        "activation": ACT_IN[act],
-        "norm": "rmsnorm",
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "max_seq_len": hf["max_position_embeddings"],
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "ffn_bias": bool(hf.get("mlp_bias", False)),
         "attention": {"qkv_bias": attention_bias, "o_bias": attention_bias},
         "position": rope_from_hf(hf, family),

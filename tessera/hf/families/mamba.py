@@ -7,7 +7,7 @@ from typing import Any
 
 from tessera.config import ModelConfig
 from tessera.model.block import layer_kind
-from tessera.hf.families.common import ACT_IN, Family, Rule, copy, ends_rules, fail, get, linear, decoder_to_hf
+from tessera.hf.families.common import Family, Rule, copy, ends_rules, fail, get, linear, decoder_to_hf, decoder_from_hf
 from tessera.hf.families.llama import attention_rules, dense_ffn_rules, expert_rules
 from tessera.model.moe import is_moe_layer
 
@@ -139,17 +139,9 @@ def _jamba_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     n, dim = hf["num_hidden_layers"], hf["hidden_size"]
     period, offset = hf.get("attn_layer_period", 8), hf.get("attn_layer_offset", 4)
     out = {
-        "vocab_size": hf["vocab_size"],
-        "dim": dim,
-        "n_layers": n,
-        "n_heads": hf["num_attention_heads"],
+        **decoder_from_hf(hf, "jamba"),
         "n_kv_heads": get(hf, "num_key_value_heads", default=hf["num_attention_heads"]),
-        "ffn_hidden": hf["intermediate_size"],
-        "activation": ACT_IN["silu"],
-        "norm": "rmsnorm",
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "max_seq_len": int(hf.get("max_position_embeddings") or 262144),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "layer_pattern": compress_pattern("".join("A" if i % period == offset else "M" for i in range(n))),
         "position": {"kind": "none"},
         "mamba": {
