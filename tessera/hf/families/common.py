@@ -87,6 +87,16 @@ def ffn_hidden(cfg: ModelConfig) -> int:
     return ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
 
 
+def sizes_from_hf(hf: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The [model] sizes a family's name table (ours -> HF's) reads from its HF config."""
+    return {ours: hf[theirs] for ours, theirs in names.items()}
+
+
+def sizes_to_hf(cfg: ModelConfig, names: dict[str, str]) -> dict[str, Any]:
+    """The same table written back into an HF config (``ffn_hidden`` resolved to the width that runs)."""
+    return {theirs: ffn_hidden(cfg) if ours == "ffn_hidden" else getattr(cfg, ours) for ours, theirs in names.items()}
+
+
 def decoder_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """The [model] keys every RMSNorm decoder family reads alike from its HF config (Llama, DeepSeek, Jamba);
     an activation tessera does not have is refused."""
