@@ -33,7 +33,8 @@ Adding a component (see docs/ARCHITECTURE.md, "Adding a component")::
         attend=local_attend,                           # kind-specific fields (KernelSpec, MixerSpec)
     ))
 
-``register`` returns the spec and refuses a second spec of the same kind and name; ``get(kind, name)``
+``register`` returns the spec and refuses a second spec of the same kind and name (``option(**fields)``
+registers a ``Spec(kind="option")``); ``get(kind, name)``
 raises ``KeyError`` naming the registered ones; ``names(kind)`` and ``specs(kind)`` list them in
 registration order; ``used(job, kind)`` lists the specs a JobConfig turns on, ``used_by_model(m, kind)``
 the model-scoped ones a ModelConfig turns on (``model/rules.py`` runs their ``checks``);
@@ -107,14 +108,17 @@ class KernelSpec(Spec):
     """An attention kernel: ``attend(layer, q, k, v, ctx, dropout) -> out`` with (B, H, Tq, D) queries and
     (B, H_kv, Tk, D) keys/values; ``scores``: it forms a score matrix (takes masks, score biases, windows
     and document masks); ``state(cfg, head_dim)``: a per-layer module it keeps (``layer.features``) or None;
-    ``pattern``: it brings its own sparsity pattern (model/masks.py draws it), so it cannot serve layers
-    that need plain (global) attention."""
+    ``pattern``: its own sparsity pattern (a ``tessera.model.masks.Pattern``, which model/masks.py draws) or
+    None; a kernel with one cannot serve layers that need plain (global) attention; ``dense_mask``: it reads
+    the whole boolean (Tq, Tk) mask (its weights are what inspection tools observe), so the stack builds no
+    block-sparse plan for it and context parallelism hands it the boolean mask, not sdpa's additive copy."""
 
     kind: str = "attention_kernel"
     attend: Callable[..., Any]
     scores: bool = True
     state: Callable[..., Any] | None = None
-    pattern: bool = False
+    pattern: Any = None
+    dense_mask: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +162,11 @@ def register(spec: Spec) -> Spec:
         raise ValueError(f"a {spec.kind} named {spec.name!r} is already registered")
     REGISTRY[spec.kind][spec.name] = spec
     return spec
+
+
+def option(**declared: Any) -> Spec:
+    """Register a model or job option (``Spec(kind="option", **declared)``) and return its spec."""
+    return register(Spec(kind="option", **declared))
 
 
 def get(kind: str, name: str) -> Any:

@@ -341,18 +341,15 @@ MIXER = registry.register(
     )
 )
 
-RING = registry.register(
-    registry.Spec(
-        kind="option",
-        name="dsa_ring",
-        feature="DeepSeek sparse attention with cp_method=ring",
-        keys=("model.dsa.topk", "parallel.cp_method"),
-        scope="job",
-        uses=lambda job: bool(job.model.dsa.topk) and job.parallel.cp_method == "ring",
-        unsupported={
-            "cp": "each query's top-k ranges over every rank's keys, which the ring never holds at once; use "
-            "parallel.cp_method=allgather",
-        },
-        checks=(),
-    )
+RING = registry.option(
+    name="dsa_ring",
+    feature="DeepSeek sparse attention with cp_method=ring",
+    keys=("model.dsa.topk", "parallel.cp_method"),
+    scope="job",
+    uses=lambda job: bool(job.model.dsa.topk) and job.parallel.cp_method == "ring",
+    unsupported={
+        "cp": "each query's top-k ranges over every rank's keys, which the ring never holds at once; use "
+        "parallel.cp_method=allgather",
+    },
+    checks=(),
 )

@@ -96,18 +96,15 @@ def check_gpt_oss_experts(m: Any) -> None:
     )
 
 
-SPEC = registry.register(
-    registry.Spec(
-        kind="option",
-        name="gpt_oss_experts",
-        feature="gpt-oss experts (expert biases, clamped SwiGLU)",
-        keys=("model.moe.expert_biases", "model.moe.swiglu_limit"),
-        uses=lambda m: m.moe.experts > 1 and (m.moe.expert_biases or m.moe.swiglu_limit > 0),
-        unsupported={
-            "ep": "the expert-parallel dispatch carries the three projection weights, not the experts' biases; "
-            "use data or tensor parallelism",
-            "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch'",
-        },
-        checks=(check_gpt_oss_experts,),
-    )
+SPEC = registry.option(
+    name="gpt_oss_experts",
+    feature="gpt-oss experts (expert biases, clamped SwiGLU)",
+    keys=("model.moe.expert_biases", "model.moe.swiglu_limit"),
+    uses=lambda m: m.moe.experts > 1 and (m.moe.expert_biases or m.moe.swiglu_limit > 0),
+    unsupported={
+        "ep": "the expert-parallel dispatch carries the three projection weights, not the experts' biases; "
+        "use data or tensor parallelism",
+        "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch'",
+    },
+    checks=(check_gpt_oss_experts,),
 )

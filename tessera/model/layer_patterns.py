@@ -105,26 +105,20 @@ def check_local_rope(m: Any) -> None:
     )
 
 
-NOPE = registry.register(
-    registry.Spec(
-        kind="option",
-        name="nope_layers",
-        feature="NoPE layers (no rotary on chosen layers)",
-        keys=("model.position.nope_layers",),
-        uses=lambda m: bool(m.position.nope_layers),
-        unsupported={},
-        checks=(check_nope_layers,),
-    )
+NOPE = registry.option(
+    name="nope_layers",
+    feature="NoPE layers (no rotary on chosen layers)",
+    keys=("model.position.nope_layers",),
+    uses=lambda m: bool(m.position.nope_layers),
+    unsupported={},
+    checks=(check_nope_layers,),
 )
 
-LOCAL_ROPE = registry.register(
-    registry.Spec(
-        kind="option",
-        name="local_rope",
-        feature="per-layer RoPE base (local/global layers)",
-        keys=("model.position.local_rope_theta", "model.layer_pattern"),
-        uses=lambda m: m.position.local_rope_theta > 0,
-        unsupported={},
-        checks=(check_local_rope,),
-    )
+LOCAL_ROPE = registry.option(
+    name="local_rope",
+    feature="per-layer RoPE base (local/global layers)",
+    keys=("model.position.local_rope_theta", "model.layer_pattern"),
+    uses=lambda m: m.position.local_rope_theta > 0,
+    unsupported={},
+    checks=(check_local_rope,),
 )

@@ -24,19 +24,7 @@ from tessera.config import ModelConfig
 from tessera.config.checks import require, require_all
 from tessera.model.norm import RMSNorm
 from tessera.model.recurrent import causal_depthwise_conv, chunk_document_masks, continues_document
-from tessera.model.recurrent import Docs, RecurrentMixer, RecurrentSplit, split_causal_conv, split_scan
-
-
-class MambaCache:
-    """One Mamba layer's decoding state: the last ``conv - 1`` convolution inputs and the SSM state."""
-
-    def __init__(self, batch: int, conv_dim: int, conv: int, state_shape: tuple[int, ...], device: torch.device):
-        self.conv = torch.zeros(batch, conv_dim, conv - 1, device=device)
-        self.ssm = torch.zeros(batch, *state_shape, device=device)
-
-    def bytes(self) -> int:
-        """Memory of the state (fixed, whatever the context length)."""
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
+from tessera.model.recurrent import Docs, MambaCache, RecurrentMixer, RecurrentSplit, split_causal_conv, split_scan
 
 
 def causal_conv(

@@ -488,17 +488,14 @@ MOE = registry.register(
     )
 )
 
-CAPACITY = registry.register(
-    registry.Spec(
-        kind="option",
-        name="moe_capacity",
-        feature="MoE capacity limit (token dropping)",
-        keys=("model.moe.capacity_factor",),
-        uses=lambda m: m.moe.experts > 1 and m.moe.capacity_factor > 0,
-        unsupported={
-            "cp": "which tokens an expert drops depends on their order across the ranks' slices; use "
-            "model.moe.capacity_factor=0 (dropless)",
-        },
-        checks=(),
-    )
+CAPACITY = registry.option(
+    name="moe_capacity",
+    feature="MoE capacity limit (token dropping)",
+    keys=("model.moe.capacity_factor",),
+    uses=lambda m: m.moe.experts > 1 and m.moe.capacity_factor > 0,
+    unsupported={
+        "cp": "which tokens an expert drops depends on their order across the ranks' slices; use "
+        "model.moe.capacity_factor=0 (dropless)",
+    },
+    checks=(),
 )

@@ -6,14 +6,23 @@ piece scanned again from the state entering it)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from tessera.model.mamba import MambaCache
+
+class MambaCache:
+    """One Mamba layer's decoding state: the last ``conv - 1`` convolution inputs and the SSM state."""
+
+    def __init__(self, batch: int, conv_dim: int, conv: int, state_shape: tuple[int, ...], device: torch.device):
+        self.conv = torch.zeros(batch, conv_dim, conv - 1, device=device)
+        self.ssm = torch.zeros(batch, *state_shape, device=device)
+
+    def bytes(self) -> int:
+        """Memory of the state (fixed, whatever the context length)."""
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
 
 
 def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:

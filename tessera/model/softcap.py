@@ -92,33 +92,29 @@ def check_embed_scale(m: Any) -> None:
 
 _CP_SOFTCAP = "the ring-attention core of context parallelism merges uncapped sdpa blocks; run softcap without cp"
 
-for _spec in (
-    registry.Spec(
-        kind="option",
-        name="attention_softcap",
-        feature="attention-logit soft-capping (Gemma 2)",
-        keys=("model.attention.softcap", "model.attention.kernel"),
-        uses=lambda m: m.attention.softcap != 0,
-        unsupported={"cp": _CP_SOFTCAP},
-        checks=(check_attention_softcap,),
-    ),
-    registry.Spec(
-        kind="option",
-        name="logit_softcap",
-        feature="final-logit soft-capping (Gemma 2)",
-        keys=("model.logit_softcap",),
-        uses=lambda m: m.logit_softcap != 0,
-        unsupported={},
-        checks=(check_logit_softcap,),
-    ),
-    registry.Spec(
-        kind="option",
-        name="embed_scale",
-        feature="embeddings scaled by sqrt(dim) (Gemma)",
-        keys=("model.embed_scale",),
-        uses=lambda m: m.embed_scale,
-        unsupported={},
-        checks=(check_embed_scale,),
-    ),
-):
-    registry.register(_spec)
+ATTENTION_SOFTCAP = registry.option(
+    name="attention_softcap",
+    feature="attention-logit soft-capping (Gemma 2)",
+    keys=("model.attention.softcap", "model.attention.kernel"),
+    uses=lambda m: m.attention.softcap != 0,
+    unsupported={"cp": _CP_SOFTCAP},
+    checks=(check_attention_softcap,),
+)
+
+LOGIT_SOFTCAP = registry.option(
+    name="logit_softcap",
+    feature="final-logit soft-capping (Gemma 2)",
+    keys=("model.logit_softcap",),
+    uses=lambda m: m.logit_softcap != 0,
+    unsupported={},
+    checks=(check_logit_softcap,),
+)
+
+EMBED_SCALE = registry.option(
+    name="embed_scale",
+    feature="embeddings scaled by sqrt(dim) (Gemma)",
+    keys=("model.embed_scale",),
+    uses=lambda m: m.embed_scale,
+    unsupported={},
+    checks=(check_embed_scale,),
+)

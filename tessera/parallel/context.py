@@ -115,7 +115,7 @@ class ContextParallel:
         mask = allowed(spec, q_idx[:, None], keys[None, :], *docs).view(-1, 1, length, keys.numel())
         # sdpa would turn a bool mask into a float copy per layer: share one (a score bias needs the bool one)
         additive = mask
-        if spec.kernel != "eager":
+        if not kernel_spec(spec.kernel).dense_mask:
             additive = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
         plain, biased = AttnContext(mask=additive), AttnContext(mask=mask)
 

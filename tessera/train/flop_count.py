@@ -108,7 +108,7 @@ def _allowed_pairs(spec: MaskSpec, length: int, rows: int = 1024) -> float:
     attention, else counted by blocks of query rows."""
     if not spec.windowed:
         return length * (length + 1) / 2 if spec.causal else float(length * length)
-    if spec.kernel not in ("longformer", "bigbird") and spec.causal:  # a causal sliding window of w keys
+    if spec.pattern is None and spec.causal:  # a causal sliding window of w keys
         w = min(spec.window, length)
         return w * (w + 1) / 2 + (length - w) * w
     keys = torch.arange(length)[None]

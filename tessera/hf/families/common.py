@@ -87,6 +87,52 @@ def ffn_hidden(cfg: ModelConfig) -> int:
     return ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
 
 
+def sizes_from_hf(hf: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The [model] sizes a family's name table (ours -> HF's) reads from its HF config."""
+    return {ours: hf[theirs] for ours, theirs in names.items()}
+
+
+def sizes_to_hf(cfg: ModelConfig, names: dict[str, str]) -> dict[str, Any]:
+    """The same table written back into an HF config (``ffn_hidden`` resolved to the width that runs)."""
+    return {theirs: ffn_hidden(cfg) if ours == "ffn_hidden" else getattr(cfg, ours) for ours, theirs in names.items()}
+
+
+def decoder_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The [model] keys every RMSNorm decoder family reads alike from its HF config (Llama, DeepSeek, Jamba);
+    an activation tessera does not have is refused."""
+    act = hf.get("hidden_act", "silu")
+    if act not in ACT_IN:
+        fail("hidden_act", act, family)
+    return {
+        "vocab_size": hf["vocab_size"],
+        "dim": hf["hidden_size"],
+        "n_layers": hf["num_hidden_layers"],
+        "n_heads": hf["num_attention_heads"],
+        "ffn_hidden": hf["intermediate_size"],
+        "activation": ACT_IN[act],
+        "norm": "rmsnorm",
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "max_seq_len": hf["max_position_embeddings"],
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+def decoder_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config keys every RMSNorm decoder family writes alike (Llama, DeepSeek, Jamba)."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": ffn_hidden(cfg),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+        "hidden_act": ACT_OUT.get(cfg.activation, cfg.activation),
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
+
+
 def heads(hf: dict[str, Any], dim: int, n_heads: int) -> dict[str, Any]:
     """``head_dim`` (0 when it is dim // n_heads)."""
     head_dim = get(hf, "head_dim", default=dim // n_heads)

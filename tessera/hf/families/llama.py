@@ -6,42 +6,30 @@ from typing import Any
 
 from tessera.config import ModelConfig
 from tessera.hf.families.common import (
-    ACT_IN,
-    ACT_OUT,
     Family,
     Rule,
     copy,
+    decoder_to_hf,
     ends_rules,
     fail,
-    ffn_hidden,
     get,
     heads,
     linear,
     rope_from_hf,
     rope_to_hf,
+    decoder_from_hf,
 )
 from tessera.model.moe import is_moe_layer
 
 
 def llama_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """The ModelConfig keys of a Llama-like HF config (also the base of Mistral, Qwen2, Mixtral, the MoE families)."""
-    act = hf.get("hidden_act", "silu")
-    if act not in ACT_IN:
-        fail("hidden_act", act, family)
+    out = decoder_from_hf(hf, family)
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     attention_bias = bool(hf.get("attention_bias", False))  # Llama: biases on q, k, v and o
     return {
-        "vocab_size": hf["vocab_size"],
-        "dim": dim,
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": n_heads,
+        **out,
         "n_kv_heads": get(hf, "num_key_value_heads", default=n_heads),
-        "ffn_hidden": hf["intermediate_size"],
-        "activation": ACT_IN[act],
-        "norm": "rmsnorm",
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "max_seq_len": hf["max_position_embeddings"],
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "ffn_bias": bool(hf.get("mlp_bias", False)),
         "attention": {"qkv_bias": attention_bias, "o_bias": attention_bias},
         "position": rope_from_hf(hf, family),
@@ -59,23 +47,18 @@ def _ffn_bias(cfg: ModelConfig) -> bool:
 
 def llama_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
     """The HF config of a Llama-like tessera config (exactness is checked by the caller)."""
-    hf = {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
-        "head_dim": cfg.head_dim or cfg.dim // cfg.n_heads,
-        "intermediate_size": ffn_hidden(cfg),
-        "hidden_act": ACT_OUT.get(cfg.activation, cfg.activation),
-        "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        **rope_to_hf(cfg),
-    }
+    hf = {**decoder_to_hf(cfg), "head_dim": cfg.head_dim or cfg.dim // cfg.n_heads, **rope_to_hf(cfg)}
     if family == "llama":
         hf.update(attention_bias=cfg.attention.qkv_bias, mlp_bias=_ffn_bias(cfg))
     return hf
+
+
+def layer_norm_rules(ours: str, theirs: str, mixer_norm: str = "attention_norm") -> list[Rule]:
+    """A pre-norm layer's two norms under Llama's names: before the mixer (``mixer_norm``) and before the FFN."""
+    return [
+        copy(f"{ours}.{mixer_norm}.weight", f"{theirs}.input_layernorm.weight"),
+        copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
+    ]
 
 
 def attention_rules(cfg: ModelConfig, ours: str, theirs: str, attn: str = "self_attn") -> list[Rule]:
@@ -108,11 +91,7 @@ def llama_rules(cfg: ModelConfig, family: str) -> list[Rule]:
     rules = ends_rules(cfg, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        rules += [
-            copy(f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
-            copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-        ]
-        rules += attention_rules(cfg, ours, theirs)
+        rules += layer_norm_rules(ours, theirs) + attention_rules(cfg, ours, theirs)
         if is_moe_layer(cfg, i):
             rules.append(copy(f"{ours}.moe.router.weight", f"{theirs}.block_sparse_moe.gate.weight"))
             rules += expert_rules(f"{ours}.moe", f"{theirs}.block_sparse_moe", cfg.moe.experts, ("w1", "w3", "w2"))

@@ -9,6 +9,7 @@ from tessera.config import ModelConfig
 from tessera.hf.families.common import Family, HFConversionError, Rule, copy, ends_rules, fail, ffn_hidden, get
 from tessera.hf.families.llama import (
     attention_rules,
+    layer_norm_rules,
     dense_ffn_rules,
     expert_rules,
     llama_from_hf,
@@ -142,11 +143,7 @@ def _moe_rules(cfg: ModelConfig, family: str) -> list[Rule]:
     rules = ends_rules(cfg, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        rules += [
-            copy(f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
-            copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-        ]
-        rules += attention_rules(cfg, ours, theirs)
+        rules += layer_norm_rules(ours, theirs) + attention_rules(cfg, ours, theirs)
         if not is_moe_layer(cfg, i):
             rules += dense_ffn_rules(cfg, f"{ours}.feed_forward", f"{theirs}.mlp")
             continue

@@ -7,7 +7,7 @@ from typing import Any
 
 from tessera.config import ModelConfig
 from tessera.hf.families.common import Family, HFConversionError, Rule, copy, ends_rules, fail, ffn_hidden, get
-from tessera.hf.families.llama import attention_rules, dense_ffn_rules, llama_from_hf, llama_to_hf
+from tessera.hf.families.llama import attention_rules, dense_ffn_rules, layer_norm_rules, llama_from_hf, llama_to_hf
 from tessera.hf.families.mamba import compress_pattern
 from tessera.hf.families.moe import _EXPERT_NAMES, _moe_from_hf, _moe_to_hf
 from tessera.hf.families.llama import expert_rules
@@ -113,10 +113,7 @@ def qwen3_next_rules(cfg: ModelConfig, family: str) -> list[Rule]:
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         mixer_norm = "gdn_norm" if layer_kind(cfg, i) == "D" else "attention_norm"
-        rules += [
-            copy(f"{ours}.{mixer_norm}.weight", f"{theirs}.input_layernorm.weight"),
-            copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-        ]
+        rules += layer_norm_rules(ours, theirs, mixer_norm)
         if layer_kind(cfg, i) == "D":
             rules += _gdn_rules(f"{ours}.gdn", f"{theirs}.linear_attn")
         else:

@@ -9,19 +9,16 @@ sequence order (:func:`tessera.model.recurrent.split_scan`) and each piece conti
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tessera.config.checks import require
-from tessera.model.kernels.common import SOFTMAX_TERMS, repeat_kv
+from tessera.model.kernels.common import AttentionLayer, AttnContext, SOFTMAX_TERMS, repeat_kv
 from tessera.model.recurrent import RecurrentSplit, split_scan
 from tessera.registry import ATTENTION_TP, KernelSpec, register, uses_kernel
-
-if TYPE_CHECKING:
-    from tessera.model.attention import Attention, AttnContext
 
 
 class PerformerFeatures(nn.Module):
@@ -94,7 +91,7 @@ def split_linear_attention(
 
 
 def linear_attend(
-    layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
+    layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
 ) -> torch.Tensor:
     """phi(q), phi(k) by the layer's feature map (``layer.features``, else elu + 1), then prefix sums."""
     if ctx.mask is not None or ctx.bias is not None:
