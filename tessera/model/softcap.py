@@ -85,6 +85,14 @@ def check_logit_softcap(m: Any) -> None:
     require(not cap or m.arch == "decoder", f"model.logit_softcap is for decoders, not model.arch='{m.arch}'")
 
 
+def check_sublayer_norms(m: Any) -> None:
+    """Sandwich and reordered norms: decoder blocks (no cross-attention sublayer to norm)."""
+    require(
+        m.norm_position in ("pre", "post") or m.arch == "decoder",
+        f"model.norm_position='{m.norm_position}' is for decoders, not model.arch='{m.arch}'",
+    )
+
+
 def check_embed_scale(m: Any) -> None:
     """Scaled embeddings: a decoder's token embedding."""
     require(not m.embed_scale or m.arch == "decoder", f"model.embed_scale is for decoders, not model.arch='{m.arch}'")
@@ -110,6 +118,15 @@ for _spec in (
         uses=lambda m: m.logit_softcap != 0,
         unsupported={},
         checks=(check_logit_softcap,),
+    ),
+    registry.Spec(
+        kind="option",
+        name="sublayer_norms",
+        feature="sandwich / reordered sublayer norms (Gemma 2/3, OLMo 2/3)",
+        keys=("model.norm_position",),
+        uses=lambda m: m.norm_position in ("sandwich", "reordered"),
+        unsupported={},
+        checks=(check_sublayer_norms,),
     ),
     registry.Spec(
         kind="option",
