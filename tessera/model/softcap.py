@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require
+from tessera.model.layer_patterns import register_options
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -100,42 +100,17 @@ def check_embed_scale(m: Any) -> None:
 
 _CP_SOFTCAP = "the ring-attention core of context parallelism merges uncapped sdpa blocks; run softcap without cp"
 
-for _spec in (
-    registry.Spec(
-        kind="option",
-        name="attention_softcap",
-        feature="attention-logit soft-capping (Gemma 2)",
-        keys=("model.attention.softcap", "model.attention.kernel"),
-        uses=lambda m: m.attention.softcap != 0,
-        unsupported={"cp": _CP_SOFTCAP},
-        checks=(check_attention_softcap,),
-    ),
-    registry.Spec(
-        kind="option",
-        name="logit_softcap",
-        feature="final-logit soft-capping (Gemma 2)",
-        keys=("model.logit_softcap",),
-        uses=lambda m: m.logit_softcap != 0,
-        unsupported={},
-        checks=(check_logit_softcap,),
-    ),
-    registry.Spec(
-        kind="option",
-        name="sublayer_norms",
-        feature="sandwich / reordered sublayer norms (Gemma 2/3, OLMo 2/3)",
-        keys=("model.norm_position",),
-        uses=lambda m: m.norm_position in ("sandwich", "reordered"),
-        unsupported={},
-        checks=(check_sublayer_norms,),
-    ),
-    registry.Spec(
-        kind="option",
-        name="embed_scale",
-        feature="embeddings scaled by sqrt(dim) (Gemma)",
-        keys=("model.embed_scale",),
-        uses=lambda m: m.embed_scale,
-        unsupported={},
-        checks=(check_embed_scale,),
-    ),
-):
-    registry.register(_spec)
+def _sublayer_norms_used(m: Any) -> bool:
+    return m.norm_position in ("sandwich", "reordered")
+
+
+register_options(
+    {
+        "attention_softcap": ("attention soft-capping (Gemma 2)", "model.attention.softcap", check_attention_softcap),
+        "logit_softcap": ("final-logit soft-capping (Gemma 2)", "model.logit_softcap", check_logit_softcap),
+        "embed_scale": ("embeddings scaled by sqrt(dim) (Gemma)", "model.embed_scale", check_embed_scale),
+        "sublayer_norms": ("sandwich / reordered sublayer norms", "model.norm_position", check_sublayer_norms,
+                           _sublayer_norms_used),
+    },
+    unsupported={"attention_softcap": {"cp": _CP_SOFTCAP}},
+)

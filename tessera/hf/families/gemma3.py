@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.hf.families.common import Family, Rule, copy, ends_rules, fail, ffn_hidden, get, heads
+from tessera.hf.families.common import Family, Rule, copy, ends_rules, fail, ffn_hidden, get
 from tessera.hf.families.layered import pattern_from_types, position_from_hf, position_to_hf, types_of
-from tessera.hf.families.llama import attention_rules, dense_ffn_rules
+from tessera.hf.families.llama import attention_rules, dense_ffn_rules, llama_from_hf
 
 FAMILY = "gemma3_text"
 
@@ -38,30 +38,23 @@ def gemma3_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     head_dim = int(get(hf, "head_dim", default=dim // n_heads))
     pattern = pattern_from_types(_layer_types(hf), FAMILY)
     scalar = float(hf.get("query_pre_attn_scalar") or head_dim)
-    return {
-        "vocab_size": hf["vocab_size"],
-        "dim": dim,
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": n_heads,
-        "n_kv_heads": get(hf, "num_key_value_heads", default=n_heads),
-        "ffn_hidden": hf["intermediate_size"],
-        "activation": "geglu",
-        "norm": "zero_centered_rmsnorm",
-        "norm_position": "sandwich",
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "max_seq_len": hf["max_position_embeddings"],
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
-        "embed_scale": True,
-        "logit_softcap": float(hf.get("final_logit_softcapping") or 0.0),
-        "layer_pattern": pattern,
-        "attention": {
-            "qk_norm": True,
-            "scale": 0.0 if scalar == head_dim else scalar**-0.5,
-            "sliding_window": int(hf.get("sliding_window") or 0) if pattern else 0,
-        },
-        "position": position_from_hf(hf, pattern, FAMILY, hf.get("rope_local_base_freq")),
-        **heads(hf, dim, n_heads),
+    plain = {**hf, "hidden_act": "gelu_pytorch_tanh", "rope_parameters": None, "rope_scaling": None}
+    out = llama_from_hf(plain, FAMILY)  # the shapes; norms, attention and positions are Gemma's
+    out.update(
+        norm="zero_centered_rmsnorm",
+        norm_position="sandwich",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        embed_scale=True,
+        logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        layer_pattern=pattern,
+        position=position_from_hf(hf, pattern, FAMILY, hf.get("rope_local_base_freq")),
+    )
+    out["attention"] = {
+        "qk_norm": True,
+        "scale": 0.0 if scalar == head_dim else scalar**-0.5,
+        "sliding_window": int(hf.get("sliding_window") or 0) if pattern else 0,
     }
+    return out
 
 
 def gemma3_to_hf(cfg: ModelConfig) -> dict[str, Any]:

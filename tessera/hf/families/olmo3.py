@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.hf.families.common import Family, Rule, copy, ends_rules, fail
+from tessera.hf.families.common import Family, Rule, fail
 from tessera.hf.families.layered import pattern_from_types, position_from_hf, position_to_hf, types_of
-from tessera.hf.families.llama import attention_rules, dense_ffn_rules, llama_from_hf, llama_to_hf
+from tessera.hf.families.llama import llama_from_hf, llama_rules, llama_to_hf
 
 FAMILY = "olmo3"
 
@@ -40,18 +40,18 @@ def olmo3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+# OLMo 2/3 name each block's two norms after the sublayer they follow: Llama's names, moved one along.
+_NORMS = {"input_layernorm": "post_attention_layernorm", "post_attention_layernorm": "post_feedforward_layernorm"}
+
+
+def _moved(rule: Rule) -> Rule:
+    *path, module, param = rule.theirs[0].split(".")
+    return Rule(rule.ours, (".".join([*path, _NORMS.get(module, module), param]),), rule.kind)
+
+
 def olmo3_rules(cfg: ModelConfig, family: str) -> list[Rule]:
-    """Weight names of OLMo 2/3: a norm after each sublayer, q/k norms over all heads."""
-    rules = ends_rules(cfg, "model.embed_tokens.weight", "model.norm.weight")
-    for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        rules += [
-            copy(f"{ours}.attention_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-            copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_feedforward_layernorm.weight"),
-        ]
-        rules += attention_rules(cfg, ours, theirs)
-        rules += dense_ffn_rules(cfg, f"{ours}.feed_forward", f"{theirs}.mlp")
-    return rules
+    """Weight names of OLMo 2/3: Llama's, with a norm after each sublayer and q/k norms over all heads."""
+    return [_moved(rule) for rule in llama_rules(cfg, family)]
 
 
 FAMILIES = {FAMILY: Family(FAMILY, "Olmo3ForCausalLM", olmo3_from_hf, olmo3_to_hf, olmo3_rules, ("rotary_emb",))}
