@@ -5,7 +5,7 @@
 - ``model.attention.softcap``: every attention score ``s`` becomes ``cap * tanh(s / cap)`` before the
   mask (HF's ``attn_logit_softcapping``); only the eager kernel writes the scores out to cap them.
 - ``model.logit_softcap``: the head's logits capped the same way (``final_logit_softcapping``); the
-  fused head + loss never forms whole logits, so that combination is refused.
+  fused head + loss (tessera.train.loss) reads the head's ``cap`` and caps each chunk of logits.
 
 The embedding and the head are subclasses of ``nn.Embedding`` / ``nn.Linear`` with the same parameter
 names, so tensor parallelism, tied weights, checkpoints and HF mappings see the modules they expect.

@@ -20,11 +20,6 @@ def check_train(t: TrainConfig, m: ModelConfig) -> None:
         f"model.dsa.topk={m.dsa.topk} is not smaller than train.seq_len={t.seq_len}: every query would attend to "
         "every key (dense attention at sparse cost); pick a topk below the sequence length",
     )
-    require(
-        not (m.logit_softcap and t.fused_loss),
-        f"model.logit_softcap={m.logit_softcap} cannot be applied by the fused head + loss (train.fused_loss, which "
-        "never forms whole logits); set train.fused_loss = false",
-    )
     require(0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
     require(
         t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),

@@ -58,8 +58,7 @@ GEMMA3 = [
     "model.embed_scale=true",
     "model.activation=geglu",
     "model.tie_embeddings=true",
-    "model.logit_softcap=30",
-    "train.fused_loss=false",
+    "model.logit_softcap=30",  # through the fused head + loss (vocab-parallel under tp)
 ]
 ONE_RANK = ["parallel.dp_shard=1"]
 LAYOUTS = {

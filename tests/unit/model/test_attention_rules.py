@@ -30,10 +30,6 @@ from tessera.cli import main
         (["model.position.nope_layers=1,9"], "model.position.nope_layers has layer 9, out of range"),
         (["model.position.nope_layers=1,x"], "is not a list of distinct layer indices"),
         (["model.attention.softcap=50"], "model.attention.softcap=50.0 needs the scores written out"),
-        (
-            ["model.logit_softcap=30", "train.fused_loss=true"],
-            "model.logit_softcap=30.0 cannot be applied by the fused head + loss",
-        ),
         (["model.position.local_rope_theta=10000"], "needs model.position.kind='rope', model.attention.sliding_window"),
     ],
 )

@@ -97,3 +97,26 @@ def test_attention_softcap_matches_gemma2_eager_attention():
     uncapped = eager_attend(types.SimpleNamespace(**{**vars(layer), "softcap": 0.0}), q, k, v,
                             AttnContext(mask=causal[None, None]), 0.0).transpose(1, 2)
     assert (uncapped - want).abs().max().item() > 1e-2  # the cap matters at these scores
+
+
+def test_fused_head_loss_soft_caps_as_the_plain_loss():
+    """The fused head + loss of a soft-capped head equals the plain loss of its capped logits (loss and gradients),
+    chunk by chunk; without the cap it would not."""
+    from tessera.model.softcap import SoftcappedHead
+    from tessera.train.loss import FusedHeadLoss, lm_loss
+
+    gen = torch.Generator().manual_seed(0)
+    head = SoftcappedHead(16, V, cap=2.0)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, 16, generator=gen))
+    hidden = torch.randn(2, 9, 16, generator=gen, requires_grad=True)
+    labels = torch.randint(0, V, (2, 9), generator=gen)
+    want = lm_loss(head(hidden), labels)
+    want_grads = torch.autograd.grad(want, (hidden, head.weight))
+    got = FusedHeadLoss(labels, None, chunk=4)(hidden, head)
+    got_grads = torch.autograd.grad(got, (hidden, head.weight))
+    assert abs(got.item() - want.item()) <= 1e-5
+    for a, b in zip(got_grads, want_grads):
+        assert (a - b).abs().max().item() <= 1e-5
+    uncapped = lm_loss(torch.nn.functional.linear(hidden, head.weight), labels)
+    assert abs(uncapped.item() - want.item()) > 1e-2
