@@ -237,7 +237,7 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         m = cfg.mamba
         self.inner, self.state, self.chunk, self.groups = m.expand * cfg.dim, m.state, m.chunk, m.groups
-        self.head_dim = m.head_dim
+        self.head_dim, self.dt_min = m.head_dim, m.dt_min
         self.heads = self.inner // m.head_dim
         self.conv_dim = self.inner + 2 * m.groups * m.state
         self.in_proj = nn.Linear(cfg.dim, self.inner + self.conv_dim + self.heads, bias=m.proj_bias)
@@ -277,6 +277,7 @@ class Mamba2Mixer(nn.Module):
         xbc = causal_conv(xbc.transpose(1, 2), self.conv1d, cache, start, document_ids).transpose(1, 2)
         xs, b, c = xbc.float().split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H)
+        dt = dt.clamp(min=self.dt_min) if self.dt_min else dt
         per_group = self.heads // self.groups
         b, c = (t.view(batch, length, self.groups, self.state).repeat_interleave(per_group, dim=2) for t in (b, c))
         xs = xs.view(batch, length, self.heads, self.head_dim)
@@ -301,6 +302,10 @@ def check_mamba(m: ModelConfig) -> None:
     require_all("model.mamba", mamba, ("state", "conv", "expand", "head_dim", "groups", "chunk"), positive=True)
     require_all("model.mamba", mamba, ("dt_rank",), positive=False)
     require(mamba.version == 1 or not mamba.dt_norm, "model.mamba.dt_norm (Jamba) is a Mamba-1 option; set version = 1")
+    require(
+        mamba.dt_min >= 0 and (mamba.version == 2 or not mamba.dt_min),
+        f"model.mamba.dt_min={mamba.dt_min} must be >= 0, and is a Mamba-2 option (set version = 2 or dt_min = 0)",
+    )
     if mamba.version == 2:
         inner = mamba.expand * m.dim
         require(

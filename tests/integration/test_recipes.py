@@ -54,6 +54,12 @@ PUBLISHED = {
     "gemma-3-27b": 27_009_346_304,
     "olmo-3-7b": 7_298_011_136,  # HF Olmo3ForCausalLM of Olmo-3-1025-7B's config
     "smollm3-3b": 3_075_098_624,  # HF SmolLM3ForCausalLM of SmolLM3-3B's config
+    # Qwen3.5's text models (no vision tower, no MTP head); HF's Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM of the
+    # exported configs count the same (tests/unit/hf/test_hf.py)
+    "qwen3.5-27b": 26_895_998_464,
+    "qwen3.5-35b-a3b": 34_660_610_688,
+    # Nemotron-H-8B-Base-8K; HF's NemotronHForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
+    "nemotron-h-8b": 8_100_852_736,
 }
 
 
@@ -72,6 +78,7 @@ def test_every_family_has_a_tiny_recipe():
     assert set(TINY) >= {
         *("llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"),
         *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "qwen3_next"),
+        "nemotron_h",
     }
 
 
