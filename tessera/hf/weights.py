@@ -327,6 +327,11 @@ def detect_family(cfg: ModelConfig) -> str:
         return "jamba" if kinds != {"M"} or cfg.mamba.ffn else "mamba2" if cfg.mamba.version == 2 else "mamba"
     if cfg.mla.kv_rank:
         return "deepseek_v32" if cfg.dsa.topk else "deepseek_v3"
+    layered = {"sandwich": "gemma3_text", "reordered": "olmo3"}.get(cfg.norm_position)
+    if layered and not cfg.moe.experts:
+        return layered
+    if cfg.position.nope_layers:
+        return "smollm3"
     if cfg.moe.experts:
         return _moe_family(cfg)
     if cfg.position.kind == "learned":

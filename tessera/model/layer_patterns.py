@@ -17,6 +17,8 @@ already follows the letter.
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,20 +107,21 @@ def check_local_rope(m: Any) -> None:
     )
 
 
-NOPE = registry.option(
-    name="nope_layers",
-    feature="NoPE layers (no rotary on chosen layers)",
-    keys=("model.position.nope_layers",),
-    uses=lambda m: bool(m.position.nope_layers),
-    unsupported={},
-    checks=(check_nope_layers,),
-)
+Check = Callable[[Any], None]
 
-LOCAL_ROPE = registry.option(
-    name="local_rope",
-    feature="per-layer RoPE base (local/global layers)",
-    keys=("model.position.local_rope_theta", "model.layer_pattern"),
-    uses=lambda m: m.position.local_rope_theta > 0,
-    unsupported={},
-    checks=(check_local_rope,),
-)
+
+def register_options(options: dict[str, tuple], unsupported: dict[str, dict[str, str]] | None = None) -> None:
+    """Register model options: name -> (feature, dotted key, check[, uses]); without ``uses`` an option is on
+    when its key is set (nonzero, nonempty). ``unsupported``: name -> {layout: reason}."""
+    for name, (feature, key, check, *uses) in options.items():
+        read = operator.attrgetter(key.removeprefix("model."))
+        used = uses[0] if uses else (lambda m, read=read: bool(read(m)))
+        spec = registry.Spec(kind="option", name=name, feature=feature, keys=(key,), uses=used, checks=(check,),
+                             unsupported=(unsupported or {}).get(name, {}))
+        registry.register(spec)
+
+
+register_options({
+    "nope_layers": ("NoPE layers (no rotary on chosen layers)", "model.position.nope_layers", check_nope_layers),
+    "local_rope": ("per-layer RoPE base (local/global layers)", "model.position.local_rope_theta", check_local_rope),
+})

@@ -167,6 +167,7 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         plan.update(_attention_plan("cross_attention", sp, block.cross_attention))
     if sp:
         norms = [f"{mixer.attr}_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention else [])
+        norms += [f"{mixer.attr}_post_norm", "ffn_post_norm"]  # sandwich norms (absent ones are skipped)
         plan.update({name: SequenceParallel() for name in norms})
     if block.moe is not None:
         if sp:

@@ -48,6 +48,12 @@ PUBLISHED = {
     "deepseek-moe-16b": 16_375_728_128,
     # Qwen3-Next-80B-A3B; HF's Qwen3NextForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
     "qwen3-next-80b-a3b": 79_674_391_296,
+    # HF Gemma3ForCausalLM of the published text_config values on meta (the vision tower apart)
+    "gemma-3-4b": 3_880_263_168,
+    "gemma-3-12b": 11_766_034_176,
+    "gemma-3-27b": 27_009_346_304,
+    "olmo-3-7b": 7_298_011_136,  # HF Olmo3ForCausalLM of Olmo-3-1025-7B's config
+    "smollm3-3b": 3_075_098_624,  # HF SmolLM3ForCausalLM of SmolLM3-3B's config
     # Qwen3.5's text models (no vision tower, no MTP head); HF's Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM of the
     # exported configs count the same (tests/unit/hf/test_hf.py)
     "qwen3.5-27b": 26_895_998_464,

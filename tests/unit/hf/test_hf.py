@@ -181,6 +181,24 @@ def _deepseek_v32() -> transformers.PreTrainedModel:
     return transformers.DeepseekV32ForCausalLM(cfg)
 
 
+def _gemma3(**kw) -> transformers.PreTrainedModel:
+    """Gemma 3's shape: 5 local layers (4-token windows, RoPE base 1e4) to 1 global (1e6, linear x8), sandwich norms,
+    a query_pre_attn_scalar unlike head_dim."""
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    cfg = transformers.Gemma3TextConfig(
+        **{**_LLAMA_LIKE, "num_hidden_layers": 6},
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        rope_parameters=rope,
+        **kw,
+    )
+    return transformers.Gemma3ForCausalLM(cfg)
+
+
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 # DeepSeek-V3 routing: sigmoid scores, 2 groups of which the best 1 is searched, scaled weights, a shared expert
 _DEEPSEEK_MOE = dict(
@@ -286,6 +304,16 @@ HF_MODELS = {
     ),
     "deepseek_v3_moe": lambda: _deepseek(q_lora_rank=16, **_DEEPSEEK_MOE),
     "deepseek_v32": _deepseek_v32,
+    "gemma3": _gemma3,
+    "gemma3_softcap": lambda: _gemma3(final_logit_softcapping=3.0, tie_word_embeddings=False),
+    # 3 sliding layers (4-token windows) to 1 full; norms after each sublayer; QK-norm over all heads
+    "olmo3": lambda: transformers.Olmo3ForCausalLM(
+        transformers.Olmo3Config(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, sliding_window=4)
+    ),
+    # layer 3 without rotary (NoPE)
+    "smollm3": lambda: transformers.SmolLM3ForCausalLM(
+        transformers.SmolLM3Config(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, pad_token_id=0)
+    ),
     "deepseek_v3_yarn": lambda: _deepseek(
         q_lora_rank=16,
         rope_parameters={
