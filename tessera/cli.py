@@ -164,11 +164,26 @@ def _add_launch(sub: Subparsers) -> None:
         default="",
         help="GPU kind of `tessera plan`'s catalog, e.g. h100-80gb: warn if the layout will not fit",
     )
+    launch.add_argument(
+        "--ft-replicas",
+        type=int,
+        default=0,
+        help="torchft: start a lighthouse and N replica groups (one process each) that train on when one dies; "
+        "--max-restarts starts a dead group again, which rejoins with its peers' live state",
+    )
+    launch.add_argument(
+        "--ft-lighthouse", default="", help="with --ft-replicas: HOST:PORT of a running lighthouse instead of a new one"
+    )
 
 
 def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.launcher.ft import launch_replicas
     from tessera.launcher.torchrun import launch
 
+    if args.ft_replicas or args.ft_lighthouse:
+        return launch_replicas(
+            args.config, overrides, args.ft_replicas, args.max_restarts, args.ft_lighthouse, args.dry_run
+        )
     return launch(
         args.config,
         overrides,
