@@ -203,6 +203,13 @@ def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
 def _add_slurm_allocation(sl: argparse.ArgumentParser) -> None:
     sl.add_argument("--nodes", type=int, default=1, help="number of nodes")
     sl.add_argument(
+        "--nnodes",
+        default="",
+        metavar="MIN:MAX",
+        help="elastic instead of --nodes: between MIN and MAX nodes; on fewer than MAX, grad_accum rises to keep "
+        "the global batch (with --max-restarts, a lost node's job continues on the rest)",
+    )
+    sl.add_argument(
         "--gpus-per-node", type=int, default=8, help="GPUs (processes) per node; on a CPU job, processes per node"
     )
     sl.add_argument(
@@ -275,9 +282,12 @@ def _add_slurm(sub: Subparsers) -> None:
 
 def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.launcher.slurm import SlurmSpec, slurm
+    from tessera.launcher.torchrun import parse_nnodes
 
+    low, high = parse_nnodes(args.nnodes) if args.nnodes else (0, args.nodes)
     spec = SlurmSpec(
-        nodes=args.nodes,
+        nodes=high,
+        min_nodes=low,
         gpus_per_node=args.gpus_per_node,
         device=args.device,
         partition=args.partition,

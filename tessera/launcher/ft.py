@@ -74,6 +74,7 @@ def launch_replicas(
     run_dir = check_replicas(config_path, overrides, replicas, address)
     server = None
     if not lighthouse and not dry_run:
+        os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs each quorum tick at INFO otherwise
         from torchft.coordination import LighthouseServer
 
         server = LighthouseServer(

@@ -15,6 +15,7 @@ the same samples and the same gradient as the full run, at ``replicas / n`` time
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -109,8 +110,11 @@ class ReplicaState:
 def build_manager(p: ParallelConfig, state: ReplicaState) -> tuple[Any, Any]:
     """(torchft's Manager, the TCPStore it needs alive) for this process's replica group (a world of one: its own TCPStore, a gloo group
     reconfigured by each quorum; tessera seeds every replica identically, so step 0 needs no weight sync)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
+
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # its per-quorum NCCL flight-recorder warning
 
     ft = p.ft
     timeout = timedelta(seconds=ft.timeout_s)

@@ -10,6 +10,8 @@ A comma-separated list of ``KIND@WHERE`` items; nothing is injected when the var
   start of every forward, as a slower device would (tests of straggler detection).
 - ``hang@RANK:STEP``: global rank RANK stops at the start of step STEP and sleeps for an hour
   (tests of the hang report: its peers wait in the step's first collective).
+- ``pace@SECONDS``: every rank sleeps SECONDS at the start of every step (idle, no CPU), so a tiny
+  run lasts long enough for the fault-tolerance tests to kill and restart a replica group in it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Faults:
     corrupt_steps: set[int] = field(default_factory=set)
     slow_forward: dict[int, float] = field(default_factory=dict)  # rank -> seconds per forward
     hang: dict[int, int] = field(default_factory=dict)  # rank -> step
+    pace: float = 0.0  # seconds slept at the start of every step
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -41,6 +44,8 @@ class Faults:
             kind, _, where = item.partition("@")
             if kind == "corrupt_batch":
                 faults.corrupt_steps.add(int(where))
+            elif kind == "pace":
+                faults.pace = float(where)
             elif kind in ("slow_forward", "hang"):
                 rank, _, value = where.partition(":")
                 if kind == "hang":
@@ -48,7 +53,7 @@ class Faults:
                 else:
                     faults.slow_forward[int(rank)] = float(value)
             else:
-                raise ValueError(f"${ENV}: unknown fault {kind!r} (corrupt_batch, slow_forward, hang)")
+                raise ValueError(f"${ENV}: unknown fault {kind!r} (corrupt_batch, slow_forward, hang, pace)")
         return faults
 
     def corrupt(self, step: int, batch: Any, vocab_size: int) -> Any:
@@ -67,7 +72,9 @@ class Faults:
             model.register_forward_pre_hook(lambda *_: _spin(seconds))
 
     def maybe_hang(self, rank: int, step: int) -> None:
-        """Stop this rank for an hour at ``step`` when listed (its peers then wait in a collective)."""
+        """Stop this rank for an hour at ``step`` when listed (its peers then wait in a collective); ``pace``."""
+        if self.pace:
+            time.sleep(self.pace)
         if self.hang.get(rank) == step:
             time.sleep(3600)
 

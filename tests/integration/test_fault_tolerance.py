@@ -1,0 +1,138 @@
+"""torchft replica groups: a run keeps training through SIGKILLed replicas, which rejoin with live state.
+
+The chaos test launches 2 replica groups (``tessera launch --ft-replicas 2``), SIGKILLs a random one
+three times once both train together, and checks: the survivors never restart (one start each per
+kill in ft_events.jsonl), no committed step is lost or repeated (every step 1..N once in a
+survivor's metrics), every restarted group rejoins from a peer's live state (``healed`` in its
+summary; checkpoints are off), and the losses and final weights equal a one-process run's: the
+survivors take a dead group's shares of the global batch, so the run is the same computation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.runs import REPO, run_cli
+from test_launch import losses, write_config
+
+FT_JOB = ("train.eval_every=0", "checkpoint.enabled=false", "log.every=1", "train.batch_size=4")
+LOSS_RTOL = 1e-5  # per step, against the one-process run (float reassociation only)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+def _events(run: Path) -> list[dict]:
+    path = run / "ft_events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _live_pid(run: Path, group: int) -> int | None:
+    starts = [e for e in _events(run) if e["group"] == group and e["event"] == "start"]
+    exits = {e["pid"] for e in _events(run) if e["event"] == "exit"}
+    return starts[-1]["pid"] if starts and starts[-1]["pid"] not in exits else None
+
+
+def _both_training(run: Path, since: float) -> float | None:
+    """The time of the first step after ``since`` that both groups trained together, once each logged one."""
+    firsts = []
+    for group in (0, 1):
+        together = [r for r in _records(run / f"replica_{group}") if r.get("ft_replicas") == 2 and r["time"] > since]
+        if not together:
+            return None
+        firsts.append(together[0]["time"])
+    return max(firsts)
+
+
+def _kill_three_times(run: Path, launcher: subprocess.Popen, rng: random.Random) -> list[dict]:
+    kills: list[dict] = []
+    since = 0.0
+    deadline = time.time() + 400
+    while len(kills) < 3 and time.time() < deadline and launcher.poll() is None:
+        joined = _both_training(run, since)
+        pids = [_live_pid(run, g) for g in (0, 1)]
+        if joined is None or None in pids:
+            time.sleep(0.2)
+            continue
+        if kills:
+            kills[-1]["rejoined_s"] = joined - kills[-1]["time"]
+        time.sleep(1.0)  # a few steps together
+        victim = rng.randrange(2)
+        os.kill(pids[victim], signal.SIGKILL)
+        since = time.time()
+        kills.append({"group": victim, "pid": pids[victim], "survivor": pids[1 - victim], "time": since})
+    return kills
+
+
+@pytest.mark.slow
+def test_a_replica_killed_three_times_costs_no_step_and_no_loss(tiny_config, tmp_path):
+    steps = 300
+    recipe = write_config(tiny_config, tmp_path / "job.toml", *FT_JOB, f"train.steps={steps}")
+    reference = run_cli("train", str(recipe), f"train.run_dir={tmp_path / 'reference'}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run = tmp_path / "job"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_FAULTS": "pace@0.25"}
+    cmd = [sys.executable, "-m", "tessera", "launch", str(recipe), "--ft-replicas", "2", "--max-restarts", "3"]
+    log = tmp_path / "launch.log"  # a file, not a pipe: nobody reads a pipe while the kills run
+    with log.open("w") as sink:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            kills = _kill_three_times(run, launcher, random.Random(34))
+            launcher.wait(timeout=400)
+        finally:
+            launcher.kill()
+    assert launcher.returncode == 0, log.read_text()[-5000:]
+    assert len(kills) == 3, f"the run ended before three kills: {kills}"
+    _check_survivors(run, kills, steps)
+    _check_losses_and_weights(run, tmp_path / "reference", steps)
+    print("kills:", kills)  # rejoined_s: from the SIGKILL to the restarted group's first step with its peer
+
+
+def _check_survivors(run: Path, kills: list[dict], steps: int) -> None:
+    events = _events(run)
+    exits = [e for e in events if e["event"] == "exit" and e["code"] != 0]
+    assert sorted(e["pid"] for e in exits) == sorted(k["pid"] for k in kills)  # only the killed ones died
+    assert all(e["code"] == -signal.SIGKILL for e in exits)
+    for kill in kills:  # the survivor of each kill kept its process and trained every step once
+        group = 1 - kill["group"]
+        if _live_pid_at_end(events, group) == kill["survivor"]:
+            trained = [r["step"] for r in _records(run / f"replica_{group}") if "loss" in r]
+            assert trained == list(range(trained[0], steps + 1)), "a survivor lost or repeated a committed step"
+    restarted = {k["group"] for k in kills}
+    for group in restarted:
+        healed = json.loads((run / f"replica_{group}" / "summary.json").read_text())["fault_tolerance"]["healed"]
+        assert healed and healed[-1]["step"] > 1, "a restarted group did not receive its peers' live state"
+
+
+def _live_pid_at_end(events: list[dict], group: int) -> int:
+    return [e for e in events if e["group"] == group and e["event"] == "start"][-1]["pid"]
+
+
+def _check_losses_and_weights(run: Path, reference: Path, steps: int) -> None:
+    expected = dict(losses(reference))
+    seen: dict[int, float] = {}
+    for group in (0, 1):
+        seen.update(losses(run / f"replica_{group}"))
+    assert sorted(seen) == list(range(1, steps + 1))
+    worst = max(abs(seen[s] - expected[s]) / abs(expected[s]) for s in seen)
+    assert worst < LOSS_RTOL, f"losses differ from the one-process run by up to {worst:.2e}"
+    want = json.loads((reference / "summary.json").read_text())["param_sumsq"]
+    for group in (0, 1):
+        got = json.loads((run / f"replica_{group}" / "summary.json").read_text())["param_sumsq"]
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert abs(got[name] - value) <= 1e-4 * abs(value), f"replica {group} weights differ at {name}"
