@@ -108,8 +108,9 @@ class ReplicaState:
 
 
 def build_manager(p: ParallelConfig, state: ReplicaState) -> tuple[Any, Any]:
-    """(torchft's Manager, the TCPStore it needs alive) for this process's replica group (a world of one: its own TCPStore, a gloo group
-    reconfigured by each quorum; tessera seeds every replica identically, so step 0 needs no weight sync)."""
+    """(torchft's Manager, the TCPStore it needs alive) for this process's replica group: a world of one
+    (its own TCPStore), a gloo group that each quorum reconfigures; tessera seeds every replica identically,
+    so step 0 needs no weight sync."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo

@@ -39,7 +39,11 @@ def test_a_share_is_its_rows_of_every_tensor():
 
 @pytest.mark.parametrize(
     "address,url",
-    [("127.0.0.1:29510", "http://127.0.0.1:29510"), ("http://node7:80", "http://node7:80"), ("[::1]:9", "http://[::1]:9")],
+    [
+        ("127.0.0.1:29510", "http://127.0.0.1:29510"),
+        ("http://node7:80", "http://node7:80"),
+        ("[::1]:9", "http://[::1]:9"),
+    ],
 )
 def test_lighthouse_addresses(address, url):
     assert lighthouse_url(address) == url
