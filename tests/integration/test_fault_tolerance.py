@@ -150,3 +150,44 @@ def _check_losses_and_weights(run: Path, reference: Path, steps: int) -> float:
         for name, value in want.items():
             assert abs(got[name] - value) <= 1e-4 * abs(value), f"replica {group} weights differ at {name}"
     return worst
+
+
+@pytest.mark.slow
+def test_a_group_dying_inside_a_step_makes_the_survivor_redo_it_over_the_same_samples(tiny_config, tmp_path):
+    """Group 1 SIGKILLs itself in a forward (``die`` fault), so group 0's allreduce of that step fails:
+    nothing is committed, group 0 redoes the step alone over the same samples (data position rewound,
+    both shares taken) and trains on to the end; every step's loss equals a one-process run's."""
+    from torchft.coordination import LighthouseServer
+
+    from tessera.launcher.ft import replica_overrides
+
+    steps = 24
+    recipe = write_config(tiny_config, tmp_path / "job.toml", *FT_JOB, f"train.steps={steps}")
+    reference = run_cli("train", str(recipe), f"train.run_dir={tmp_path / 'reference'}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    os.environ.setdefault("RUST_LOG", "warn")
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=2000)
+    run, groups = tmp_path / "job", []
+    try:
+        for group, faults in ((0, "pace@0.5"), (1, "pace@0.5,die@0:8")):
+            argv = replica_overrides([], str(run), group, 2, lighthouse.address())
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_FAULTS": faults}
+            log = (tmp_path / f"group{group}.log").open("w")
+            groups.append(subprocess.Popen([sys.executable, "-m", "tessera", "train", str(recipe), *argv], cwd=REPO,
+                                           env=env, stdout=log, stderr=subprocess.STDOUT))
+        assert groups[0].wait(timeout=600) == 0, (tmp_path / "group0.log").read_text()[-5000:]
+        assert groups[1].wait(timeout=60) == -signal.SIGKILL
+    finally:
+        for process in groups:
+            process.kill()
+        lighthouse.shutdown()
+    summary = json.loads((run / "replica_0" / "summary.json").read_text())
+    assert summary["fault_tolerance"]["redone_steps"] >= 1, "the step the peer died in was not redone"
+    records = _records(run / "replica_0")
+    trained = [r["step"] for r in records if "loss" in r]
+    assert trained == list(range(1, steps + 1))  # nothing lost, nothing repeated
+    assert any(r.get("ft_replicas") == 2 for r in records) and records[-1]["ft_replicas"] == 1
+    expected = dict(losses(tmp_path / "reference"))
+    for record in (r for r in records if "loss" in r):
+        step = record["step"]
+        assert record["loss"] == pytest.approx(expected[step], rel=LOSS_RTOL), (step, record, expected[step])
