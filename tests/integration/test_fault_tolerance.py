@@ -157,6 +157,7 @@ def test_a_group_dying_inside_a_step_makes_the_survivor_redo_it_over_the_same_sa
     """Group 1 SIGKILLs itself in a forward (``die`` fault), so group 0's allreduce of that step fails:
     nothing is committed, group 0 redoes the step alone over the same samples (data position rewound,
     both shares taken) and trains on to the end; every step's loss equals a one-process run's."""
+    os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: its lighthouse logs every tick at INFO
     from torchft.coordination import LighthouseServer
 
     from tessera.launcher.ft import replica_overrides
@@ -165,7 +166,6 @@ def test_a_group_dying_inside_a_step_makes_the_survivor_redo_it_over_the_same_sa
     recipe = write_config(tiny_config, tmp_path / "job.toml", *FT_JOB, f"train.steps={steps}")
     reference = run_cli("train", str(recipe), f"train.run_dir={tmp_path / 'reference'}")
     assert reference.returncode == 0, reference.stderr[-3000:]
-    os.environ.setdefault("RUST_LOG", "warn")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=2000)
     run, groups = tmp_path / "job", []
     try:
