@@ -129,6 +129,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for_listener(host: str, port: int, agent: subprocess.Popen) -> None:
+    deadline = time.time() + 300
+    while time.time() < deadline and agent.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_a_killed_agent_leaves_the_job_to_torchrun_on_the_node_left(tiny_config, tmp_path):
     """Two torchrun agents ("nodes") of an --nnodes 1:2 job on this machine; one agent and its worker are
@@ -139,9 +148,11 @@ def test_a_killed_agent_leaves_the_job_to_torchrun_on_the_node_left(tiny_config,
     run = tmp_path / "job"
     reference = run_cli("train", str(recipe), f"train.run_dir={tmp_path / 'reference'}")
     assert reference.returncode == 0, reference.stderr[-3000:]
-    port = _free_port()
+    # torchrun's agent hosts the c10d store when the endpoint names its own host (127.0.0.1 does not count):
+    # this machine's hostname, so the first agent hosts it and the second connects
+    host, port = socket.gethostname(), _free_port()
     cmd = [sys.executable, "-m", "tessera", "launch", str(recipe), "--nnodes", "1:2", "--nproc-per-node", "1"]
-    cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1"]
+    cmd += ["--rdzv-endpoint", f"{host}:{port}", "--max-restarts", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_FAULTS": "pace@0.5"}
     logs = [tmp_path / "head.log", tmp_path / "other.log"]
     agents = []
@@ -149,9 +160,9 @@ def test_a_killed_agent_leaves_the_job_to_torchrun_on_the_node_left(tiny_config,
         for log in logs:  # each agent in its own session: killing one kills its worker too, as a lost node
             agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                            start_new_session=True))
-            time.sleep(2)  # the first agent binds the rendezvous store
+            _wait_for_listener(host, port, agents[0])  # the first agent hosts the rendezvous store
         deadline = time.time() + 400
-        while not any(c.name == "step_4" for c in list_checkpoints(run)) and time.time() < deadline:
+        while not any(int(c.name.removeprefix("step_")) >= 4 for c in list_checkpoints(run)) and time.time() < deadline:
             assert agents[0].poll() is None, logs[0].read_text()[-3000:]
             time.sleep(0.5)
         os.killpg(agents[1].pid, signal.SIGKILL)
