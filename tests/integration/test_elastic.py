@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 
 from helpers.runs import REPO, run_cli
@@ -129,6 +131,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            found += [int(child), *_descendants(int(child))]
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants at once, as a lost node."""
+    for victim in [pid, *_descendants(pid)]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _wait_for_listener(host: str, port: int, agent: subprocess.Popen) -> None:
     deadline = time.time() + 300
     while time.time() < deadline and agent.poll() is None:
@@ -165,12 +184,12 @@ def test_a_killed_agent_leaves_the_job_to_torchrun_on_the_node_left(tiny_config,
         while not any(int(c.name.removeprefix("step_")) >= 4 for c in list_checkpoints(run)) and time.time() < deadline:
             assert agents[0].poll() is None, logs[0].read_text()[-3000:]
             time.sleep(0.5)
-        os.killpg(agents[1].pid, signal.SIGKILL)
+        _kill_tree(agents[1].pid)  # the agent and its worker (torchrun starts workers in their own session)
         agents[0].wait(timeout=400)
     finally:
         for agent in agents:
             if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
+                _kill_tree(agent.pid)
     out = logs[0].read_text()
     assert agents[0].returncode == 0, out[-5000:]
     assert "elastic: 1 of 2 processes; train.grad_accum 1 -> 2, train.batch_size 4 -> 2" in out, out[-5000:]
