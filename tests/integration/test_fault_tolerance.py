@@ -191,3 +191,39 @@ def test_a_group_dying_inside_a_step_makes_the_survivor_redo_it_over_the_same_sa
     for record in (r for r in records if "loss" in r):
         step = record["step"]
         assert record["loss"] == pytest.approx(expected[step], rel=LOSS_RTOL), (step, record, expected[step])
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--ft-replicas", "4", "train.batch_size=6"], "train.batch_size=6 cannot be dealt over parallel.ft.replicas=4"),
+        (["--ft-replicas", "2", "parallel.tp=2", "parallel.sequence_parallel=false"], "with tp"),
+        (["--ft-replicas", "2", "parallel.dp_shard=2"], "with fsdp"),
+        (["--ft-replicas", "2", "--ft-lighthouse", "nowhere"], "--ft-lighthouse='nowhere' is not a lighthouse address"),
+        (["--ft-replicas", "-1"], "--ft-replicas must be >= 1"),
+    ],
+)
+def test_fault_tolerant_launches_that_cannot_work_are_one_line(tiny_config, tmp_path, capsys, args, fragment):
+    from test_user_errors import fails_with
+
+    recipe = write_config(tiny_config, tmp_path / "job.toml")
+    fails_with(["launch", str(recipe), *args, "--dry-run"], capsys, fragment)
+
+
+def test_a_torchft_train_with_a_bad_lighthouse_is_one_line(tiny_config, tmp_path, capsys):
+    from test_user_errors import fails_with
+
+    recipe = write_config(tiny_config, tmp_path / "job.toml")
+    ft = ["parallel.fault_tolerance=torchft", "parallel.ft.lighthouse=node7:port"]
+    fails_with(["train", str(recipe), *ft], capsys, "parallel.ft.lighthouse='node7:port' is not a lighthouse address")
+
+
+def test_the_dry_run_prints_one_train_command_per_replica_group(tiny_config, tmp_path, capsys):
+    from tessera.cli import main
+
+    recipe = write_config(tiny_config, tmp_path / "job.toml")
+    assert main(["launch", str(recipe), "--ft-replicas", "3", "train.batch_size=6", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "3 replica groups" in out
+    for group in range(3):
+        assert f"parallel.ft.replica_id={group} " in out and f"replica_{group}" in out
