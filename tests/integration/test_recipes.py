@@ -48,6 +48,12 @@ PUBLISHED = {
     "deepseek-moe-16b": 16_375_728_128,
     # Qwen3-Next-80B-A3B; HF's Qwen3NextForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
     "qwen3-next-80b-a3b": 79_674_391_296,
+    # Qwen3.5's text models (no vision tower, no MTP head); HF's Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM of the
+    # exported configs count the same (tests/unit/hf/test_hf.py)
+    "qwen3.5-27b": 26_895_998_464,
+    "qwen3.5-35b-a3b": 34_660_610_688,
+    # Nemotron-H-8B-Base-8K; HF's NemotronHForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
+    "nemotron-h-8b": 8_100_852_736,
 }
 
 
@@ -66,6 +72,7 @@ def test_every_family_has_a_tiny_recipe():
     assert set(TINY) >= {
         *("llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"),
         *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "qwen3_next"),
+        "nemotron_h",
     }
 
 
