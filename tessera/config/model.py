@@ -41,6 +41,7 @@ class PositionConfig:
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by the factor
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
     rope_attention_factor: float = 0.0  # yarn: the cos/sin magnitude (0 = 0.1 * ln(factor) + 1)
+    rope_yarn_truncate: bool = True  # yarn: round the blend's dimension range to integers (HF truncate; gpt-oss false)
     rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
     rel_buckets: int = 32  # T5 relative-position buckets
     rel_max_distance: int = 128  # T5: distances beyond this share the last bucket

@@ -48,6 +48,9 @@ PUBLISHED = {
     "deepseek-moe-16b": 16_375_728_128,
     # Qwen3-Next-80B-A3B; HF's Qwen3NextForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
     "qwen3-next-80b-a3b": 79_674_391_296,
+    # gpt-oss: transformers' GptOssForCausalLM of the published configs on meta (tests/unit/hf/test_gpt_oss.py)
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 }
 
 

@@ -137,6 +137,28 @@ def _deepseek_v32() -> transformers.PreTrainedModel:
     return transformers.DeepseekV32ForCausalLM(cfg)
 
 
+def _gpt_oss() -> transformers.PreTrainedModel:
+    """gpt-oss: a 4-token window then full attention, sinks, biased clamped experts, YaRN with truncate=false
+    (at head_dim 16 the kept fraction changes the frequencies: tests/unit/hf/test_gpt_oss.py)."""
+    cfg = transformers.GptOssConfig(
+        **{**_LLAMA_LIKE, "intermediate_size": 16},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    return transformers.GptOssForCausalLM(cfg)
+
+
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 # DeepSeek-V3 routing: sigmoid scores, 2 groups of which the best 1 is searched, scaled weights, a shared expert
 _DEEPSEEK_MOE = dict(
@@ -237,6 +259,7 @@ HF_MODELS = {
     ),
     "deepseek_v3_moe": lambda: _deepseek(q_lora_rank=16, **_DEEPSEEK_MOE),
     "deepseek_v32": _deepseek_v32,
+    "gpt_oss": _gpt_oss,
     "deepseek_v3_yarn": lambda: _deepseek(
         q_lora_rank=16,
         rope_parameters={
