@@ -69,6 +69,7 @@ def test_every_family_has_a_tiny_recipe():
     assert set(TINY) >= {
         *("llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"),
         *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "qwen3_next"),
+        "gpt_oss",
     }
 
 
