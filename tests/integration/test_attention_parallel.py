@@ -1,6 +1,6 @@
 """Latent attention (a tiny DeepSeek-V3 recipe: MLA with a query bottleneck, sigmoid-routed experts),
 QK-norm over all heads (an OLMo 2-style dense decoder) and DeepSeek Sparse Attention (the V3 recipe plus
-a lightning indexer, top-k global over the sequence) under tensor, sequence, expert and context
+a lightning indexer, top-k global over the sequence; under tp2 and cp2) under tensor, sequence, expert and context
 parallelism match the single-process run: losses and grad norms per step and the final parameters
 (fp32, 1e-5 relative). One 2-process world trains every layout (tests/helpers/dist_variants.py)."""
 
@@ -51,6 +51,9 @@ LAYOUTS = {
     "mla_cp2_ring": [*ONE_RANK, "parallel.cp=2", "parallel.cp_method=ring"],
     "olmo2_tp2_sp": [*OLMO2, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=true"],
     "dsa_cp2_allgather": [*DSA, *ONE_RANK, "parallel.cp=2", "parallel.cp_method=allgather"],  # global top-k
+    # heads split, the indexer replicated: the same global top-k on both ranks, its KL target over all heads
+    "dsa_tp2": [*DSA, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=false"],
+    "dsa_tp2_sp": [*DSA, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=true"],
 }
 
 
