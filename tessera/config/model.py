@@ -86,6 +86,7 @@ class MoEConfig:
     router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     expert_biases: bool = False  # biases on every expert projection (gpt-oss)
     swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU, (clamp(up)+1) g sigmoid(1.702 g), g = min(gate, limit)
+    scale_input: bool = False  # routing weights scale each expert's input instead of its output (Llama 4)
     jitter: float = 0.0  # training only: the MoE input times U(1 - jitter, 1 + jitter) (Mixtral router_jitter_noise)
 
 
