@@ -78,20 +78,44 @@ def _environment() -> dict[str, str]:
     return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
 
 
+def golden_rtol(key: str, step: int, same_kernels: bool) -> float:
+    """The relative tolerance of a golden value at ``step`` (1-based).
+
+    On the CPU kernels the curves were recorded with (ATen's CPU capability, one torch thread): 1e-5 at
+    every step. On other kernels (AVX2 instead of AVX-512, for example) tight early and looser where
+    chaotic growth sets in, chosen from ``benchmarks/golden_drift.py`` (17 recipes, AVX-512/AVX2 x 1/2
+    threads): the worst loss drift stays <= 4.6e-5 to step 20, the worst grad-norm drift grows from
+    4e-6 at step 4 to 1e-4 at step 10 and 9e-3 at step 18 (a grad-norm spike of the tiny DeepSeek-V3.2).
+    The rule has a margin of 2x or more at every step.
+    """
+    if same_kernels:
+        return 1e-5
+    if key == "loss":
+        return 1e-5 * 2 ** ((step - 1) / 4)
+    return min(2e-2, 1e-5 * 2 ** ((step - 1) / 1.5))
+
+
 def _check_golden(family: str, records: list[dict]) -> None:
     curve = {k: [r[k] for r in records[:GOLDEN_STEPS]] for k in ("loss", "grad_norm")}
     path = GOLDEN / f"{family}.json"
+    capability = torch.backends.cpu.get_cpu_capability()
     if os.environ.get("TESSERA_REGENERATE_GOLDEN"):
         GOLDEN.mkdir(exist_ok=True)
-        path.write_text(json.dumps({"environment": _environment(), **curve}, indent=1) + "\n")
+        stamp = {"environment": _environment(), "cpu_capability": capability}
+        path.write_text(json.dumps({**stamp, **curve}, indent=1) + "\n")
         return
     assert path.is_file(), f"no golden curve for {family}; regenerate: see the docstring of {__file__}"
     golden = json.loads(path.read_text())
     if golden["environment"] != _environment():
         pytest.skip(f"golden curve recorded under {golden['environment']}, this is {_environment()}")
+    same_kernels = golden["cpu_capability"] == capability
     for key in ("loss", "grad_norm"):
         for step, (got, want) in enumerate(zip(curve[key], golden[key], strict=True), 1):
-            assert abs(got - want) <= 1e-5 * abs(want), f"{family} {key} at step {step}: {got} vs golden {want}"
+            rtol = golden_rtol(key, step, same_kernels)
+            assert abs(got - want) <= rtol * abs(want), (
+                f"{family} {key} at step {step}: {got} vs golden {want} (rtol {rtol:.1e}, CPU kernels "
+                f"{capability} vs recorded {golden['cpu_capability']})"
+            )
 
 
 @pytest.mark.parametrize("family", TINY)
