@@ -13,7 +13,7 @@ from typing import Any
 
 from tessera.config import ModelConfig
 from tessera.hf.families.common import Family, HFConversionError, Rule, copy, ends_rules, fail, ffn_hidden
-from tessera.hf.families.llama import attention_rules, llama_from_hf, llama_to_hf
+from tessera.hf.families.llama import llama_from_hf, llama_layer_rules, llama_to_hf
 from tessera.model.gpt_oss_experts import SWIGLU_ALPHA
 
 _THETA = 150000.0  # transformers' GptOssConfig.default_theta, for a config that leaves it out
@@ -97,15 +97,12 @@ def _expert_rules(ours: str, theirs: str) -> list[Rule]:
 def _gpt_oss_rules(cfg: ModelConfig, family: str) -> list[Rule]:
     rules = ends_rules(cfg, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        rules += [
-            copy(f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
-            copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
+        ours, theirs, layer = llama_layer_rules(cfg, i)
+        rules += layer + [
             copy(f"{ours}.attention.sinks.weight", f"{theirs}.self_attn.sinks"),
             copy(f"{ours}.moe.router.weight", f"{theirs}.mlp.router.weight"),
             copy(f"{ours}.moe.router.bias", f"{theirs}.mlp.router.bias"),
         ]
-        rules += attention_rules(cfg, ours, theirs)
         rules += _expert_rules(f"{ours}.moe.experts", f"{theirs}.mlp.experts")
     return rules
 
