@@ -51,6 +51,12 @@ PUBLISHED = {
     # gpt-oss: transformers' GptOssForCausalLM of the published configs on meta (tests/unit/hf/test_gpt_oss.py)
     "gpt-oss-20b": 20_914_757_184,
     "gpt-oss-120b": 116_829_156_672,
+    # Qwen3.5's text models (no vision tower, no MTP head); HF's Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM of the
+    # exported configs count the same (tests/unit/hf/test_hf.py)
+    "qwen3.5-27b": 26_895_998_464,
+    "qwen3.5-35b-a3b": 34_660_610_688,
+    # Nemotron-H-8B-Base-8K; HF's NemotronHForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
+    "nemotron-h-8b": 8_100_852_736,
 }
 
 
@@ -70,6 +76,7 @@ def test_every_family_has_a_tiny_recipe():
         *("llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"),
         *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "qwen3_next"),
         "gpt_oss",
+        "nemotron_h",
     }
 
 
