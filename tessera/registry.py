@@ -52,6 +52,7 @@ The API only grows: fields are added with defaults, never renamed.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -234,3 +235,24 @@ def recurrent_layers(layers: Any) -> str:
 def uses_kernel(name: str) -> Callable[[Any], bool]:
     """``uses`` of a kernel: the model's ``model.attention.kernel`` is ``name``."""
     return lambda m: m.attention.kernel == name
+
+
+Check = Callable[[Any], None]
+
+
+def register_options(options: dict[str, tuple], unsupported: dict[str, dict[str, str]] | None = None) -> None:
+    """Register model options: name -> (feature, dotted key, check[, uses]); without ``uses`` an option is on
+    when its key is set (nonzero, nonempty). ``unsupported``: name -> {layout: reason}."""
+    for name, (feature, key, check, *uses) in options.items():
+        read = operator.attrgetter(key.removeprefix("model."))
+        used = uses[0] if uses else (lambda m, read=read: bool(read(m)))
+        spec = Spec(
+            kind="option",
+            name=name,
+            feature=feature,
+            keys=(key,),
+            uses=used,
+            checks=(check,),
+            unsupported=(unsupported or {}).get(name, {}),
+        )
+        register(spec)

@@ -42,6 +42,7 @@ class PositionConfig:
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by the factor
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
     rope_attention_factor: float = 0.0  # yarn: the cos/sin magnitude (0 = 0.1 * ln(factor) + 1)
+    rope_yarn_truncate: bool = True  # yarn: round the blend's dimension range to integers (HF truncate; gpt-oss false)
     rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
     # Per-layer RoPE (docs/layer-patterns.md): the sliding-window 'A' layers of a layer_pattern with 'G' layers may
     # have their own plain RoPE (no rope_scaling): Gemma 3 10000 (global 1e6, scaled), OLMo 3 rope_theta unscaled.
@@ -85,6 +86,7 @@ class MoEConfig:
     router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     expert_biases: bool = False  # biases on every expert projection (gpt-oss)
     swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU, (clamp(up)+1) g sigmoid(1.702 g), g = min(gate, limit)
+    scale_input: bool = False  # routing weights scale each expert's input instead of its output (Llama 4)
     jitter: float = 0.0  # training only: the MoE input times U(1 - jitter, 1 + jitter) (Mixtral router_jitter_noise)
 
 

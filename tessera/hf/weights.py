@@ -20,6 +20,7 @@ from torch import nn
 
 from tessera.config import ConfigError, ModelConfig, model_config
 from tessera.hf.families import FAMILIES, HFConversionError, Rule
+from tessera.hf.families.common import SPLIT_LAST, join_last, split_last
 from tessera.model.block import layer_kind
 from tessera.model.ffn import ffn_hidden_size
 from tessera.model.moe import is_moe_layer
@@ -130,6 +131,9 @@ def _from_hf_tensors(rules: list[Rule], hf: dict[str, torch.Tensor]) -> dict[str
             out[rule.ours[0]] = theirs[0].T.contiguous()
         elif rule.kind == "experts":
             out[rule.ours[0]] = torch.stack([w.T for w in theirs])
+        elif rule.kind in SPLIT_LAST:
+            for i, name in enumerate(rule.ours):
+                out[name] = split_last(theirs[0], i, len(rule.ours), rule.kind).contiguous()
         else:
             fused = theirs[0].T if rule.kind == "fused_t" else theirs[0]
             for name, part in zip(rule.ours, fused.chunk(len(rule.ours), dim=0)):
@@ -147,6 +151,8 @@ def _to_hf_tensors(rules: list[Rule], ours: dict[str, torch.Tensor]) -> dict[str
             out[rule.theirs[0]] = tensors[0].T
         elif rule.kind == "experts":
             out.update({name: w.T for name, w in zip(rule.theirs, tensors[0])})
+        elif rule.kind in SPLIT_LAST:
+            out[rule.theirs[0]] = join_last(tensors, rule.kind)
         else:
             fused = torch.cat(tensors, dim=0)
             out[rule.theirs[0]] = fused.T if rule.kind == "fused_t" else fused
@@ -271,11 +277,11 @@ def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
     pos = cfg.position
     if pos.kind != "rope":
         drop |= {f"position.rope_{k}" for k in ("theta", "scaling", "scaling_factor", "original_max_len")}
-        drop |= {"position.rotary_fraction", "position.rope_attention_factor"}
+        drop |= {"position.rotary_fraction", "position.rope_attention_factor", "position.rope_yarn_truncate"}
     if pos.rope_scaling != "llama3":
         drop |= {"position.rope_low_freq_factor", "position.rope_high_freq_factor"}
     if pos.rope_scaling != "yarn":
-        drop.add("position.rope_attention_factor")
+        drop |= {"position.rope_attention_factor", "position.rope_yarn_truncate"}
     if pos.rope_scaling == "none":
         drop.add("mla.mscale")
     if pos.rope_scaling not in ("yarn", "llama3"):
@@ -327,6 +333,8 @@ def detect_family(cfg: ModelConfig) -> str:
         return "jamba" if kinds != {"M"} or cfg.mamba.ffn else "mamba2" if cfg.mamba.version == 2 else "mamba"
     if cfg.mla.kv_rank:
         return "deepseek_v32" if cfg.dsa.topk else "deepseek_v3"
+    if cfg.attention.sinks:
+        return "gpt_oss"
     layered = {"sandwich": "gemma3_text", "reordered": "olmo3"}.get(cfg.norm_position)
     if layered and not cfg.moe.experts:
         return layered

@@ -17,8 +17,6 @@ already follows the letter.
 from __future__ import annotations
 
 import dataclasses
-import operator
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,7 +27,7 @@ from tessera.config.checks import require
 from tessera.model.position import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from tessera.model.attention import AttnContext
+    from tessera.model.kernels.common import AttnContext
 
 
 def nope_layers(m: ModelConfig) -> frozenset[int]:
@@ -78,7 +76,7 @@ def check_nope_layers(m: Any) -> None:
         ids = []
     require(
         bool(ids) and len(set(ids)) == len(ids),
-        f"model.position.nope_layers={text!r} is not a list of distinct layer indices; write e.g. \"3,7,11\"",
+        f'model.position.nope_layers={text!r} is not a list of distinct layer indices; write e.g. "3,7,11"',
     )
     bad = [i for i in ids if not 0 <= i < m.n_layers]
     require(
@@ -100,28 +98,19 @@ def check_local_rope(m: Any) -> None:
         return
     require(theta > 0, f"model.position.local_rope_theta must be positive (0 = off), got {theta}")
     require(
-        m.position.kind == "rope" and m.attention.sliding_window > 0 and "G" in m.layer_pattern
-        and not m.mla.kv_rank,
+        m.position.kind == "rope" and m.attention.sliding_window > 0 and "G" in m.layer_pattern and not m.mla.kv_rank,
         "model.position.local_rope_theta is the RoPE base of the local 'A' layers: it needs model.position.kind="
         "'rope', model.attention.sliding_window > 0 and 'G' layers in model.layer_pattern (e.g. \"AAAAAG\")",
     )
 
 
-Check = Callable[[Any], None]
-
-
-def register_options(options: dict[str, tuple], unsupported: dict[str, dict[str, str]] | None = None) -> None:
-    """Register model options: name -> (feature, dotted key, check[, uses]); without ``uses`` an option is on
-    when its key is set (nonzero, nonempty). ``unsupported``: name -> {layout: reason}."""
-    for name, (feature, key, check, *uses) in options.items():
-        read = operator.attrgetter(key.removeprefix("model."))
-        used = uses[0] if uses else (lambda m, read=read: bool(read(m)))
-        spec = registry.Spec(kind="option", name=name, feature=feature, keys=(key,), uses=used, checks=(check,),
-                             unsupported=(unsupported or {}).get(name, {}))
-        registry.register(spec)
-
-
-register_options({
-    "nope_layers": ("NoPE layers (no rotary on chosen layers)", "model.position.nope_layers", check_nope_layers),
-    "local_rope": ("per-layer RoPE base (local/global layers)", "model.position.local_rope_theta", check_local_rope),
-})
+registry.register_options(
+    {
+        "nope_layers": ("NoPE layers (no rotary on chosen layers)", "model.position.nope_layers", check_nope_layers),
+        "local_rope": (
+            "per-layer RoPE base (local/global layers)",
+            "model.position.local_rope_theta",
+            check_local_rope,
+        ),
+    }
+)

@@ -20,7 +20,7 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.config.checks import require
-from tessera.model.layer_patterns import register_options
+from tessera.registry import register_options
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -100,6 +100,7 @@ def check_embed_scale(m: Any) -> None:
 
 _CP_SOFTCAP = "the ring-attention core of context parallelism merges uncapped sdpa blocks; run softcap without cp"
 
+
 def _sublayer_norms_used(m: Any) -> bool:
     return m.norm_position in ("sandwich", "reordered")
 
@@ -109,8 +110,12 @@ register_options(
         "attention_softcap": ("attention soft-capping (Gemma 2)", "model.attention.softcap", check_attention_softcap),
         "logit_softcap": ("final-logit soft-capping (Gemma 2)", "model.logit_softcap", check_logit_softcap),
         "embed_scale": ("embeddings scaled by sqrt(dim) (Gemma)", "model.embed_scale", check_embed_scale),
-        "sublayer_norms": ("sandwich / reordered sublayer norms", "model.norm_position", check_sublayer_norms,
-                           _sublayer_norms_used),
+        "sublayer_norms": (
+            "sandwich / reordered sublayer norms",
+            "model.norm_position",
+            check_sublayer_norms,
+            _sublayer_norms_used,
+        ),
     },
     unsupported={"attention_softcap": {"cp": _CP_SOFTCAP}},
 )

@@ -1,8 +1,9 @@
 """Latent attention (a tiny DeepSeek-V3 recipe: MLA with a query bottleneck, sigmoid-routed experts),
 QK-norm over all heads (an OLMo 2-style dense decoder) and DeepSeek Sparse Attention (the V3 recipe plus
-a lightning indexer, top-k global over the sequence) under tensor, sequence, expert and context
+a lightning indexer, top-k global over the sequence; under tp2 and cp2) under tensor, sequence, expert and context
 parallelism, and a Gemma 3-shaped decoder (local/global layers with their own RoPE, sandwich norms) under
-tp2 + SP, cp2 (windows crossing the ranks' boundary) and pp2, match the single-process run: losses and grad norms per step and the final parameters
+tp2 + SP, cp2 (windows crossing the ranks' boundary) and pp2, match the single-process run: losses and grad
+norms per step and the final parameters
 (fp32, 1e-5 relative). One 2-process world trains every layout (tests/helpers/dist_variants.py)."""
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ LAYOUTS = {
     "gemma3_tp2_sp": [*GEMMA3, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=true"],
     "gemma3_cp2_ring": [*GEMMA3, *ONE_RANK, "parallel.cp=2", "parallel.cp_method=ring"],
     "gemma3_pp2": [*GEMMA3, *ONE_RANK, "parallel.pp=2", "parallel.microbatches=2"],
+    # heads split, the indexer replicated: the same global top-k on both ranks, its KL target over all heads
+    "dsa_tp2": [*DSA, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=false"],
+    "dsa_tp2_sp": [*DSA, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=true"],
 }
 
 

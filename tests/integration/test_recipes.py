@@ -54,6 +54,9 @@ PUBLISHED = {
     "gemma-3-27b": 27_009_346_304,
     "olmo-3-7b": 7_298_011_136,  # HF Olmo3ForCausalLM of Olmo-3-1025-7B's config
     "smollm3-3b": 3_075_098_624,  # HF SmolLM3ForCausalLM of SmolLM3-3B's config
+    # gpt-oss: transformers' GptOssForCausalLM of the published configs on meta (tests/unit/hf/test_gpt_oss.py)
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
     # Qwen3.5's text models (no vision tower, no MTP head); HF's Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM of the
     # exported configs count the same (tests/unit/hf/test_hf.py)
     "qwen3.5-27b": 26_895_998_464,
@@ -78,6 +81,7 @@ def test_every_family_has_a_tiny_recipe():
     assert set(TINY) >= {
         *("llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"),
         *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "qwen3_next"),
+        "gpt_oss",
         "nemotron_h",
     }
 

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tessera.config import ConfigError, ModelConfig
 from tessera.model.ffn import ffn_hidden_size
 
@@ -21,7 +23,8 @@ class Rule:
 
     kind: ``copy`` (1:1), ``t`` (transposed, GPT-2 Conv1D), ``fused`` / ``fused_t`` (our q, k, v
     concatenated along HF's output dim, transposed for Conv1D), ``experts`` (our (E, in, out)
-    bank <-> E per-expert (out, in) HF matrices).
+    bank <-> E per-expert (out, in) HF matrices), ``interleaved`` / ``halves`` (our tensors side by side in
+    HF's last dimension: alternating channels, gpt-oss's gate_up_proj, or one after the other, Llama 4's).
     """
 
     ours: tuple[str, ...]
@@ -43,6 +46,23 @@ class Family:
     prepare: Callable[[dict[str, Any], ModelConfig, dict[str, Any]], None] | None = None
     # Rewrites exported HF tensors in place into the checkpoint's layout (the inverse of ``prepare``'s rewrite).
     finish: Callable[[ModelConfig, dict[str, Any]], None] | None = None
+
+
+SPLIT_LAST = ("interleaved", "halves")  # the kinds that split HF's last dimension into our tensors
+
+
+def split_last(t: torch.Tensor, part: int, parts: int, kind: str) -> torch.Tensor:
+    """Our tensor ``part`` of ``parts`` in HF tensor ``t`` under a :data:`SPLIT_LAST` rule."""
+    if kind == "interleaved":
+        return t[..., part::parts]
+    return t.chunk(parts, dim=-1)[part]
+
+
+def join_last(tensors: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """The HF tensor of our ``tensors`` under a :data:`SPLIT_LAST` rule (the inverse of :func:`split_last`)."""
+    if kind == "interleaved":
+        return torch.stack(tensors, dim=-1).flatten(-2)
+    return torch.cat(tensors, dim=-1)
 
 
 def copy(ours: str, theirs: str) -> Rule:
@@ -177,10 +197,12 @@ def rope_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
             rope_high_freq_factor=float(params["high_freq_factor"]),
         )
     elif kind == "yarn":
-        for key, default in (("beta_fast", 32), ("beta_slow", 1), ("truncate", True)):
+        for key, default in (("beta_fast", 32), ("beta_slow", 1)):
             if params.get(key) not in (None, default):
                 fail(f"rope_parameters.{key}", params[key], family)
         out["rope_original_max_len"] = original
+        if params.get("truncate") is not None:
+            out["rope_yarn_truncate"] = bool(params["truncate"])
         mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
         if params.get("attention_factor") is not None:
             out["rope_attention_factor"] = float(params["attention_factor"])
@@ -207,5 +229,7 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             scaling.update(low_freq_factor=pos.rope_low_freq_factor, high_freq_factor=pos.rope_high_freq_factor)
         if pos.rope_scaling == "yarn" and pos.rope_attention_factor:
             scaling["attention_factor"] = pos.rope_attention_factor
+        if pos.rope_scaling == "yarn" and not pos.rope_yarn_truncate:
+            scaling["truncate"] = False
     parameters = {"rope_theta": pos.rope_theta, "rope_type": "default", **(scaling or {})}
     return {"rope_parameters": parameters, "rope_theta": pos.rope_theta, "rope_scaling": scaling}

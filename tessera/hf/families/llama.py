@@ -86,12 +86,18 @@ def expert_rules(ours: str, theirs: str, n: int, names: tuple[str, str, str]) ->
     ]
 
 
+def llama_layer_rules(cfg: ModelConfig, i: int) -> tuple[str, str, list[Rule]]:
+    """Layer ``i``'s name prefixes (ours, HF's) and the rules of its two norms and attention projections."""
+    ours, theirs = f"layers.{i}", f"model.layers.{i}"
+    return ours, theirs, layer_norm_rules(ours, theirs) + attention_rules(cfg, ours, theirs)
+
+
 def llama_rules(cfg: ModelConfig, family: str) -> list[Rule]:
     """Weight names of Llama, Mistral, Qwen2 and Mixtral."""
     rules = ends_rules(cfg, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        rules += layer_norm_rules(ours, theirs) + attention_rules(cfg, ours, theirs)
+        ours, theirs, layer = llama_layer_rules(cfg, i)
+        rules += layer
         if is_moe_layer(cfg, i):
             rules.append(copy(f"{ours}.moe.router.weight", f"{theirs}.block_sparse_moe.gate.weight"))
             rules += expert_rules(f"{ours}.moe", f"{theirs}.block_sparse_moe", cfg.moe.experts, ("w1", "w3", "w2"))

@@ -197,6 +197,26 @@ def _gemma3(**kw) -> transformers.PreTrainedModel:
         **kw,
     )
     return transformers.Gemma3ForCausalLM(cfg)
+def _gpt_oss() -> transformers.PreTrainedModel:
+    """gpt-oss: a 4-token window then full attention, sinks, biased clamped experts, YaRN with truncate=false
+    (at head_dim 16 the kept fraction changes the frequencies: tests/unit/hf/test_gpt_oss.py)."""
+    cfg = transformers.GptOssConfig(
+        **{**_LLAMA_LIKE, "intermediate_size": 16},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    return transformers.GptOssForCausalLM(cfg)
 
 
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
@@ -314,6 +334,7 @@ HF_MODELS = {
     "smollm3": lambda: transformers.SmolLM3ForCausalLM(
         transformers.SmolLM3Config(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, pad_token_id=0)
     ),
+    "gpt_oss": _gpt_oss,
     "deepseek_v3_yarn": lambda: _deepseek(
         q_lora_rank=16,
         rope_parameters={
