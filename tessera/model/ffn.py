@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import registry
+from tessera.dtypes import autocast_input
 
 ACTIVATIONS = {
     "swiglu": F.silu,
@@ -45,7 +46,11 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
+        if self.gated:
+            x = autocast_input(x)  # read by two projections: cast once
+            h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = self.act(self.up_proj(x))
         return self.down_proj(self.dropout(h))
 
 
