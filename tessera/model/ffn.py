@@ -65,7 +65,7 @@ def dense_memory(shape: Any, block: Any, prec: Any) -> tuple[float, float, float
     token of a dense FFN sublayer; ``shape`` a plan ModelShape, ``prec`` a plan Precision."""
     h, c = shape.dim, prec.compute
     dropout = shape.ffn_hidden if shape.cfg.dropout > 0 else 0.0
-    gathered = (2 if prec.autocast and shape.gated else 1) * c * h  # its input (one cast copy per projection)
+    gathered = c * h  # its input (gate and up share one cast copy under autocast: tessera.dtypes.autocast_input)
     sharded = hidden_bytes(shape.ffn_hidden, shape.gated, c) + dropout
     return gathered, sharded, c * h, (2 if shape.gated else 1) * c * shape.ffn_hidden
 

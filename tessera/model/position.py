@@ -131,27 +131,17 @@ def check_positions(positions: torch.Tensor, max_len: int) -> None:
         )
 
 
-def _swap_halves(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2]`` -> ``[x2, x1]`` over the last dimension: one flip of a (2, D/2) view, no concatenation."""
-    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-
-
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``[-s, s]`` from the table's ``[s, s]``: rotate-half's negation moved onto the (small) table."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the leading ``cos.shape[-1]`` channels of ``x`` (B, H, T, D); the rest pass through.
-
-    HF's rotate-half form ``x * cos + cat(-x2, x1) * sin``, computed as ``x * cos + [x2, x1] * [-s, s]``:
-    the same products and sums, so the same bits (``(-a) * b == a * (-b)``), without the activation-sized
-    negation and concatenation (a flip of the halves instead; the sign is on the (T, D) table)."""
+    """Rotate the leading ``cos.shape[-1]`` channels of ``x`` (B, H, T, D); the rest pass through."""
     dtype, rot = x.dtype, cos.shape[-1]
     x = x.float()
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    out = x_rot * cos + _swap_halves(x_rot) * _signed_sin(sin)
+    out = x_rot * cos + _rotate_half(x_rot) * sin
     return torch.cat((out, x_pass), dim=-1).to(dtype) if x_pass.shape[-1] else out.to(dtype)
 
 

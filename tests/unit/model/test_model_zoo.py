@@ -182,8 +182,8 @@ def test_rope_scaling_and_partial_rotary():
 
 
 def test_rope_is_hf_rotate_half_to_the_bit():
-    """apply_rope flips the halves instead of concatenating -x2, x1: the same products and sums, so the same
-    bits as HF Llama's rotate-half form (values and gradients, fp32), whatever the tables hold."""
+    """apply_rope is HF Llama's rotate-half form to the bit (values and gradients, fp32), whatever the tables
+    hold: a faster form of the rotation must keep these bits (the golden curves depend on them)."""
     from transformers.models.llama.modeling_llama import rotate_half
 
     torch.manual_seed(0)
