@@ -104,6 +104,7 @@ class MambaConfig:
     proj_bias: bool = False  # biases on in_proj and out_proj
     dt_norm: bool = False  # RMSNorm on the time step, B and C (Jamba)
     ffn: bool = True  # Mamba layers also get the FFN/MoE sublayer (Jamba); false = the mixer alone (Mamba)
+    dt_min: float = 0.0  # Mamba-2: floor of each time step after its softplus (Nemotron-H's time_step_min; 0 = none)
 
 
 @dataclass
@@ -164,7 +165,7 @@ class ModelConfig:
     ffn_hidden: int = 0  # 0 derives it from ffn_multiplier and multiple_of
     ffn_multiplier: float = 0.0  # 0 means 4x for plain FFNs and 8/3x for gated ones
     multiple_of: int = 32  # a derived ffn_hidden is rounded up to a multiple of this
-    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"  # swiglu/geglu are gated
+    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2"] = "swiglu"  # swiglu/geglu gated
     # zero_centered_rmsnorm: RMSNorm with gain 1 + weight, weight initialized to 0 (Qwen3-Next, Gemma)
     norm: Literal["rmsnorm", "layernorm", "zero_centered_rmsnorm"] = "rmsnorm"  # the normalization layer everywhere
     norm_eps: float = 1e-5  # epsilon of every norm

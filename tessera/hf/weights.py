@@ -257,7 +257,7 @@ def _canonical(cfg: ModelConfig) -> dict[str, Any]:
     if "moe.shared_ffn_hidden" in values:  # issue 13's key: 0 means shared_experts x the expert width
         shared = values["moe.shared_ffn_hidden"] or values["moe.ffn_hidden"] * cfg.moe.shared_experts
         values["moe.shared_ffn_hidden"] = shared
-    if "M" in kinds and not cfg.mamba.dt_rank:
+    if set(kinds) & {"M", "m"} and not cfg.mamba.dt_rank:
         values["mamba.dt_rank"] = math.ceil(cfg.dim / 16)
     drop = set(_TRAINING_ONLY) | {"bias", "mamba.chunk", "gdn.chunk"} | _unused(cfg, kinds)
     drop |= {f"attention.{k}" for k in ("block_size", "random_blocks", "performer_features", "global_tokens")}
@@ -282,13 +282,14 @@ def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
         drop.add("position.rope_original_max_len")
     if pos.kind != "t5_bias":
         drop |= {"position.rel_buckets", "position.rel_max_distance"}
-    if not set(kinds) - {"M", "D"}:  # no attention layer at all
+    if not set(kinds) - {"M", "m", "D"}:  # no attention layer at all
         drop |= {"n_heads", "n_kv_heads", "head_dim", "attention.", "position.", "mla."}
-    if "M" not in kinds:
+    if not set(kinds) & {"M", "m"}:
         drop.add("mamba.")
     if "D" not in kinds:
         drop.add("gdn.")
-    drop |= {"mamba.head_dim", "mamba.groups"} if cfg.mamba.version == 1 else {"mamba.dt_rank", "mamba.dt_norm"}
+    mamba2_only = {"mamba.head_dim", "mamba.groups", "mamba.dt_min"}
+    drop |= mamba2_only if cfg.mamba.version == 1 else {"mamba.dt_rank", "mamba.dt_norm"}
     if not cfg.mla.kv_rank:
         drop.add("mla.")
     drop |= {"dsa."} if not cfg.dsa.topk else {"dsa.indexer_loss_coef"}
@@ -296,9 +297,10 @@ def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
         drop.add("moe.")
     if not cfg.attention.qk_norm:
         drop.add("attention.qk_norm_scope")
-    if not any((k != "M" or cfg.mamba.ffn) and not is_moe_layer(cfg, i) for i, k in enumerate(kinds)):
+    has_ffn = [k not in "Mm" or (k == "M" and cfg.mamba.ffn) for k in kinds]
+    if not any(f and not is_moe_layer(cfg, i) for i, f in enumerate(has_ffn)):
         drop.add("ffn_hidden")  # no dense FFN anywhere
-    if set(kinds) == {"M"} and not cfg.mamba.ffn:  # no FFN either
+    if not any(has_ffn):  # no FFN either
         drop |= {"ffn_hidden", "activation", "ffn_bias", "moe.", "mamba.ffn"}
     return drop
 
@@ -319,6 +321,8 @@ def detect_family(cfg: ModelConfig) -> str:
         return "t5"
     if "D" in kinds:
         return "qwen3_next"
+    if "m" in kinds or "M" in kinds and cfg.activation == "relu2":
+        return "nemotron_h"
     if "M" in kinds:
         return "jamba" if kinds != {"M"} or cfg.mamba.ffn else "mamba2" if cfg.mamba.version == 2 else "mamba"
     if cfg.mla.kv_rank:

@@ -116,7 +116,7 @@ class AttnContext:
     sin: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None  # (B, T): recurrent mixers restart at each new document
     # Set when this forward holds only part of each sequence: recurrent mixers scan it through this
-    # (see tessera.model.gated_deltanet.RecurrentSplit); the stack's SequenceSplit.
+    # (see tessera.model.recurrent.RecurrentSplit); the stack's SequenceSplit.
     split: Any = None
     moe_log: MoELog | None = None  # where MoE layers record their routing (see tessera.model.moe.MoELog)
     # Replaces every layer's attention core, (layer, q, k, v, this context) -> output: set when this forward

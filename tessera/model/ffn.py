@@ -1,4 +1,4 @@
-"""Feed-forward networks: gated (SwiGLU, GeGLU) and plain (GELU, ReLU)."""
+"""Feed-forward networks: gated (SwiGLU, GeGLU) and plain (GELU, ReLU, squared ReLU)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (So et al. 2021; Nemotron-H's FFN)
 }
 GATED = ("swiglu", "geglu")
 
@@ -76,7 +77,7 @@ DENSE = registry.register(
     registry.Spec(
         kind="ffn",
         name="dense",
-        feature="dense FFN (ReLU, GELU, SwiGLU, GeGLU)",
+        feature="dense FFN (ReLU, squared ReLU, GELU, SwiGLU, GeGLU)",
         keys=("model.activation", "model.ffn_hidden", "model.ffn_multiplier", "model.multiple_of", "model.ffn_bias"),
         uses=lambda m: m.moe.experts <= 1 or m.moe.first_dense > 0 or m.moe.every > 1,
         unsupported={},

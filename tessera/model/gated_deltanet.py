@@ -28,13 +28,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from typing import Protocol
-
 from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require, require_all
 from tessera.model.mamba import MambaCache
-from tessera.model.recurrent import causal_depthwise_conv, chunk_document_masks, continues_document
+from tessera.model.recurrent import (
+    Docs,
+    RecurrentMixer,
+    RecurrentSplit,
+    causal_depthwise_conv,
+    chunk_document_masks,
+    continues_document,
+    split_causal_conv,
+    split_scan,
+)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -125,38 +132,6 @@ def recurrent_gated_delta_rule(
     return torch.stack(outputs, dim=2), s
 
 
-class RecurrentSplit(Protocol):
-    """A forward that holds only some pieces of each sequence (context parallelism implements it from outside):
-    what a recurrent mixer needs from the other pieces."""
-
-    def pieces(self, length: int) -> list[slice]:
-        """The local tokens as contiguous pieces of the whole sequence, in local order."""
-        ...
-
-    def halos(self, tails: torch.Tensor) -> torch.Tensor:
-        """(B, C, pieces, W) the last W inputs of each local piece -> the W inputs before each (zeros at the
-        sequence's start), from whichever rank holds them."""
-        ...
-
-    def entering_states(self, transitions: torch.Tensor, contributions: torch.Tensor) -> torch.Tensor:
-        """Each local piece's summary - the state transition A (pieces, B, H, Dk, Dk) and the state it adds from
-        zero, H (pieces, B, H, Dk, Dv), so that S_end = A S_in + H - -> the state entering each local piece
-        (pieces, B, H, Dk, Dv): a prefix over the pieces of all ranks in sequence order."""
-        ...
-
-
-def split_causal_conv(x: torch.Tensor, weight: torch.Tensor, split: RecurrentSplit) -> torch.Tensor:
-    """:func:`causal_depthwise_conv` of a split sequence's local (B, C, T): each piece's window starts with the
-    halo of inputs before it."""
-    width = weight.shape[-1]
-    pieces = split.pieces(x.shape[-1])
-    halos = split.halos(torch.stack([x[..., p][..., x[..., p].shape[-1] - (width - 1) :] for p in pieces], dim=2))
-    outs = [
-        F.conv1d(torch.cat([halos[:, :, i], x[..., p]], -1), weight, groups=x.shape[1]) for i, p in enumerate(pieces)
-    ]
-    return torch.cat(outs, dim=-1)
-
-
 def split_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -165,28 +140,29 @@ def split_gated_delta_rule(
     beta: torch.Tensor,
     chunk: int,
     split: RecurrentSplit,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The gated delta rule over a split sequence: each local piece is scanned from a zero state and from the
-    identity (one pass: the value columns evolve independently), giving its summary (transition, contribution);
-    the split combines the summaries of every piece in order, and each piece is scanned again from the state
-    entering it."""
+    """The gated delta rule over a split sequence (:func:`~tessera.model.recurrent.split_scan`): a local piece's
+    summary is its scan from a zero state and from the identity (one pass: the value columns evolve
+    independently), the transition and contribution of S_end = A S_in + H."""
     dk, dv = k.shape[-1], v.shape[-1]
-    pieces = split.pieces(q.shape[2])
-    summaries = []
-    for p in pieces:
+
+    def piece_docs(p: slice) -> torch.Tensor | None:
+        return document_ids[:, p] if document_ids is not None else None
+
+    def summarize(p: slice) -> tuple[torch.Tensor, torch.Tensor]:
         probe = torch.cat([v[:, :, p], v.new_zeros(*v[:, :, p].shape[:-1], dk)], dim=-1)
         eye = torch.eye(dk, device=v.device, dtype=v.dtype).expand(*v.shape[:2], dk, dk)
         start = torch.cat([v.new_zeros(*v.shape[:2], dk, dv), eye], dim=-1)
-        summaries.append(
-            chunk_gated_delta_rule(q[:, :, p], k[:, :, p], probe, g[:, :, p], beta[:, :, p], chunk, start)[1]
-        )
-    final = torch.stack(summaries)  # (pieces, B, H, Dk, Dv + Dk): [contribution | transition]
-    entering = split.entering_states(final[..., dv:], final[..., :dv])
-    outs = [
-        chunk_gated_delta_rule(q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p], beta[:, :, p], chunk, entering[i])[0]
-        for i, p in enumerate(pieces)
-    ]
-    return torch.cat(outs, dim=2)
+        final = chunk_gated_delta_rule(q[:, :, p], k[:, :, p], probe, g[:, :, p], beta[:, :, p], chunk, start,
+                                       piece_docs(p))[1]
+        return final[..., dv:], final[..., :dv]  # [contribution | transition]
+
+    def scan(p: slice, entering: torch.Tensor) -> torch.Tensor:
+        return chunk_gated_delta_rule(q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p], beta[:, :, p], chunk, entering,
+                                      piece_docs(p))[0]
+
+    return torch.cat(split_scan(split, q.shape[2], summarize, scan, False, document_ids), dim=2)
 
 
 class GatedOutputNorm(nn.Module):
@@ -208,7 +184,7 @@ class GatedOutputNorm(nn.Module):
         return ((self.weight * h.to(y.dtype)) * F.silu(z.float())).to(y.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """The Gated DeltaNet token mixer of ``[model.gdn]``: (B, T, dim) -> (B, T, dim).
 
     Head counts follow the projections' widths, so a tensor-parallel shard that holds whole key-head
@@ -264,7 +240,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """silu(causal conv) of (B, C, T); with a cache, continue from its window (restarted at ``start`` = 0)."""
         if split is not None:
-            return F.silu(split_causal_conv(mixed, self.conv1d.weight, split))
+            return F.silu(split_causal_conv(mixed, self.conv1d.weight, split, document_ids))
         if cache is None:
             return F.silu(causal_depthwise_conv(mixed, self.conv1d.weight, document_ids))
         if start == 0:
@@ -274,16 +250,9 @@ class GatedDeltaNet(nn.Module):
         cache.conv.copy_(full[..., full.shape[-1] - cache.conv.shape[-1] :])
         return F.silu(F.conv1d(full, self.conv1d.weight, groups=self.conv_dim))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cache: MambaCache | None = None,
-        start: int = 0,
-        document_ids: torch.Tensor | None = None,
-        split: RecurrentSplit | None = None,
-    ) -> torch.Tensor:
-        """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``; with
-        ``split``, ``x`` is this forward's part of each sequence (context parallelism)."""
+    def mix(self, x: torch.Tensor, cache: MambaCache | None, start: int, docs: Docs, split: RecurrentSplit | None):
+        """See :meth:`~tessera.model.recurrent.RecurrentMixer.forward`."""
+        document_ids = docs
         batch, length, _ = x.shape
         q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
         mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)
@@ -298,7 +267,7 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
         h0 = cache.ssm if cache is not None else None
         if split is not None:
-            y, h = split_gated_delta_rule(q, k, v, g, beta, self.chunk, split), None
+            y, h = split_gated_delta_rule(q, k, v, g, beta, self.chunk, split, document_ids), None
         elif cache is not None and length == 1:
             y, h = recurrent_gated_delta_rule(q, k, v, g, beta, h0)
         else:

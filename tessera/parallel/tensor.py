@@ -35,7 +35,7 @@ from tessera.model.ffn import DENSE
 from tessera.parallel.head_params import HeadSharded
 from tessera.model.mla import LatentAttention
 from tessera.parallel.tensor_attention import all_heads_norm_plan, latent_attention_plan
-from tessera.parallel.recurrent import GatedDeltaNetHeads
+from tessera.parallel.recurrent import GatedDeltaNetHeads, MambaChannels
 
 
 class ReplicateInput(ParallelStyle):
@@ -267,11 +267,13 @@ def _stack_plan(stack: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """The Gated DeltaNet's per-channel parameters (sliced per rank): gradients summed over the tp ranks.
-    (Per-head QK-norm gains are Replicate DTensors through :func:`_qk_norm_plan`; DTensor sums theirs.)"""
+def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
+    """The recurrent mixers' parameters sliced per rank (tessera/parallel/recurrent.py): gradients summed over the
+    tp ranks. (Per-head QK-norm gains are Replicate DTensors through :func:`_qk_norm_plan`; DTensor sums theirs.)"""
     if getattr(block, "gdn", None) is not None:
         parallelize_module(block.gdn, tp_mesh, GatedDeltaNetHeads())
+    if getattr(block, "mamba", None) is not None:
+        parallelize_module(block.mamba, tp_mesh, MambaChannels(sp))
 
 
 def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
@@ -299,8 +301,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         blocks = list(stack.layers.values())
         for block in blocks:
             # Attention derives its local head count from the sharded projections' widths.
-            parallelize_module(block, tp_mesh, _block_plan(block, sp))
-            _replicated_partial_grads(block, tp_mesh)
+            parallelize_module(block, tp_mesh, _present(block, _block_plan(block, sp)))
+            _replicated_partial_grads(block, tp_mesh, sp)
         if sp and replicated_embedding and blocks:
             parallelize_module(blocks[0], tp_mesh, ShardSequence())
     for module in (getattr(model, "mtp", None) or {}).values():  # multi-token prediction (on the last stage)

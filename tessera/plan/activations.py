@@ -159,7 +159,7 @@ def _traced_block(shape: ModelShape, block: BlockParams, prec: Precision) -> Blo
     return BlockMemory(full, BlockActivation(prec.stream * h, 0.0, 0.0), op)
 
 
-_TRACED: dict[tuple[str, int, Precision], float] = {}
+_TRACED: dict[tuple[str, str, Precision], float] = {}
 
 
 def traced_mixer_bytes(shape: ModelShape, layer: int, prec: Precision) -> float:
@@ -167,11 +167,15 @@ def traced_mixer_bytes(shape: ModelShape, layer: int, prec: Precision) -> float:
 
     Their kernels (chunked scans, low-rank projections) keep tensors no short formula follows, so
     the real module runs once on fake tensors (shapes only, no storage) and the storages autograd
-    saves are added up, at two chunks (Mamba) or 256 tokens; cached per model and precision.
+    saves are added up, at two chunks (Mamba) or 256 tokens; cached per model, mixer and precision (every layer of
+    one mixer keeps the same bytes: a 28-block hybrid traces twice, not 28 times).
     """
     import json
 
-    key = (json.dumps(dataclasses.asdict(shape.cfg), sort_keys=True, default=str), layer, prec)
+    from tessera.model.mixers import mixer_for
+
+    mixer = mixer_for(shape.cfg, layer).name
+    key = (json.dumps(dataclasses.asdict(shape.cfg), sort_keys=True, default=str), mixer, prec)
     if key not in _TRACED:
         _TRACED[key] = _trace(shape, layer, prec)
     return _TRACED[key]
@@ -187,7 +191,8 @@ def _trace(shape: ModelShape, layer: int, prec: Precision) -> float:
     from tessera.plan.shapes import one_period
 
     cfg = shape.cfg
-    tokens = min(cfg.max_seq_len, 2 * cfg.mamba.chunk if cfg.layer_pattern and "M" in cfg.layer_pattern else 256)
+    mamba = cfg.layer_pattern and set(cfg.layer_pattern) & {"M", "m"}
+    tokens = min(cfg.max_seq_len, 2 * cfg.mamba.chunk if mamba else 256)
     dtype = torch.bfloat16 if prec.compute == 2 and not prec.autocast else torch.float32
     with torch.device("meta"):
         model = build_model(one_period(cfg)).to(dtype)

@@ -10,7 +10,7 @@ Two counts of every term:
 
 - ``executed``: what the kernels tessera runs compute, the count ``torch.utils.flop_counter``
   reports: a dense or masked sdpa scores every (query, key) pair (the CPU kernel and the math path
-  skip nothing), the block-sparse windowed kernels only their blocks, the convolution its padded
+  skip nothing), the block-sparse windowed kernels only their blocks, the convolution its (left-padded)
   output;
 - ``model``: the useful work, for MFU: causal attention over the keys each query may see
   (T (T + 1) / 2 pairs, a sliding window ``min(i + 1, w)``, Longformer/BigBird their pattern), the
@@ -160,9 +160,8 @@ def _attention(count: FlopCount, module: nn.Module, masking: tuple | None, q_len
 def _mamba(count: FlopCount, mixer: nn.Module, length: int) -> float:
     """A Mamba layer's convolution and scan contractions; returns the convolution's executed FLOPs."""
     conv = mixer.conv1d
-    width = conv.kernel_size[0]
-    conv_executed = 2.0 * conv.weight.numel() * (length + width - 1)
-    count.add("mamba_conv", conv_executed, 2.0 * conv.weight.numel() * length)
+    conv_executed = 2.0 * conv.weight.numel() * length  # causal: padded on the left only, one output per position
+    count.add("mamba_conv", conv_executed, conv_executed)
     if isinstance(mixer, MambaMixer):  # y_t = h_t . c_t over (inner, state)
         count.add("mamba_scan", 2.0 * length * mixer.inner * mixer.state)
     elif isinstance(mixer, Mamba2Mixer):  # SSD: per chunk a masked (L x L) product and the state passing

@@ -9,6 +9,7 @@ args, raising :class:`HFConversionError` for any option tessera cannot reproduce
 from __future__ import annotations
 
 from tessera.hf.families import bert, deepseek, deepseek_v32, gpt2, llama, mamba, moe, qwen3_next, t5
+from tessera.hf.families import nemotron_h, qwen3_5
 from tessera.hf.families.common import Family, HFConversionError, Rule
 
 FAMILIES: dict[str, Family] = {
@@ -21,6 +22,8 @@ FAMILIES: dict[str, Family] = {
     **deepseek.FAMILIES,
     **deepseek_v32.FAMILIES,
     **qwen3_next.FAMILIES,
+    **qwen3_5.FAMILIES,
+    **nemotron_h.FAMILIES,
 }
 
 __all__ = ["FAMILIES", "Family", "HFConversionError", "Rule"]

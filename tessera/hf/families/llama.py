@@ -78,14 +78,14 @@ def llama_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
     return hf
 
 
-def attention_rules(cfg: ModelConfig, ours: str, theirs: str) -> list[Rule]:
-    """q/k/v/o projections (and the q/k norms of Qwen3-style qk_norm)."""
+def attention_rules(cfg: ModelConfig, ours: str, theirs: str, attn: str = "self_attn") -> list[Rule]:
+    """q/k/v/o projections (and the q/k norms of Qwen3-style qk_norm); ``attn``: HF's attention module name."""
     rules: list[Rule] = []
     for p in "qkv":
-        rules += linear(f"{ours}.attention.{p}_proj", f"{theirs}.self_attn.{p}_proj", cfg.attention.qkv_bias)
-    rules += linear(f"{ours}.attention.o_proj", f"{theirs}.self_attn.o_proj", _o_bias(cfg))
+        rules += linear(f"{ours}.attention.{p}_proj", f"{theirs}.{attn}.{p}_proj", cfg.attention.qkv_bias)
+    rules += linear(f"{ours}.attention.o_proj", f"{theirs}.{attn}.o_proj", _o_bias(cfg))
     if cfg.attention.qk_norm:
-        rules += [copy(f"{ours}.attention.{n}_norm.weight", f"{theirs}.self_attn.{n}_norm.weight") for n in "qk"]
+        rules += [copy(f"{ours}.attention.{n}_norm.weight", f"{theirs}.{attn}.{n}_norm.weight") for n in "qk"]
     return rules
 
 
