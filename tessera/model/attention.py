@@ -24,6 +24,7 @@ from torch import nn
 
 from tessera import registry
 from tessera.config import ModelConfig, layer_heads
+from tessera.dtypes import autocast_input
 from tessera.model import kernels  # noqa: F401  (registers the kernels)
 from tessera.model.kernels.common import AttnContext, SequenceSplit  # noqa: F401  (re-exported from their leaf)
 from tessera.model.kernels.common import allowed_mask as _allowed  # noqa: F401  (re-exported)
@@ -144,7 +145,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attend from ``x`` (B, T, dim) to itself (or to ``memory`` for cross-attention)."""
         b, t, _ = x.shape
-        src = memory if self.cross else x
+        x = autocast_input(x)
+        src = autocast_input(memory) if self.cross else x
         q, k = self.q_proj(x), self.k_proj(src)
         gate = None
         if self.output_gate:

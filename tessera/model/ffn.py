@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import registry
+from tessera.dtypes import autocast_input
 
 ACTIVATIONS = {
     "swiglu": F.silu,
@@ -46,7 +47,11 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
+        if self.gated:
+            x = autocast_input(x)  # read by two projections: cast once
+            h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = self.act(self.up_proj(x))
         return self.down_proj(self.dropout(h))
 
 
@@ -61,7 +66,7 @@ def dense_memory(shape: Any, block: Any, prec: Any) -> tuple[float, float, float
     token of a dense FFN sublayer; ``shape`` a plan ModelShape, ``prec`` a plan Precision."""
     h, c = shape.dim, prec.compute
     dropout = shape.ffn_hidden if shape.cfg.dropout > 0 else 0.0
-    gathered = (2 if prec.autocast and shape.gated else 1) * c * h  # its input (one cast copy per projection)
+    gathered = c * h  # its input (gate and up share one cast copy under autocast: tessera.dtypes.autocast_input)
     sharded = hidden_bytes(shape.ffn_hidden, shape.gated, c) + dropout
     return gathered, sharded, c * h, (2 if shape.gated else 1) * c * shape.ffn_hidden
 

@@ -46,7 +46,7 @@ class Precision:
     optim: int  # optimizer state per parameter (AdamW: two fp32 moments)
     compute: int  # matmul inputs/outputs and gathered parameters
     stream: int  # the residual stream between blocks
-    autocast: bool  # per-op casts (each projection keeps its own cast copy of its input)
+    autocast: bool  # per-op casts (q/k/v, and gate/up, share one cast copy of their input)
     reduce: int  # gradient reduction dtype (FSDP reduce_dtype)
 
 
@@ -138,7 +138,7 @@ def tessera_block(shape: ModelShape, block: BlockParams, prec: Precision) -> Blo
     if cfg.attention.qk_norm:
         attention += (4 + c) * (q + kv)
     ffn_gathered, ffn_sharded, op_ffn_gathered, op_ffn_sharded = _ffn_part(shape, block, prec)
-    gathered = (3 if prec.autocast else 1) * c * h + ffn_gathered  # q/k/v input: a cast copy per projection
+    gathered = c * h + ffn_gathered  # q/k/v input: one cast copy for the three (tessera.dtypes.autocast_input)
     full = BlockActivation(residual, gathered, attention + ffn_sharded, scores)
     # op-level checkpointing keeps the block input, q/k/v and o_proj outputs, the kernel outputs, FFN matmul
     # outputs (o_proj's and down_proj's whole-size, before the TP reduction)
