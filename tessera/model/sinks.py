@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from tessera import registry
 from tessera.config.checks import require
@@ -86,10 +87,19 @@ def sink_sdpa(
         if gqa:  # the lower-right causal bias takes no GQA: expand the key/value heads
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        mask = causal_lower_right(q.shape[2], k.shape[2])
+        mask = _lower_right(q.shape[2], k.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)[..., :dim]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
     return out[..., :dim]
+
+
+def _lower_right(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """The lower-right causal pattern: torch's CausalBias (flash-eligible), or under a dispatch mode (the FLOP
+    counters) or on the meta device, where the CausalBias subclass cannot be created, the same pattern as a bool
+    mask."""
+    if device.type == "meta" or _get_current_dispatch_mode() is not None:
+        return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    return causal_lower_right(queries, keys)
 
 
 def softmax_with_sink(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
