@@ -47,18 +47,18 @@ def causal_conv(
 ) -> torch.Tensor:
     """silu(depthwise causal conv) of ``x`` (B, C, T); with a cache, continue from its window at ``start``;
     with ``document_ids`` (B, T), restart the window at every document boundary."""
-    width, length = conv.kernel_size[0], x.shape[-1]
+    width = conv.kernel_size[0]
     if cache is None and document_ids is not None:
         out = causal_depthwise_conv(x, conv.weight, document_ids)
         return F.silu(out + conv.bias[:, None] if conv.bias is not None else out)
-    if cache is None:
-        return F.silu(conv(x)[..., :length])
+    if cache is None:  # the weight's channels, not conv.groups: tensor parallelism hands a mixer a slice of them
+        return F.silu(F.conv1d(F.pad(x, (width - 1, 0)), conv.weight, conv.bias, groups=x.shape[1]))
     if start == 0:
         cache.conv.zero_()
         cache.ssm.zero_()
     full = torch.cat([cache.conv.to(x.dtype), x], dim=-1)
     cache.conv.copy_(full[..., full.shape[-1] - (width - 1) :])
-    return F.silu(F.conv1d(full, conv.weight, conv.bias, groups=conv.groups))
+    return F.silu(F.conv1d(full, conv.weight, conv.bias, groups=x.shape[1]))
 
 
 def prefix_scan(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

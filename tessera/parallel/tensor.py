@@ -132,6 +132,7 @@ def _styles(prefix: str, tp_plan: dict[str, str] | None, sp: bool, module: nn.Mo
     out = Shard(1) if sp else Replicate()
     make = {
         "colwise": ColwiseParallel,
+        "colwise_gathered": lambda: ColwiseParallel(output_layouts=Replicate()),  # a low-rank half, then gathered
         "rowwise": lambda: RowwiseParallel(output_layouts=out, use_local_output=not sp),
     }
     return {f"{prefix}.{name}": make[style]() for name, style in (tp_plan or {}).items() if hasattr(module, name)}
