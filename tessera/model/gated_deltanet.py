@@ -250,9 +250,9 @@ class DeltaRuleMixer(nn.Module):
     chunked, recurrent (decoding from a :class:`MambaCache`) or split (context parallel) form.
 
     A subclass sets ``key_head_dim``, ``value_head_dim``, ``chunk``, ``group`` (value heads per key head),
-    ``state_heads`` and ``conv1d``, and says how x becomes q, k, v (``_project``), the log decay and the write
-    strength (``_gates``) and the output (``_output``). Head counts follow the projections' widths, so a
-    tensor-parallel shard that holds whole heads needs no bookkeeping.
+    ``state_heads`` and ``conv_dim``, and says what the convolution's weight is (``conv_weight``), how x becomes q,
+    k, v (``_project``), the log decay and the write strength (``_gates``) and the output (``_output``). Head
+    counts follow the projections' widths, so a tensor-parallel shard that holds whole heads needs no bookkeeping.
     """
 
     key_head_dim: int
@@ -260,12 +260,16 @@ class DeltaRuleMixer(nn.Module):
     chunk: int
     group: int
     state_heads: int
-    conv1d: nn.Conv1d
+    conv_dim: int
+
+    def conv_weight(self) -> torch.Tensor:
+        """The depthwise convolution's weight (conv_dim, 1, width) over the channels [q | k | v]."""
+        raise NotImplementedError
 
     def new_cache(self, batch: int, device: torch.device) -> MambaCache:
         """An empty decoding state: the last ``conv - 1`` inputs of the convolution and each value head's state."""
         shape = (self.state_heads, self.key_head_dim, self.value_head_dim)
-        return MambaCache(batch, self.conv1d.in_channels, self.conv1d.kernel_size[0], shape, device)
+        return MambaCache(batch, self.conv_dim, self.conv_weight().shape[-1], shape, device)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
         """(B, T, dim) -> q, k (B, T, key width), v (B, T, value width) and what the gates and output read."""
@@ -314,10 +318,11 @@ class DeltaRuleMixer(nn.Module):
         q, k, v, extras = self._project(x)
         widths = [q.shape[-1], k.shape[-1], v.shape[-1]]
         mixed = torch.cat([q, k, v], dim=-1).transpose(1, 2)
+        weight = self.conv_weight()
         if split is not None:
-            mixed = F.silu(split_causal_conv(mixed, self.conv1d.weight, split))
+            mixed = F.silu(split_causal_conv(mixed, weight, split))
         else:
-            mixed = causal_conv(mixed, self.conv1d, cache, start, document_ids)
+            mixed = causal_conv(mixed, weight, None, cache, start, document_ids)
         q, k, v = mixed.transpose(1, 2).float().split(widths, dim=-1)
         q, k = (l2_normalize(t.view(batch, length, -1, self.key_head_dim)) for t in (q, k))
         q = q * self.key_head_dim**-0.5
@@ -346,6 +351,10 @@ class GatedDeltaNet(DeltaRuleMixer):
         self.norm = GatedOutputNorm(g.value_head_dim, cfg.norm_eps)
         self.out_proj = nn.Linear(value_dim, cfg.dim, bias=False)
         self.reset_parameters()
+
+    def conv_weight(self) -> torch.Tensor:
+        """One convolution over [q | k | v] (HF's ``conv1d``)."""
+        return self.conv1d.weight
 
     def reset_parameters(self) -> None:
         """A ~ U(0.01, 16) (log-stored), dt_bias = 1 (HF's initialization)."""

@@ -13,8 +13,9 @@ the state cache, document resets and the context-parallel split - is :class:`Del
 Gated DeltaNet; the chunked form's products take the per-channel decay block by block
 (:func:`~tessera.model.gated_deltanet.decayed_products`).
 
-Parameter names follow HF transformers' ``KimiDeltaAttention`` (``KimiLinearDeltaAttention``) with its forget
-gate's ``f_a_proj``, ``f_b_proj``, ``dt_bias`` and ``A_log`` one level up (``A_log`` stored per head, (H,)).
+Parameter names and shapes follow the Kimi Linear checkpoints (what HF transformers' ``KimiLinearDeltaAttention``
+saves: its forget gate's ``f_a_proj``, ``f_b_proj``, ``dt_bias`` and ``A_log`` one level up, three convolutions
+``q_conv1d``, ``k_conv1d``, ``v_conv1d``).
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self.key_head_dim = self.value_head_dim = head_dim
         self.chunk, self.group, self.state_heads = kda.chunk, 1, heads
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(cfg.dim, width, bias=False) for _ in range(3))
-        channels = 3 * width
-        self.conv1d = nn.Conv1d(channels, channels, kda.conv, groups=channels, padding=kda.conv - 1, bias=False)
+        self.conv_dim = 3 * width
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            nn.Conv1d(width, width, kda.conv, groups=width, padding=kda.conv - 1, bias=False) for _ in range(3)
+        )
         self.f_a_proj = nn.Linear(cfg.dim, head_dim, bias=False)
         self.f_b_proj = nn.Linear(head_dim, width, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(width))
-        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1))  # HF's shape: broadcast over (B, T, H, Dk)
         self.b_proj = nn.Linear(cfg.dim, heads, bias=False)
         self.g_a_proj = nn.Linear(cfg.dim, head_dim, bias=False)
         self.g_b_proj = nn.Linear(head_dim, width, bias=False)
@@ -66,6 +69,10 @@ class KimiDeltaAttention(DeltaRuleMixer):
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
             self.dt_bias.copy_(_inverse_softplus_dt(self.dt_bias.shape[0], self.dt_bias.device))
 
+    def conv_weight(self) -> torch.Tensor:
+        """Three convolutions (HF's q_conv1d, k_conv1d, v_conv1d) as one over [q | k | v]."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
         return self.q_proj(x), self.k_proj(x), self.v_proj(x), x
 
@@ -74,7 +81,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
         ``beta = sigmoid(b_proj(x))`` (B, H, T)."""
         batch, length = x.shape[:2]
         f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(batch, length, -1, self.key_head_dim)
-        g = -self.A_log.float().exp()[:, None] * F.softplus(f)
+        g = -self.A_log.float().exp().view(-1, 1) * F.softplus(f)
         return g.transpose(1, 2), self.b_proj(x).float().sigmoid().transpose(1, 2)
 
     def _output(self, y: torch.Tensor, extras: object) -> torch.Tensor:

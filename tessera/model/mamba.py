@@ -40,25 +40,24 @@ class MambaCache:
 
 def causal_conv(
     x: torch.Tensor,
-    conv: nn.Conv1d,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
     cache: MambaCache | None,
     start: int,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """silu(depthwise causal conv) of ``x`` (B, C, T); with a cache, continue from its window at ``start``;
-    with ``document_ids`` (B, T), restart the window at every document boundary."""
-    width = conv.kernel_size[0]
-    if cache is None and document_ids is not None:
-        out = causal_depthwise_conv(x, conv.weight, document_ids)
-        return F.silu(out + conv.bias[:, None] if conv.bias is not None else out)
-    if cache is None:  # the weight's channels, not conv.groups: tensor parallelism hands a mixer a slice of them
-        return F.silu(F.conv1d(F.pad(x, (width - 1, 0)), conv.weight, conv.bias, groups=x.shape[1]))
+    """silu(depthwise causal conv) of ``x`` (B, C, T) with ``weight`` (C, 1, W) and ``bias``; with a cache,
+    continue from its window at ``start``; with ``document_ids`` (B, T), restart the window at every document
+    boundary. The groups are the weight's channels (tensor parallelism hands a mixer a slice of them)."""
+    if cache is None:
+        out = causal_depthwise_conv(x, weight, document_ids)
+        return F.silu(out + bias[:, None] if bias is not None else out)
     if start == 0:
         cache.conv.zero_()
         cache.ssm.zero_()
     full = torch.cat([cache.conv.to(x.dtype), x], dim=-1)
-    cache.conv.copy_(full[..., full.shape[-1] - (width - 1) :])
-    return F.silu(F.conv1d(full, conv.weight, conv.bias, groups=x.shape[1]))
+    cache.conv.copy_(full[..., full.shape[-1] - (weight.shape[-1] - 1) :])
+    return F.silu(F.conv1d(full, weight, bias, groups=x.shape[1]))
 
 
 def prefix_scan(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +136,8 @@ class MambaMixer(nn.Module):
         """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``; with
         ``document_ids`` (B, T), restart the state and the convolution at every document boundary."""
         u, z = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)
-        u = causal_conv(u, self.conv1d, cache, start, document_ids).transpose(1, 2)  # (B, T, E)
+        u = causal_conv(u, self.conv1d.weight, self.conv1d.bias, cache, start, document_ids)
+        u = u.transpose(1, 2)  # (B, T, E)
         dt, b, c = self.x_proj(u).split([self.dt_rank, self.state, self.state], dim=-1)
         if self.dt_layernorm is not None:
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
@@ -274,7 +274,9 @@ class Mamba2Mixer(nn.Module):
         ``document_ids`` (B, T), restart the state and the convolution at every document boundary."""
         batch, length, _ = x.shape
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
-        xbc = causal_conv(xbc.transpose(1, 2), self.conv1d, cache, start, document_ids).transpose(1, 2)
+        xbc = causal_conv(
+            xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, cache, start, document_ids
+        ).transpose(1, 2)
         xs, b, c = xbc.float().split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H)
         per_group = self.heads // self.groups

@@ -25,8 +25,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
 
 
 def _ours_from(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's module state -> ours (the checkpoint's names: the forget gate one level up, three convolutions)."""
     state = {_RENAMES.get(name, name): t for name, t in hf_state.items()}
-    state["A_log"] = state["A_log"].flatten()
+    conv = state.pop("conv1d.weight")
+    state.update(zip(("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"), conv.chunk(3)))
     return state
 
 
@@ -58,9 +60,9 @@ def test_mixer_matches_hf_outputs_and_gradients():
     want.backward(grad)
     got.backward(grad)
     _close(xb.grad, xa.grad)
-    theirs = {_RENAMES.get(n, n): p for n, p in hf.named_parameters()}
+    theirs = _ours_from({n: p.grad for n, p in hf.named_parameters()})
     for name, p in ours.named_parameters():
-        _close(p.grad, theirs[name].grad.reshape(p.shape))
+        _close(p.grad, theirs[name])
 
 
 def _rule_inputs(b=2, h=3, t=37, dk=8, dv=5, seed=0):
@@ -125,7 +127,7 @@ def test_decoding_with_the_state_cache_equals_recomputation():
         parts = [ours(x[:, :11], cache, 0)]  # a prefill (chunked, partial chunk), then one token at a time
         parts += [ours(x[:, t : t + 1], cache, t) for t in range(11, 19)]
     _close(torch.cat(parts, dim=1), full)
-    assert cache.bytes() == 2 * (3 * 24 * 3 + 3 * 8 * 8) * 4  # fixed, whatever the length
+    assert cache.bytes() == 2 * (3 * 24 * 3 + 3 * 8 * 8) * 4  # fixed, whatever the length: conv window + state
 
 
 def test_packed_documents_equal_each_document_alone():
