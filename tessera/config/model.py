@@ -138,6 +138,7 @@ class MLAConfig:
     nope_head_dim: int = 128  # qk_nope_head_dim: the unrotated part of each query/key head
     v_head_dim: int = 128  # v_head_dim: the width of each value head
     mscale: float = 0.0  # yarn mscale_all_dim: the softmax scale times (0.1 * mscale * ln(factor) + 1)^2
+    norm_eps: float = 0.0  # epsilon of the latent RMSNorms (kv_a, q_a); 0 = model.norm_eps (Kimi Linear: 1e-6)
 
 
 @dataclass

@@ -114,6 +114,35 @@ def _deepseek(**kw) -> transformers.PreTrainedModel:
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
+def _kimi_linear() -> transformers.PreTrainedModel:
+    """Kimi Delta Attention in layers 0, 1 and 3, NoPE latent attention in layer 2; a dense FFN in layer 0, then
+    group-limited sigmoid MoE with a shared expert."""
+    cfg = transformers.KimiLinearConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        linear_num_heads=2,
+        linear_head_dim=8,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return transformers.KimiLinearForCausalLM(cfg)
+
+
 def _deepseek_v32() -> transformers.PreTrainedModel:
     """DeepSeek Sparse Attention: each query attends to the 8 keys (of up to 28) its lightning indexer picks."""
     cfg = transformers.DeepseekV32Config(
@@ -237,6 +266,7 @@ HF_MODELS = {
     ),
     "deepseek_v3_moe": lambda: _deepseek(q_lora_rank=16, **_DEEPSEEK_MOE),
     "deepseek_v32": _deepseek_v32,
+    "kimi_linear": _kimi_linear,
     "deepseek_v3_yarn": lambda: _deepseek(
         q_lora_rank=16,
         rope_parameters={
