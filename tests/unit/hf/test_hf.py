@@ -527,3 +527,58 @@ def test_small_vocabularies_are_refused_only_where_a_tokenizer_is_trained(tmp_pa
     validate_model(model_config(vocab_size=V, dim=32, n_layers=1, n_heads=4))  # a model may have any vocabulary
     with pytest.raises(DataError, match="at least 260"):
         train_tokenizer([Document("d", "def f(x):\n    return x\n")], "tiny", V, tmp_path)
+
+
+# Kimi-Linear-48B-A3B's config.json (moonshotai/Kimi-Linear-48B-A3B-Instruct): the values that decide the size.
+_KIMI_LINEAR_48B = {
+    "model_type": "kimi_linear",
+    "vocab_size": 163840,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "moe_intermediate_size": 1024,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_experts": 256,
+    "num_experts_per_token": 8,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.446,
+    "tie_word_embeddings": False,
+    "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+        "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+        "num_heads": 32,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+    },
+}
+
+
+def test_kimi_linear_recipe_is_the_published_config_and_size():
+    """The published config imports to the full-size recipe's model, and the recipe's exported config builds (on
+    meta) an HF model with as many parameters as ours."""
+    from pathlib import Path
+
+    from tessera.hf.weights import config_from_hf, export_config
+    from tessera.model import count_parameters
+    from tessera.validate import load_config
+
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / "kimi-linear-48b-a3b.toml")
+    imported, _ = config_from_hf(dict(_KIMI_LINEAR_48B))
+    for key in ("layer_pattern", "kda", "mla", "dim", "n_heads", "ffn_hidden", "vocab_size", "position"):
+        assert getattr(imported, key) == getattr(config.model, key), key
+    assert (imported.moe.experts, imported.moe.top_k, imported.moe.ffn_hidden) == (256, 8, 1024)
+    hf_config, family = export_config(config.model)
+    assert family == "kimi_linear"
+    with torch.device("meta"):
+        hf = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**hf_config))
+        published = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**_KIMI_LINEAR_48B))
+        ours = build_model(config.model)
+    counts = [sum(p.numel() for p in m.parameters()) for m in (hf, published)]
+    assert counts == [count_parameters(ours)] * 2 == [49_122_675_072] * 2
