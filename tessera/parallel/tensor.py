@@ -35,7 +35,8 @@ from tessera.model.ffn import DENSE
 from tessera.parallel.head_params import HeadSharded
 from tessera.model.mla import LatentAttention
 from tessera.parallel.tensor_attention import all_heads_norm_plan, latent_attention_plan
-from tessera.parallel.recurrent import GatedDeltaNetHeads
+from tessera.model.gated_deltanet import DeltaRuleMixer
+from tessera.parallel.recurrent import DeltaRuleHeads
 
 
 class ReplicateInput(ParallelStyle):
@@ -269,10 +270,11 @@ def _stack_plan(stack: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
 
 
 def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """The Gated DeltaNet's per-channel parameters (sliced per rank): gradients summed over the tp ranks.
+    """A delta-rule mixer's per-channel parameters (sliced per rank): gradients summed over the tp ranks.
     (Per-head QK-norm gains are Replicate DTensors through :func:`_qk_norm_plan`; DTensor sums theirs.)"""
-    if getattr(block, "gdn", None) is not None:
-        parallelize_module(block.gdn, tp_mesh, GatedDeltaNetHeads())
+    mixer = getattr(block, block.mixer_spec.attr)
+    if isinstance(mixer, DeltaRuleMixer):
+        parallelize_module(mixer, tp_mesh, DeltaRuleHeads())
 
 
 def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:

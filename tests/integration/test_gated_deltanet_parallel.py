@@ -1,7 +1,8 @@
 """A Qwen3-Next-shaped hybrid (Gated DeltaNet + gated attention with per-head QK-norm, zero-centred norms, partial
-rotary, MoE with a gated shared expert) under tp2, tp2 + SP, pipeline stages and cp2 (chunk summaries combined over the ranks, convolution halos
-from the rank before) matches the single-process
-run on losses, grad norms and final parameters (fp32, 1e-5 relative, 4 steps), in one spawned world of 2."""
+rotary, MoE with a gated shared expert) with a Kimi Delta Attention layer between them (a per-channel decay; its
+low-rank decay and gate projections split and gathered) under tp2, tp2 + SP, pipeline stages and cp2 (chunk
+summaries combined over the ranks, convolution halos from the rank before) matches the single-process run on
+losses, grad norms and final parameters (fp32, 1e-5 relative, 4 steps), in one spawned world of 2."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ QWEN3_NEXT = [
     "optim.schedule=constant",
     "train.eval_every=0",
     "checkpoint.enabled=false",
-    "model.n_layers=2",
-    "model.layer_pattern=DA",
+    "model.n_layers=3",
+    "model.layer_pattern=DKA",
     "model.head_dim=16",
     "model.norm=zero_centered_rmsnorm",
     "model.attention.qk_norm=true",
@@ -33,6 +34,9 @@ QWEN3_NEXT = [
     "model.gdn.key_head_dim=16",
     "model.gdn.value_head_dim=16",
     "model.gdn.chunk=8",
+    "model.kda.heads=2",
+    "model.kda.head_dim=16",
+    "model.kda.chunk=8",
     "model.moe.experts=4",
     "model.moe.ffn_hidden=32",
     "model.moe.shared_experts=1",
@@ -76,3 +80,13 @@ def test_gated_deltanet_with_tp_and_fsdp_is_refused(tiny_config):
 def test_chunk_not_dividing_the_local_piece_is_one_clear_error(tiny_config):
     with pytest.raises(ConfigError, match=r"model.gdn.chunk=16 does not divide the local sequence piece .* = 8"):
         tiny_config("parallel.cp=2", "parallel.dp_shard=1", "model.layer_pattern=DA", "model.gdn.chunk=16")
+
+
+def test_kda_heads_not_divisible_by_tp_is_one_clear_error(tiny_config):
+    with pytest.raises(ConfigError, match=r"model.kda.heads=3 is not divisible by parallel.tp=2"):
+        tiny_config("parallel.tp=2", "parallel.dp_shard=1", "model.layer_pattern=KA", "model.kda.heads=3")
+
+
+def test_kda_chunk_not_dividing_the_local_piece_is_one_clear_error(tiny_config):
+    with pytest.raises(ConfigError, match=r"model.kda.chunk=16 does not divide the local sequence piece .* = 8"):
+        tiny_config("parallel.cp=2", "parallel.dp_shard=1", "model.layer_pattern=KA", "model.kda.chunk=16")
