@@ -582,3 +582,16 @@ def test_kimi_linear_recipe_is_the_published_config_and_size():
         ours = build_model(config.model)
     counts = [sum(p.numel() for p in m.parameters()) for m in (hf, published)]
     assert counts == [count_parameters(ours)] * 2 == [49_122_675_072] * 2
+
+
+@pytest.mark.parametrize("key, value", [("linear_head_dim", 16), ("linear_num_heads", 0)])
+def test_cli_kimi_linear_state_dims_that_disagree_are_one_line(tmp_path, key, value):
+    """A Kimi Linear config whose KDA state dims disagree with its weights (head_dim 16 over weights of 8) or are
+    impossible (no heads): exit 2, one line naming the key or the tensor."""
+    _kimi_linear().save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, key: value}))
+    res = run_cli("convert", "hf-import", str(tmp_path / "hf"), str(tmp_path / "run"))
+    assert res.returncode == 2
+    assert (key if value == 0 else "kda.") in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
