@@ -94,8 +94,6 @@ def _measured(model: torch.nn.Module, cfg, tokens: torch.Tensor) -> float:
 NOT_COUNTED = {
     "deepseek_v32": "DeepSeek-V3.2's sparse attention indexer (landed on main after the count; its scoring "
     "products and top-k key selection are not terms yet: counted 2.066e8 vs 1.989e8)",
-    "qwen3_next": "Qwen3-Next's gated DeltaNet mixer (landed on main after the count; its chunked delta-rule "
-    "products are not a term yet: counted 1.972e8 vs 2.133e8)",
 }
 
 
