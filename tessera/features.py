@@ -93,7 +93,6 @@ FEATURES = (
         ("train.dtype",),
         lambda job: job.train.dtype == "fp16",
         {
-            "ep": "fp16 with expert parallelism is not validated yet; use bf16",
             "deepspeed": "fp16 with the DeepSpeed engine is not validated yet (its CPU accelerator refuses fp16); "
             "use bf16",
         },

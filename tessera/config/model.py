@@ -24,6 +24,7 @@ class AttentionConfig:
     block_size: int = 16  # bigbird block
     random_blocks: int = 1  # bigbird random key blocks per query block
     performer_features: int = 64  # performer random features
+    softcap: float = 0.0  # > 0: scores = cap * tanh(scores / cap) before the mask (Gemma 2 attn_logit_softcapping)
     sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss attention sinks)
     heads_per_layer: str = ""  # query heads per layer, e.g. "4,2,4,2" (pruned models); "" = n_heads in every layer
     output_gate: bool = False  # gated attention (Qwen3-Next): the output times sigmoid(a per-head gate from q_proj)
@@ -42,6 +43,10 @@ class PositionConfig:
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
     rope_attention_factor: float = 0.0  # yarn: the cos/sin magnitude (0 = 0.1 * ln(factor) + 1)
     rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
+    # Per-layer RoPE (docs/layer-patterns.md): the sliding-window 'A' layers of a layer_pattern with 'G' layers may
+    # have their own plain RoPE (no rope_scaling): Gemma 3 10000 (global 1e6, scaled), OLMo 3 rope_theta unscaled.
+    local_rope_theta: float = 0.0  # RoPE base of the local 'A' layers, unscaled; 0 = the same RoPE in every layer
+    nope_layers: str = ""  # layers without rotary (NoPE), comma-separated indices "3,7,11" (SmolLM3, Llama 4 iRoPE)
     rel_buckets: int = 32  # T5 relative-position buckets
     rel_max_distance: int = 128  # T5: distances beyond this share the last bucket
 
@@ -175,10 +180,14 @@ class ModelConfig:
     # zero_centered_rmsnorm: RMSNorm with gain 1 + weight, weight initialized to 0 (Qwen3-Next, Gemma)
     norm: Literal["rmsnorm", "layernorm", "zero_centered_rmsnorm"] = "rmsnorm"  # the normalization layer everywhere
     norm_eps: float = 1e-5  # epsilon of every norm
-    norm_position: Literal["pre", "post"] = "pre"  # post-norm (BERT) has no final norm
+    # pre: x + f(norm(x)) (Llama); post: norm(x + f(x)) (BERT, no final norm); sandwich: x + post(f(norm(x)))
+    # (Gemma 2/3: pre- and post-sublayer norms); reordered: x + norm(f(x)) (OLMo 2/3: the sublayer output normed)
+    norm_position: Literal["pre", "post", "sandwich", "reordered"] = "pre"  # where each sublayer's norm sits
     bias: bool = False  # biases on o_proj and the FFN linears (GPT-2, BERT)
     ffn_bias: bool = False  # biases on the FFN linears also when bias is false (Llama mlp_bias)
     embed_norm: bool = False  # a norm right after the embeddings (BERT)
+    embed_scale: bool = False  # token embeddings times sqrt(dim), rounded to the embedding dtype (Gemma)
+    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap) (Gemma 2 final_logit_softcapping)
     type_vocab_size: int = 0  # BERT token-type embeddings (type 0 is added when none are given)
     output_dim_scale: bool = False  # multiply the final hidden by dim**-0.5 before the head (T5 v1.0)
     tie_embeddings: bool = False  # the output head shares the token-embedding weight

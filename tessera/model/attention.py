@@ -154,6 +154,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
         self.scale = cfg.attention.scale or 1.0 / math.sqrt(self.head_dim)
         self.kernel, self.cross, self.attn_dropout = cfg.attention.kernel, cross, cfg.attention.dropout
+        self.softcap = cfg.attention.softcap  # > 0: the eager kernel caps the scores (tessera.model.softcap)
         # Gated attention (Qwen3-Next): q_proj also yields a gate per head, laid out [q_h, gate_h] head by head.
         self.output_gate = cfg.attention.output_gate and not cross
         q_width = self.n_heads * self.head_dim * (2 if self.output_gate else 1)

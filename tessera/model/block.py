@@ -1,7 +1,8 @@
 """One block: a mixer (attention, latent attention, Mamba or Gated DeltaNet), optional cross-attention, then a
 dense FFN or MoE.
 
-Pre-norm (``x + f(norm(x))``, GPT-2/Llama/T5) or post-norm (``norm(x + f(x))``, BERT). Which mixer
+Pre-norm (``x + f(norm(x))``, GPT-2/Llama/T5), post-norm (``norm(x + f(x))``, BERT), sandwich
+(``x + post(f(norm(x)))``, Gemma 2/3) or reordered (``x + norm(f(x))``, OLMo 2/3). Which mixer
 a layer gets is the letter of ``model.layer_pattern`` at its index (see :func:`layer_kind`).
 """
 
@@ -38,7 +39,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int = 0, cross: bool = False) -> None:
         super().__init__()
         self.kind = layer_kind(cfg, layer_id)
-        self.post_norm = cfg.norm_position == "post"
+        self.norm_position = cfg.norm_position  # pre | post | sandwich | reordered (see _sublayer)
         self.attention_norm = self.attention = self.mamba_norm = self.mamba = self.gdn_norm = self.gdn = None
         # The registry's mixer for this layer's letter; it sits at ``<attr>`` with its norm at ``<attr>_norm``.
         spec = mixer_for(cfg, layer_id)
@@ -49,6 +50,10 @@ class TransformerBlock(nn.Module):
         self.cross_attention = Attention(cfg, cross=True) if cross else None
         has_ffn = spec.has_ffn(cfg)
         self.ffn_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if has_ffn else None
+        # Sandwich norms (Gemma 2/3): each sublayer's output is normed too, before the residual add.
+        sandwich = cfg.norm_position == "sandwich"
+        setattr(self, f"{spec.attr}_post_norm", build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if sandwich else None)
+        self.ffn_post_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if sandwich and has_ffn else None
         # At most one of the two is set: a block says what it contains (parallel plans ask).
         self.moe: MoE | None = MoE(cfg) if has_ffn and is_moe_layer(cfg, layer_id) else None
         self.feed_forward: FeedForward | None = None
@@ -64,10 +69,20 @@ class TransformerBlock(nn.Module):
         """This layer's registered mixer (see tessera.registry.MixerSpec)."""
         return registry.get("mixer", self.mixer)
 
-    def _sublayer(self, x: torch.Tensor, norm: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        if self.post_norm:
+    def _sublayer(
+        self,
+        x: torch.Tensor,
+        norm: nn.Module,
+        fn: Callable[[torch.Tensor], torch.Tensor],
+        post: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """One residual sublayer with its norm where ``model.norm_position`` puts it (``post``: sandwich's second)."""
+        if self.norm_position == "post":
             return norm(x + self.dropout(fn(x)))
-        return x + self.dropout(fn(norm(x)))
+        if self.norm_position == "reordered":
+            return x + self.dropout(norm(fn(x)))
+        out = fn(norm(x))
+        return x + self.dropout(post(out) if post is not None else out)
 
     def _moe(self, h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         if self.training and self.jitter > 0:  # Mixtral: multiplicative noise on the routed input
@@ -86,7 +101,8 @@ class TransformerBlock(nn.Module):
         """The block applied to ``x`` (B, T, dim); ``memory`` is the encoder output for cross-attention."""
         spec = self.mixer_spec
         mixer, norm = getattr(self, spec.attr), getattr(self, f"{spec.attr}_norm")
-        x = self._sublayer(x, norm, lambda h: spec.forward(mixer, h, ctx, cache, start))
+        post = getattr(self, f"{spec.attr}_post_norm", None)
+        x = self._sublayer(x, norm, lambda h: spec.forward(mixer, h, ctx, cache, start), post)
         if self.cross_attention is not None:
             x = self._sublayer(
                 x,
@@ -94,9 +110,9 @@ class TransformerBlock(nn.Module):
                 lambda h: self.cross_attention(h, cross_ctx or AttnContext(), memory=memory),
             )
         if self.moe is not None:
-            return self._sublayer(x, self.ffn_norm, lambda h: self._moe(h, ctx))
+            return self._sublayer(x, self.ffn_norm, lambda h: self._moe(h, ctx), self.ffn_post_norm)
         if self.feed_forward is not None:
-            return self._sublayer(x, self.ffn_norm, self.feed_forward)
+            return self._sublayer(x, self.ffn_norm, self.feed_forward, self.ffn_post_norm)
         return x
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> LayerCache:

@@ -23,11 +23,13 @@ from tessera.config import ModelConfig
 from tessera.model.attention import Attention, AttnContext, SequenceSplit, SlidingKVCache, kernel_spec
 from tessera.model.block import LayerCache, TransformerBlock
 from tessera.model.ffn import ACTIVATIONS
+from tessera.model.layer_patterns import layer_context, local_rotary, nope_layers
 from tessera.model.mamba import Mamba2Mixer, MambaMixer
 from tessera.model.masks import MaskSpec, attention_mask, block_layout, left_padded_positions, left_padding_mask
 from tessera.model.moe import Experts, MoELog
 from tessera.model.mtp import MTPLog, build_mtp, predict_ahead
 from tessera.model.norm import build_norm
+from tessera.model.softcap import output_head, token_embedding
 from tessera.model.position import (
     AbsolutePositions,
     AlibiBias,
@@ -74,6 +76,9 @@ class Stack(nn.Module):
                 rope_scaling_of(cfg.position, cfg.max_seq_len),
                 cfg.position.rotary_fraction,
             )
+        # Per-layer patterns (tessera.model.layer_patterns): the local layers' own RoPE, the NoPE layers.
+        self.local_rope = local_rotary(cfg, cfg.mla.rope_head_dim if cfg.mla.kv_rank else head_dim)
+        self.nope_layers = nope_layers(cfg)
         # A score bias (T5 relative buckets or ALiBi): (B|1, H, Tq, Tk) added to every layer's scores.
         self.rel_bias: nn.Module | None = None
         if cfg.position.kind == "t5_bias":
@@ -83,7 +88,7 @@ class Stack(nn.Module):
             self.rel_bias = AlibiBias(cfg.n_heads)
         # A ModuleDict keyed by layer index keeps parameter names stable when stages drop layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, cross) for i in range(n_layers)})
-        self.norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cfg.norm_position == "pre" else None
+        self.norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps) if cfg.norm_position != "post" else None
         self.mask_spec = MaskSpec(
             cfg.attention.kernel,
             causal,
@@ -213,8 +218,10 @@ class Stack(nn.Module):
         )
         if left_pad is not None:
             ctx, global_ctx = self.padded(ctx, left_pad, t, start), self.padded(global_ctx, left_pad, t, start)
-        for i, layer in enumerate(self.layers.values()):
-            layer_ctx = global_ctx if layer.kind == "G" else ctx
+        local = self.local_rope(start, t, ctx_positions) if self.local_rope is not None else None
+        contexts, shared = {"A": ctx, "G": global_ctx}, {}
+        for i, (name, layer) in enumerate(self.layers.items()):
+            layer_ctx = layer_context(int(name), layer.kind, contexts, local, self.nope_layers, shared)
             h = layer(h, layer_ctx, caches[i] if caches is not None else None, start, memory)
         return self.norm(h) if self.norm is not None else h
 
@@ -313,8 +320,8 @@ class Decoder(Stack):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, cfg.n_layers, causal=True)
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tok_embeddings = token_embedding(cfg)  # scaled by sqrt(dim) under model.embed_scale (Gemma)
+        self.output = output_head(cfg)  # soft-capped logits under model.logit_softcap (Gemma 2)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.mtp = build_mtp(cfg)  # multi-token prediction modules (model.mtp_depth), or None

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tessera.config import ConfigError, JobConfig
+from tessera.layout import check_layout
 from tessera.plan.activations import tessera_precision
 from tessera.plan.gpus import ALLOCATOR_SLACK, GPU, RUNTIME_OVERHEAD
 from tessera.plan.layouts import Layout, candidate_layouts, global_batch, layout_of, layout_problem, stage_split_for
@@ -146,6 +147,7 @@ def plan(
 def requested_estimate(config: JobConfig, shape: ModelShape, world: int, gpu: GPU) -> Estimate | None:
     """The estimate of the layout the config asks for on ``world`` GPUs (None if tessera would refuse it)."""
     try:
+        check_layout(config, world)  # the job as written (its own batch split), before it is re-expressed as a Layout
         layout = layout_of(config, world)
     except (ConfigError, ZeroDivisionError):
         return None

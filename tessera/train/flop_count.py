@@ -243,7 +243,7 @@ def _not_recomputed(block: nn.Module, length: int) -> float:
     """The forward FLOPs of a checkpointed block that its recompute skips: torch's non-reentrant checkpoint
     stops once every tensor backward needs is back, so a pre-norm block's last product, whose output only
     feeds the residual add (the FFN's down projection, a Mamba layer's output projection), is not re-run."""
-    if block.post_norm:
+    if block.norm_position != "pre":  # post, sandwich, reordered: the last product feeds a norm, recomputed
         return 0.0
     if block.feed_forward is not None:
         last = block.feed_forward.down_proj

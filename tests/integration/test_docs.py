@@ -4,7 +4,6 @@ the generated reference pages are current, and every CLI option says its default
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 from pathlib import Path
 
@@ -12,40 +11,17 @@ import pytest
 
 from tessera.cli import _all_parsers, _unknown_flags, build_parser
 from tessera.config import ConfigError
+from helpers.doc_commands import fenced_commands, inline_commands
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
-INLINE = re.compile(r"(?<!`)`(tessera [^`]+)`(?!`)")
-SYNOPSIS = re.compile(r"[\[\]|<>]|\.\.\.|(?<![\w.=/-])[A-Z][A-Z_]*(?![\w.=/-])")  # CONFIG, [SECTION], K: a synopsis
-INVOCATION = re.compile(r" \S*[/=]")  # a path or a key=value: a command to run, not a command's name
-
-
-def _fenced_commands(text: str) -> list[str]:
-    """`tessera ...` lines of code blocks (a `$ ` prompt and `\\` continuations understood)."""
-    out = []
-    for block in FENCE.findall(text):
-        joined = re.sub(r"\\\n\s*", " ", block)
-        for line in joined.splitlines():
-            line = line.strip().removeprefix("$ ")
-            for part in re.split(r"\s*(?:&&|\|\||;|\|)\s*", line):
-                if re.match(r"(\.venv/bin/)?tessera [a-z]", part) and not part.split()[1].endswith(":"):
-                    out.append(part.split(" #", 1)[0].strip())
-    return out
-
-
 def _commands() -> list[tuple[str, str]]:
     found = []
     for page in PAGES:
         if page.parent.name == "reference":  # generated from the parser itself
             continue
         text = page.read_text(encoding="utf-8")
-        inline = [
-            " ".join(c.split())
-            for c in INLINE.findall(FENCE.sub("", text))
-            if INVOCATION.search(c) and not SYNOPSIS.search(c)
-        ]
-        found += [(str(page.relative_to(REPO)), c) for c in _fenced_commands(text) + inline]
+        found += [(str(page.relative_to(REPO)), c) for c in fenced_commands(text) + inline_commands(text)]
     return found
 
 

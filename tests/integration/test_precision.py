@@ -22,6 +22,7 @@ from tessera.train.trainer import Trainer, train
 
 from helpers.runs import step_records, torchrun, write_tiny_recipe
 
+MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=96", "model.moe.aux_loss_coef=0.01"]
 QUICK = ["train.eval_every=0", "checkpoint.enabled=false", "optim.schedule=constant", "train.batch_size=8"]
 
 
@@ -81,6 +82,10 @@ def test_bf16_under_fsdp_and_tp_and_fp16_under_ddp_match_one_process(tmp_path, c
         dt: train(load_config(recipe, [f"train.dtype={dt}", f"train.run_dir={tmp_path}/single_{dt}"])).run_dir
         for dt in ("fp32", "bf16", "fp16")
     }
+    for dt in ("fp32", "fp16"):
+        refs[f"moe_{dt}"] = train(
+            load_config(recipe, [*MOE, f"train.dtype={dt}", f"train.run_dir={tmp_path}/moe_{dt}"])
+        ).run_dir
     variants = {
         "fsdp_bf16": ["parallel.dp_shard=2", "train.dtype=bf16"],
         "tp_bf16": ["parallel.dp_shard=1", "parallel.tp=2", "train.dtype=bf16"],
@@ -89,6 +94,8 @@ def test_bf16_under_fsdp_and_tp_and_fp16_under_ddp_match_one_process(tmp_path, c
         "fsdp_fp16": ["parallel.dp_shard=2", "train.dtype=fp16"],
         "tp_fp16": ["parallel.dp_shard=1", "parallel.tp=2", "train.dtype=fp16"],
         "pp_fp16": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.microbatches=2", "train.dtype=fp16"],
+        # expert gradients live on the ep mesh: the scaler's found-inf flag still covers them
+        "ep_fp16": [*MOE, "parallel.dp_shard=2", "parallel.ep=2", "train.dtype=fp16"],
     }
     torchrun(2, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps(variants))
     _assert_close_but_not_equal(tmp_path / "fsdp_bf16", refs["bf16"], 2e-4, 1e-2)
@@ -96,5 +103,7 @@ def test_bf16_under_fsdp_and_tp_and_fp16_under_ddp_match_one_process(tmp_path, c
     _assert_close_but_not_equal(tmp_path / "ddp_fp16", refs["fp16"], 1e-5, 2e-4)
     for name in ("fsdp_fp16", "tp_fp16", "pp_fp16"):
         _assert_close_but_not_equal(tmp_path / name, refs["fp16"], 2e-5, 1e-3)
+    _assert_close_but_not_equal(tmp_path / "ep_fp16", refs["moe_fp16"], 2e-5, 1e-3)
     for name in variants:
-        assert _max_rel(tmp_path / name, refs["fp32"], "grad_norm") > 1e-6, f"{name} equals fp32"
+        fp32 = refs["moe_fp32" if name == "ep_fp16" else "fp32"]
+        assert _max_rel(tmp_path / name, fp32, "grad_norm") > 1e-6, f"{name} equals fp32"

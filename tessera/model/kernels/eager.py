@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from tessera.model.kernels.common import allowed_mask, attention_flops, eager_memory, repeat_kv
 from tessera.model.kernels.sdpa import block_sparse_attention
 from tessera.model.sinks import softmax_with_sink
+from tessera.model.softcap import softcap
 from tessera.registry import ATTENTION_TP, KernelSpec, Terms, register, uses_kernel
 
 if TYPE_CHECKING:
@@ -23,9 +24,14 @@ def eager_attend(
     """Dense fp32 scores, the context's bias and mask, softmax, dropout, then the values."""
     sinks = layer.sinks() if getattr(layer, "sinks", None) is not None else None
     if ctx.blocks is not None:  # a block-sparse plan runs block-sparse whichever softmax kernel is set
+        if getattr(layer, "softcap", 0.0):
+            raise ValueError("attention soft-capping runs on dense scores, not a block-sparse plan")
         return block_sparse_attention(q, k, v, ctx.blocks, layer.scale, dropout, sinks)
     k, v = repeat_kv(q, k, v)
     scores = (q.float() @ k.float().transpose(-2, -1)) * layer.scale
+    cap = getattr(layer, "softcap", 0.0)
+    if cap:  # Gemma 2: cap * tanh(scores / cap), before the mask
+        scores = softcap(scores, cap)
     if ctx.bias is not None:
         scores = scores + ctx.bias
     mask = allowed_mask(ctx, q.shape[2], k.shape[2], q.device)

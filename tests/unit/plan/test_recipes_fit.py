@@ -41,3 +41,10 @@ def test_the_fit_check_notices_an_oversized_micro_batch():
     config = load_config(CONFIGS / "llama3-8b.toml", ["train.batch_size=512", "train.grad_accum=1"])
     est = requested_estimate(config, model_shape(config.model), world, gpu(kind))
     assert est is not None and not est.fits
+
+
+def test_the_fit_check_refuses_a_batch_the_data_parallel_ranks_cannot_split():
+    """A global batch of 3 over llama3-8b's 4 data-parallel ranks is refused (None), not estimated as 4."""
+    world, kind = target_of("llama3-8b")
+    config = load_config(CONFIGS / "llama3-8b.toml", ["train.batch_size=3", "train.grad_accum=1"])
+    assert requested_estimate(config, model_shape(config.model), world, gpu(kind)) is None
