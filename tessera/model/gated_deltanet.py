@@ -192,11 +192,8 @@ def split_causal_conv(x: torch.Tensor, weight: torch.Tensor, split: RecurrentSpl
 
 
 def split_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    gates: tuple[torch.Tensor, torch.Tensor],
     chunk: int,
     split: RecurrentSplit,
 ) -> torch.Tensor:
@@ -204,6 +201,7 @@ def split_gated_delta_rule(
     identity (one pass: the value columns evolve independently), giving its summary (transition, contribution);
     the split combines the summaries of every piece in order, and each piece is scanned again from the state
     entering it."""
+    (q, k, v), (g, beta) = qkv, gates
     dk, dv = k.shape[-1], v.shape[-1]
     pieces = split.pieces(q.shape[2])
     summaries = []
@@ -229,8 +227,9 @@ class GatedOutputNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, gate: str = "silu") -> None:
         super().__init__()
+        self.gate = gate  # "silu" (Qwen3-Next) or "sigmoid" (Kimi Linear)
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.gate = eps, gate
+        self.eps = eps
 
     def reset_parameters(self) -> None:
         """Unit gain."""
@@ -255,6 +254,7 @@ class DeltaRuleMixer(nn.Module):
     counts follow the projections' widths, so a tensor-parallel shard that holds whole heads needs no bookkeeping.
     """
 
+    title: str  # what the compatibility table and the layer-pattern letters call it
     key_head_dim: int
     value_head_dim: int
     chunk: int
@@ -283,33 +283,14 @@ class DeltaRuleMixer(nn.Module):
         """The rule's output (B, T, H, Dv) -> the mixer's (B, T, dim)."""
         raise NotImplementedError
 
-    def _scan(
-        self,
-        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        gates: tuple[torch.Tensor, torch.Tensor],
-        cache: MambaCache | None,
-        document_ids: torch.Tensor | None,
-        split: RecurrentSplit | None,
-    ) -> torch.Tensor:
-        q, k, v = qkv
-        if split is not None:
-            return split_gated_delta_rule(q, k, v, *gates, self.chunk, split)
-        h0 = cache.ssm if cache is not None else None
-        if cache is not None and q.shape[2] == 1:
-            y, h = recurrent_gated_delta_rule(q, k, v, *gates, h0)
-        else:
-            y, h = chunk_gated_delta_rule(q, k, v, *gates, self.chunk, h0, document_ids)
-        if cache is not None:
-            cache.ssm.copy_(h)
-        return y
-
     def forward(
         self,
         x: torch.Tensor,
         cache: MambaCache | None = None,
         start: int = 0,
-        document_ids: torch.Tensor | None = None,
+        *,
         split: RecurrentSplit | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``; with
         ``document_ids`` (B, T), restart at every document boundary; with ``split``, ``x`` is this forward's part
@@ -331,9 +312,30 @@ class DeltaRuleMixer(nn.Module):
         y = self._scan((q, k, v), self._gates(x, extras), cache, document_ids, split)
         return self._output(y.transpose(1, 2).to(x.dtype), extras)
 
+    def _scan(
+        self,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        gates: tuple[torch.Tensor, torch.Tensor],
+        cache: MambaCache | None,
+        document_ids: torch.Tensor | None,
+        split: RecurrentSplit | None,
+    ) -> torch.Tensor:
+        q, k, v = qkv
+        if split is not None:
+            return split_gated_delta_rule(qkv, gates, self.chunk, split)
+        h0 = cache.ssm if cache is not None else None
+        if cache is not None and q.shape[2] == 1:
+            y, h = recurrent_gated_delta_rule(q, k, v, *gates, h0)
+        else:
+            y, h = chunk_gated_delta_rule(q, k, v, *gates, self.chunk, h0, document_ids)
+        if cache is not None:
+            cache.ssm.copy_(h)
+        return y
 
 class GatedDeltaNet(DeltaRuleMixer):
     """The Gated DeltaNet token mixer of ``[model.gdn]``: (B, T, dim) -> (B, T, dim)."""
+
+    title = "Gated DeltaNet"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -412,7 +414,7 @@ def recurrent_forward(
     module: nn.Module, h: torch.Tensor, ctx: object, cache: MambaCache | None, start: int
 ) -> torch.Tensor:
     """A delta-rule mixer's registered forward: the packed documents and sequence split of the block's context."""
-    return module(h, cache, start, getattr(ctx, "document_ids", None), getattr(ctx, "split", None))
+    return module(h, cache, start, document_ids=getattr(ctx, "document_ids", None), split=getattr(ctx, "split", None))
 
 
 def new_state_cache(
@@ -422,23 +424,46 @@ def new_state_cache(
     return module.new_cache(batch, device)
 
 
-GATED_DELTANET = registry.register(
-    registry.MixerSpec(
-        name="gated_deltanet",
-        feature="Gated DeltaNet layers",
-        keys=("model.layer_pattern", "model.gdn"),
-        uses=lambda m: "D" in m.layer_pattern,
-        unsupported={},  # cp: each rank scans its chunks from zero; summaries combine (parallel/context.py)
-        checks=(check_gated_deltanet,),
-        terms=registry.Terms(flops=_flops, memory=registry.TRACED),
-        # Whole key-head groups per rank; the per-channel convolution, decay and time-step parameters between
-        # them are sliced per rank by tessera/parallel/recurrent.py.
-        tp_plan={"in_proj_qkvz": "colwise", "in_proj_ba": "colwise", "out_proj": "rowwise"},
-        letters={"D": "Gated DeltaNet"},
-        attr="gdn",
-        recurrent=True,
-        build=lambda cfg, layer_id: GatedDeltaNet(cfg),
-        forward=recurrent_forward,
-        new_cache=new_state_cache,
+def register_delta_rule_mixer(
+    name: str,
+    letter: str,
+    section: str,
+    mixer: type[DeltaRuleMixer],
+    checks: tuple,
+    flops: object,
+    tp_plan: dict[str, str],
+) -> registry.MixerSpec:
+    """Register a delta-rule mixer: the ``model.layer_pattern`` letter it serves, built from ``[model.<section>]``
+    and sitting at the block's ``<section>`` attribute. Every layout works: under cp each rank scans its chunks
+    from zero and the chunk summaries combine (parallel/context.py); under tp whole heads per rank, the
+    per-channel convolution, decay and time-step parameters between the projections sliced per rank by
+    tessera/parallel/recurrent.py."""
+    return registry.register(
+        registry.MixerSpec(
+            name=name,
+            feature=f"{mixer.title} layers",
+            keys=("model.layer_pattern", f"model.{section}"),
+            uses=lambda m: letter in m.layer_pattern,
+            unsupported={},
+            checks=checks,
+            terms=registry.Terms(flops=flops, memory=registry.TRACED),
+            tp_plan=tp_plan,
+            letters={letter: mixer.title},
+            attr=section,
+            recurrent=True,
+            build=lambda cfg, layer_id: mixer(cfg),
+            forward=recurrent_forward,
+            new_cache=new_state_cache,
+        )
     )
+
+
+GATED_DELTANET = register_delta_rule_mixer(
+    "gated_deltanet",
+    "D",
+    "gdn",
+    GatedDeltaNet,
+    (check_gated_deltanet,),
+    _flops,
+    {"in_proj_qkvz": "colwise", "in_proj_ba": "colwise", "out_proj": "rowwise"},
 )

@@ -24,21 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require_all
-from tessera.model.gated_deltanet import (
-    DeltaRuleMixer,
-    GatedOutputNorm,
-    delta_rule_flops,
-    new_state_cache,
-    recurrent_forward,
-)
+from tessera.model.gated_deltanet import DeltaRuleMixer, GatedOutputNorm, delta_rule_flops, register_delta_rule_mixer
 from tessera.model.mamba import _inverse_softplus_dt
 
 
 class KimiDeltaAttention(DeltaRuleMixer):
     """The Kimi Delta Attention token mixer of ``[model.kda]``: (B, T, dim) -> (B, T, dim)."""
+
+    title = "Kimi Delta Attention"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -102,28 +97,18 @@ def _flops(cfg: ModelConfig, seq_len: int) -> float:
     return delta_rule_flops(kda.heads, kda.head_dim, kda.head_dim, min(kda.chunk, seq_len))
 
 
-KIMI_DELTA = registry.register(
-    registry.MixerSpec(
-        name="kimi_delta",
-        feature="Kimi Delta Attention layers",
-        keys=("model.layer_pattern", "model.kda"),
-        uses=lambda m: "K" in m.layer_pattern,
-        unsupported={},  # cp: each rank scans its chunks from zero; summaries combine (parallel/context.py)
-        checks=(check_kimi_delta,),
-        terms=registry.Terms(flops=_flops, memory=registry.TRACED),
-        # Whole heads per rank. The decay and gate projections' low-rank halves (dim -> head_dim) are split and
-        # gathered; the per-channel convolution, dt_bias and per-head A_log are sliced by parallel/recurrent.py.
-        tp_plan={
-            **{name: "colwise" for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_b_proj")},
-            "f_a_proj": "colwise_gathered",
-            "g_a_proj": "colwise_gathered",
-            "o_proj": "rowwise",
-        },
-        letters={"K": "Kimi Delta Attention"},
-        attr="kda",
-        recurrent=True,
-        build=lambda cfg, layer_id: KimiDeltaAttention(cfg),
-        forward=recurrent_forward,
-        new_cache=new_state_cache,
-    )
+# Whole heads per rank; the decay and gate projections' low-rank halves (dim -> head_dim) are split and gathered.
+KIMI_DELTA = register_delta_rule_mixer(
+    "kimi_delta",
+    "K",
+    "kda",
+    KimiDeltaAttention,
+    (check_kimi_delta,),
+    _flops,
+    {
+        **{name: "colwise" for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_b_proj")},
+        "f_a_proj": "colwise_gathered",
+        "g_a_proj": "colwise_gathered",
+        "o_proj": "rowwise",
+    },
 )

@@ -15,7 +15,7 @@ import torch
 
 from tessera.config import ModelConfig
 from tessera.hf.families.common import ACT_IN, ACT_OUT, Family, HFConversionError, Rule, copy, ends_rules, fail, get
-from tessera.hf.families.deepseek import _mla_from_hf, _mla_rules
+from tessera.hf.families.deepseek import _mla_from_hf, _mla_rules, mla_to_hf
 from tessera.hf.families.common import ffn_hidden
 from tessera.hf.families.llama import dense_ffn_rules, expert_rules
 from tessera.hf.families.mamba import compress_pattern
@@ -28,6 +28,8 @@ _KDA_KEYS = {"heads": ("linear_num_heads", "num_heads"), "head_dim": ("linear_he
 _KDA_KEYS["conv"] = ("linear_conv_kernel_dim", "short_conv_kernel_size")
 _KDA_NAMES = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj")
 _KDA_NAMES += ("q_conv1d", "k_conv1d", "v_conv1d", "o_norm")
+_COPIED = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_heads": "num_attention_heads"}
+_COPIED["ffn_hidden"] = "intermediate_size"
 
 
 def _layer_types(hf: dict[str, Any]) -> list[str]:
@@ -97,22 +99,14 @@ def _from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if bad:
         fail("layer_types", bad[0], FAMILY, "supported: linear_attention, full_attention")
     bias, n_layers, first = bool(hf.get("attention_bias", False)), len(types), _first_dense(hf)
-    out = {
-        "vocab_size": hf["vocab_size"],
-        "dim": hf["hidden_size"],
-        "n_layers": n_layers,
-        "n_heads": n_heads,
-        "ffn_hidden": hf["intermediate_size"],
-        "activation": ACT_IN[act],
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
-        "max_seq_len": int(get(hf, "model_max_length", "max_position_embeddings", default=1048576)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "attention": {"qkv_bias": bias, "o_bias": bias},
-        "position": {"kind": "none"},
-        "mla": {**_mla_from_hf({**hf, "rope_parameters": None, "rope_scaling": None}), "norm_eps": 1e-6},
-        "layer_pattern": compress_pattern("".join(_KINDS[t] for t in types)),
-        "kda": _kda_from_hf(hf),
-    }
+    out: dict[str, Any] = {ours: hf[theirs] for ours, theirs in _COPIED.items()}
+    out.update(n_layers=n_layers, activation=ACT_IN[act], norm_eps=float(hf.get("rms_norm_eps", 1e-5)))
+    out["max_seq_len"] = int(get(hf, "model_max_length", "max_position_embeddings", default=1048576))
+    out["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+    out["attention"], out["position"] = {"qkv_bias": bias, "o_bias": bias}, {"kind": "none"}
+    out["mla"] = {**_mla_from_hf({**hf, "rope_parameters": None, "rope_scaling": None}), "norm_eps": 1e-6}
+    out["layer_pattern"] = compress_pattern("".join(_KINDS[t] for t in types))
+    out["kda"] = _kda_from_hf(hf)
     if first < n_layers:
         out["moe"] = _moe_from_hf(hf, first)
     return out
@@ -149,22 +143,15 @@ def _to_hf(cfg: ModelConfig) -> dict[str, Any]:
         )
     types = ["linear_attention" if layer_kind(cfg, i) == "K" else "full_attention" for i in range(cfg.n_layers)]
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
+        **{theirs: getattr(cfg, ours) for ours, theirs in _COPIED.items() if ours != "ffn_hidden"},
         "intermediate_size": ffn_hidden(cfg),
         "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_heads,
         "hidden_act": ACT_OUT[cfg.activation],
         "rms_norm_eps": cfg.norm_eps,
         "model_max_length": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": cfg.attention.qkv_bias,
-        "kv_lora_rank": mla.kv_rank,
-        "q_lora_rank": mla.q_rank or None,
-        "qk_rope_head_dim": mla.rope_head_dim,
-        "qk_nope_head_dim": mla.nope_head_dim,
-        "v_head_dim": mla.v_head_dim,
+        **mla_to_hf(cfg),
         "mla_use_nope": True,
         # KimiLinearConfig's defaults are the released vocabulary's; the export writes the tokenizer's ids
         **{f"{name}_token_id": None for name in ("pad", "bos", "eos")},
