@@ -70,7 +70,8 @@ def decayed_products(a: torch.Tensor, b: torch.Tensor, cum: torch.Tensor, sub: i
     length = a.shape[-2]
     causal = torch.ones(length, length, dtype=torch.bool, device=a.device).tril()
     if cum.shape[-1] == 1:
-        return (a @ b.transpose(-1, -2)) * _masked_exp(cum - cum.transpose(-1, -2), causal)
+        c = cum[..., 0]
+        return (a @ b.transpose(-1, -2)) * (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     s = sub if length % sub == 0 else length
     n = length // s
     a, b, cum = (t.unflatten(-2, (n, s)) for t in (a, b, cum))  # (..., n, s, D)

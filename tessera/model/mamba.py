@@ -49,9 +49,11 @@ def causal_conv(
     """silu(depthwise causal conv) of ``x`` (B, C, T) with ``weight`` (C, 1, W) and ``bias``; with a cache,
     continue from its window at ``start``; with ``document_ids`` (B, T), restart the window at every document
     boundary. The groups are the weight's channels (tensor parallelism hands a mixer a slice of them)."""
-    if cache is None:
+    if cache is None and document_ids is not None:
         out = causal_depthwise_conv(x, weight, document_ids)
         return F.silu(out + bias[:, None] if bias is not None else out)
+    if cache is None:
+        return F.silu(F.conv1d(F.pad(x, (weight.shape[-1] - 1, 0)), weight, bias, groups=x.shape[1]))
     if start == 0:
         cache.conv.zero_()
         cache.ssm.zero_()
