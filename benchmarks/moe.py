@@ -8,7 +8,8 @@ the same tokens; a step is forward + backward of ``sum(out^2)``. Rounds alternat
 so machine noise hits both alike; the table shows the median tokens/s over rounds and the
 spread (max/min), in fp32 (tessera loops over experts) and in bf16 weights and activations
 (tessera's grouped matmul, ``torch._grouped_mm``). HF runs its default (eager) experts, and, where
-this transformers has it, its own grouped_mm implementation as a second peer. Prints
+this transformers has it, its own grouped_mm implementation as a second peer, and torchtitan's MoE
+(its ``GroupedExperts``: ``torch._grouped_mm`` in bf16 whatever the input's dtype) when installed. Prints
 ``ratio=<tessera/HF eager>`` per shape and precision (above 1 means tessera is faster). With few
 wide experts both sides are matmul-bound on a CPU; with many narrow ones HF's per-expert loop
 and its per-expert gradient accumulation dominate.
@@ -78,6 +79,34 @@ def _hf(args: argparse.Namespace, ours: MoE, implementation: str | None) -> torc
     return block
 
 
+def _torchtitan(args: argparse.Namespace, ours: MoE) -> torch.nn.Module | None:
+    """torchtitan's MoE (softmax router, top-k scores renormalized as Mixtral's, no load-balance buffer) with its
+    ``GroupedExperts`` (``torch._grouped_mm``, always in bf16) holding ``ours``'s weights; None when not installed."""
+    try:
+        from torchtitan.models.common.config_utils import make_router_config
+        from torchtitan.models.common.moe import GroupedExperts, MoE as TitanMoE, RoutedExperts
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    except ImportError:
+        return None
+    router = make_router_config(
+        dim=args.dim, num_experts=args.experts, gate_param_init={}, top_k=args.top_k, score_func="softmax",
+        route_norm=True,
+    )  # fmt: skip
+    experts = RoutedExperts.Config(
+        inner_experts=GroupedExperts.Config(dim=args.dim, hidden_dim=args.hidden, num_experts=args.experts),
+        token_dispatcher=LocalTokenDispatcher.Config(num_experts=args.experts, top_k=args.top_k),
+    )
+    block = TitanMoE.Config(num_experts=args.experts, router=router, routed_experts=experts, load_balance_coeff=None)
+    block = block.build()
+    with torch.no_grad():
+        block.router.gate.weight.copy_(ours.router.weight)
+        e, theirs = ours.experts, block.routed_experts.inner_experts
+        theirs.w1_EFD.copy_(e.gate_proj.transpose(1, 2))
+        theirs.w3_EFD.copy_(e.up_proj.transpose(1, 2))
+        theirs.w2_EDF.copy_(e.down_proj.transpose(1, 2))
+    return block
+
+
 def _step(module: torch.nn.Module, x: torch.Tensor) -> None:
     out = module(x)
     out = out[0] if isinstance(out, tuple) else out
@@ -106,6 +135,7 @@ def throughput(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, list[f
     peers = {"tessera": ours, "hf eager": _hf(args, ours, None)}
     if _hf_grouped_available():
         peers["hf grouped_mm"] = _hf(args, ours, "grouped_mm")
+    titan = _torchtitan(args, ours)
     x = torch.randn(1, args.tokens, args.dim, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ours(x)
@@ -113,6 +143,9 @@ def throughput(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, list[f
             got = module(x)
             got = got[0] if isinstance(got, tuple) else got
             assert torch.allclose(got, want, atol=1e-4), f"{name} computes another function"
+        if titan is not None:  # its experts compute in bf16 whatever the weights' dtype: bf16 rounding apart
+            assert torch.allclose(titan(x), want, atol=2e-2, rtol=5e-2), "torchtitan computes another function"
+            peers["torchtitan grouped_mm"] = titan
     peers = {name: module.to(dtype) for name, module in peers.items()}
     x = x.to(dtype).requires_grad_()  # as inside a model: the input's gradient is computed too
     for module in peers.values():
@@ -200,6 +233,7 @@ def main() -> None:
     parser.add_argument("--a2a-tokens", type=int, default=1024, help="tokens over all ranks for the byte count")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=3, help="steps per round")
+    parser.add_argument("--skip-a2a", action="store_true", help="throughput only (no gloo processes)")
     args = parser.parse_args()
     print("| shape (dim x hidden x experts x top-k) | dtype | layer | tokens/s (median) | spread (max/min) |")
     print("|---|---|---|---|---|")
@@ -212,9 +246,12 @@ def main() -> None:
                 median, spread = statistics.median(values), max(values) / min(values)
                 print(f"| {shape} | {name} | {layer} | {median:,.0f} | {spread:.2f} |")
             ratio = statistics.median(rates["tessera"]) / statistics.median(rates["hf eager"])
-            ratios.append(f"{shape} {name}: ratio={ratio:.3f}")
+            titan = rates.get("torchtitan grouped_mm")
+            versus = f", tessera/torchtitan={statistics.median(rates['tessera']) / statistics.median(titan):.3f}"
+            ratios.append(f"{shape} {name}: ratio={ratio:.3f}" + (versus if titan else ""))
     print("\n" + "\n".join(ratios))
-    all_to_all_bytes(args)
+    if not args.skip_a2a:
+        all_to_all_bytes(args)
 
 
 if __name__ == "__main__":

@@ -164,11 +164,26 @@ def _add_launch(sub: Subparsers) -> None:
         default="",
         help="GPU kind of `tessera plan`'s catalog, e.g. h100-80gb: warn if the layout will not fit",
     )
+    launch.add_argument(
+        "--ft-replicas",
+        type=int,
+        default=0,
+        help="torchft: start a lighthouse and N replica groups (one process each) that train on when one dies; "
+        "--max-restarts starts a dead group again, which rejoins with its peers' live state",
+    )
+    launch.add_argument(
+        "--ft-lighthouse", default="", help="with --ft-replicas: HOST:PORT of a running lighthouse instead of a new one"
+    )
 
 
 def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.launcher.ft import launch_replicas
     from tessera.launcher.torchrun import launch
 
+    if args.ft_replicas or args.ft_lighthouse:
+        return launch_replicas(
+            args.config, overrides, args.ft_replicas, args.max_restarts, args.ft_lighthouse, args.dry_run
+        )
     return launch(
         args.config,
         overrides,
@@ -187,6 +202,13 @@ def _cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _add_slurm_allocation(sl: argparse.ArgumentParser) -> None:
     sl.add_argument("--nodes", type=int, default=1, help="number of nodes")
+    sl.add_argument(
+        "--nnodes",
+        default="",
+        metavar="MIN:MAX",
+        help="elastic instead of --nodes: between MIN and MAX nodes; on fewer than MAX, grad_accum rises to keep "
+        "the global batch (with --max-restarts, a lost node's job continues on the rest)",
+    )
     sl.add_argument(
         "--gpus-per-node", type=int, default=8, help="GPUs (processes) per node; on a CPU job, processes per node"
     )
@@ -260,9 +282,12 @@ def _add_slurm(sub: Subparsers) -> None:
 
 def _cmd_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.launcher.slurm import SlurmSpec, slurm
+    from tessera.launcher.torchrun import parse_nnodes
 
+    low, high = parse_nnodes(args.nnodes) if args.nnodes else (0, args.nodes)
     spec = SlurmSpec(
-        nodes=args.nodes,
+        nodes=high,
+        min_nodes=low,
         gpus_per_node=args.gpus_per_node,
         device=args.device,
         partition=args.partition,

@@ -6,6 +6,10 @@ names the key, flag or file and says how to fix it; ``tessera`` prints it and ex
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 
 class UserError(ValueError):
     """A problem the user causes and can fix (config, CLI flag, data, checkpoint, launch request)."""
@@ -25,3 +29,19 @@ class CheckpointError(UserError):
 
 class LaunchError(UserError):
     """A launch request that cannot work; its message is one line saying what to change."""
+
+
+def read_json_object(path: str | Path, error: type[UserError], where: str, fix: str) -> dict[str, Any]:
+    """The JSON object a user's file holds, or one ``error`` naming ``where`` (the file, or the key that gave it):
+    unreadable, not UTF-8, not JSON, or not an object; ``fix`` ends every message (e.g. "; fix or remove it")."""
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except OSError as err:
+        raise error(f"{where} cannot be read ({err.strerror}){fix}") from None
+    except UnicodeDecodeError as err:
+        raise error(f"{where} is not UTF-8 text (byte {err.start}){fix}") from None
+    except json.JSONDecodeError as err:
+        raise error(f"{where} is not valid JSON ({err}){fix}") from None
+    if not isinstance(data, dict):
+        raise error(f"{where} must hold a JSON object, got {type(data).__name__}{fix}")
+    return data

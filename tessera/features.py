@@ -60,6 +60,24 @@ _OFFLOAD = {
 _DISTILL = {  # the teacher is placed under the student's layout (train/distill.py): TP, PP and CP work
     "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' (FSDP/DDP/TP/PP/CP)",
 }
+_FT_ONE_PROCESS = (
+    "each torchft replica group is one process holding the whole model (DDP replicas are the fault domains); "
+    "{what} inside a replica group is not supported yet: run one process per group (tessera launch --ft-replicas N)"
+)
+_TORCHFT = {
+    layout: _FT_ONE_PROCESS.format(what=what)
+    for layout, what in (
+        ("ddp", "parallel.dp_replicate"),
+        ("fsdp", "sharding (parallel.dp_shard)"),
+        ("hsdp", "HSDP"),
+        ("tp", "tensor parallelism"),
+        ("sp", "sequence parallelism"),
+        ("pp", "pipeline parallelism"),
+        ("cp", "context parallelism"),
+        ("ep", "expert parallelism"),
+    )
+}
+_TORCHFT["deepspeed"] = "DeepSpeed's engine reduces and steps itself; torchft needs parallel.engine='torch'"
 
 
 def _feature(name: str, keys: tuple[str, ...], uses: Callable[[Any], bool], unsupported: dict[str, str]) -> Spec:
@@ -105,4 +123,10 @@ FEATURES = (
         {"deepspeed": "the DeepSpeed engine partitions a built model; set parallel.meta_init=false"},
     ),
     _feature("distillation", ("train.distill",), lambda job: bool(job.train.distill.teacher), _DISTILL),
+    _feature(
+        "fault tolerance (torchft replica groups)",
+        ("parallel.fault_tolerance", "parallel.ft"),
+        lambda job: job.parallel.fault_tolerance == "torchft",
+        _TORCHFT,
+    ),
 )

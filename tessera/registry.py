@@ -33,7 +33,8 @@ Adding a component (see docs/ARCHITECTURE.md, "Adding a component")::
         attend=local_attend,                           # kind-specific fields (KernelSpec, MixerSpec)
     ))
 
-``register`` returns the spec and refuses a second spec of the same kind and name; ``get(kind, name)``
+``register`` returns the spec and refuses a second spec of the same kind and name (``option(**fields)``
+registers a ``Spec(kind="option")``); ``get(kind, name)``
 raises ``KeyError`` naming the registered ones; ``names(kind)`` and ``specs(kind)`` list them in
 registration order; ``used(job, kind)`` lists the specs a JobConfig turns on, ``used_by_model(m, kind)``
 the model-scoped ones a ModelConfig turns on (``model/rules.py`` runs their ``checks``);
@@ -51,6 +52,7 @@ The API only grows: fields are added with defaults, never renamed.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,14 +109,17 @@ class KernelSpec(Spec):
     """An attention kernel: ``attend(layer, q, k, v, ctx, dropout) -> out`` with (B, H, Tq, D) queries and
     (B, H_kv, Tk, D) keys/values; ``scores``: it forms a score matrix (takes masks, score biases, windows
     and document masks); ``state(cfg, head_dim)``: a per-layer module it keeps (``layer.features``) or None;
-    ``pattern``: it brings its own sparsity pattern (model/masks.py draws it), so it cannot serve layers
-    that need plain (global) attention."""
+    ``pattern``: its own sparsity pattern (a ``tessera.model.masks.Pattern``, which model/masks.py draws) or
+    None; a kernel with one cannot serve layers that need plain (global) attention; ``dense_mask``: it reads
+    the whole boolean (Tq, Tk) mask (its weights are what inspection tools observe), so the stack builds no
+    block-sparse plan for it and context parallelism hands it the boolean mask, not sdpa's additive copy."""
 
     kind: str = "attention_kernel"
     attend: Callable[..., Any]
     scores: bool = True
     state: Callable[..., Any] | None = None
-    pattern: bool = False
+    pattern: Any = None
+    dense_mask: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +163,11 @@ def register(spec: Spec) -> Spec:
         raise ValueError(f"a {spec.kind} named {spec.name!r} is already registered")
     REGISTRY[spec.kind][spec.name] = spec
     return spec
+
+
+def option(**declared: Any) -> Spec:
+    """Register a model or job option (``Spec(kind="option", **declared)``) and return its spec."""
+    return register(Spec(kind="option", **declared))
 
 
 def get(kind: str, name: str) -> Any:
@@ -225,3 +235,24 @@ def recurrent_layers(layers: Any) -> str:
 def uses_kernel(name: str) -> Callable[[Any], bool]:
     """``uses`` of a kernel: the model's ``model.attention.kernel`` is ``name``."""
     return lambda m: m.attention.kernel == name
+
+
+Check = Callable[[Any], None]
+
+
+def register_options(options: dict[str, tuple], unsupported: dict[str, dict[str, str]] | None = None) -> None:
+    """Register model options: name -> (feature, dotted key, check[, uses]); without ``uses`` an option is on
+    when its key is set (nonzero, nonempty). ``unsupported``: name -> {layout: reason}."""
+    for name, (feature, key, check, *uses) in options.items():
+        read = operator.attrgetter(key.removeprefix("model."))
+        used = uses[0] if uses else (lambda m, read=read: bool(read(m)))
+        spec = Spec(
+            kind="option",
+            name=name,
+            feature=feature,
+            keys=(key,),
+            uses=used,
+            checks=(check,),
+            unsupported=(unsupported or {}).get(name, {}),
+        )
+        register(spec)

@@ -18,6 +18,7 @@ from tessera.evaluate import rules as eval_rules
 from tessera.layout import check_layout
 from tessera.model.rules import check_document_masks, validate_model
 from tessera.parallel import rules as engine_rules
+from tessera.parallel.ft import check_fault_tolerance
 from tessera.train import rules as train_rules
 
 __all__ = ["apply_overrides", "config_from_dict", "load_config", "validate", "validate_model"]
@@ -35,6 +36,7 @@ def validate(config: JobConfig) -> None:
     check_layout(config)
     data_rules.check_data(config.data)
     engine_rules.check_engine(config.parallel, config.train)
+    check_fault_tolerance(config.parallel, config.train)  # [parallel.ft] (parallel/ft.py)
     engine_rules.check_fp8(config)
     engine_rules.check_qat(config)
     engine_rules.check_engine_optimizer(config.parallel, config.optim)

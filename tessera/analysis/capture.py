@@ -36,28 +36,32 @@ def layer_index(name: str) -> int:
     return int(match.group(2)) if match else -1
 
 
-def layer_label(name: str) -> str:
-    """A readable label: "layer 3", "encoder layer 0", "decoder layer 1 (cross)"."""
+def _layer_parts(name: str) -> tuple[str, int, str] | None:
+    """(stack, layer index, "cross" / "self" in a decoder or "") of an attention module's name, or None."""
     match = _LAYER.search(name)
     if not match:
-        return name
+        return None
     stack, index, kind = match.groups()
-    label = f"{stack + ' ' if stack else ''}layer {index}"
-    if stack == "decoder":
-        label += " (cross)" if kind == "cross_attention" else " (self)"
-    return label
+    role = ("cross" if kind == "cross_attention" else "self") if stack == "decoder" else ""
+    return stack or "", int(index), role
+
+
+def layer_label(name: str) -> str:
+    """A readable label: "layer 3", "encoder layer 0", "decoder layer 1 (cross)"."""
+    parts = _layer_parts(name)
+    if parts is None:
+        return name
+    stack, index, role = parts
+    return f"{stack + ' ' if stack else ''}layer {index}" + (f" ({role})" if role else "")
 
 
 def layer_stem(name: str) -> str:
     """A file-name stem: "layer03", "encoder_layer00", "decoder_layer01_cross"."""
-    match = _LAYER.search(name)
-    if not match:
+    parts = _layer_parts(name)
+    if parts is None:
         return name.replace(".", "_")
-    stack, index, kind = match.groups()
-    stem = f"{stack + '_' if stack else ''}layer{int(index):02d}"
-    if stack == "decoder":
-        stem += "_cross" if kind == "cross_attention" else "_self"
-    return stem
+    stack, index, role = parts
+    return f"{stack + '_' if stack else ''}layer{index:02d}" + (f"_{role}" if role else "")
 
 
 def is_cross(name: str) -> bool:

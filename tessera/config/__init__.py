@@ -32,7 +32,7 @@ from tessera.config.model import (
 )
 from tessera.config.optim import MuonConfig, OptimConfig
 from tessera.config.output import CheckpointConfig, EvalConfig, LogConfig, eval_task_names
-from tessera.config.parallel import DeepSpeedConfig, ParallelConfig
+from tessera.config.parallel import DeepSpeedConfig, FaultToleranceConfig, ParallelConfig
 from tessera.config.renames import RENAMED
 from tessera.config.train import DistillConfig, TrainConfig
 from tessera.errors import ConfigError
@@ -47,6 +47,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DeepSpeedConfig",
+    "FaultToleranceConfig",
     "DistillConfig",
     "JobConfig",
     "LogConfig",

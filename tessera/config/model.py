@@ -42,6 +42,7 @@ class PositionConfig:
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by the factor
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
     rope_attention_factor: float = 0.0  # yarn: the cos/sin magnitude (0 = 0.1 * ln(factor) + 1)
+    rope_yarn_truncate: bool = True  # yarn: round the blend's dimension range to integers (HF truncate; gpt-oss false)
     rotary_fraction: float = 1.0  # partial rotary: the leading fraction of each head rotated
     # Per-layer RoPE (docs/layer-patterns.md): the sliding-window 'A' layers of a layer_pattern with 'G' layers may
     # have their own plain RoPE (no rope_scaling): Gemma 3 10000 (global 1e6, scaled), OLMo 3 rope_theta unscaled.
@@ -85,6 +86,7 @@ class MoEConfig:
     router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     expert_biases: bool = False  # biases on every expert projection (gpt-oss)
     swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU, (clamp(up)+1) g sigmoid(1.702 g), g = min(gate, limit)
+    scale_input: bool = False  # routing weights scale each expert's input instead of its output (Llama 4)
     jitter: float = 0.0  # training only: the MoE input times U(1 - jitter, 1 + jitter) (Mixtral router_jitter_noise)
 
 
@@ -104,6 +106,7 @@ class MambaConfig:
     proj_bias: bool = False  # biases on in_proj and out_proj
     dt_norm: bool = False  # RMSNorm on the time step, B and C (Jamba)
     ffn: bool = True  # Mamba layers also get the FFN/MoE sublayer (Jamba); false = the mixer alone (Mamba)
+    dt_min: float = 0.0  # Mamba-2: floor of each time step after its softplus (Nemotron-H's time_step_min; 0 = none)
 
 
 @dataclass
@@ -176,7 +179,7 @@ class ModelConfig:
     ffn_hidden: int = 0  # 0 derives it from ffn_multiplier and multiple_of
     ffn_multiplier: float = 0.0  # 0 means 4x for plain FFNs and 8/3x for gated ones
     multiple_of: int = 32  # a derived ffn_hidden is rounded up to a multiple of this
-    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"  # swiglu/geglu are gated
+    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2"] = "swiglu"  # swiglu/geglu gated
     # zero_centered_rmsnorm: RMSNorm with gain 1 + weight, weight initialized to 0 (Qwen3-Next, Gemma)
     norm: Literal["rmsnorm", "layernorm", "zero_centered_rmsnorm"] = "rmsnorm"  # the normalization layer everywhere
     norm_eps: float = 1e-5  # epsilon of every norm

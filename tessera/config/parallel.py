@@ -1,4 +1,5 @@
-"""[parallel]: the parallel degrees and their knobs; [parallel.deepspeed]: the DeepSpeed engine's."""
+"""[parallel]: the parallel degrees and their knobs; [parallel.deepspeed]: the DeepSpeed engine's;
+[parallel.ft]: torchft replica groups (parallel.fault_tolerance='torchft')."""
 
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ class DeepSpeedConfig:
     offload_params: Literal["none", "cpu", "nvme"] = "none"  # zero_stage 3: parameters off the GPU
     nvme_path: str = ""  # directory on a fast local disk for nvme offload (ZeRO-Infinity)
     config: str = ""  # a ds.json merged into the generated config; contradictions refused
+
+
+@dataclass
+class FaultToleranceConfig:
+    """[parallel.ft]: this process's replica group under torchft (parallel.fault_tolerance='torchft')."""
+
+    replicas: int = 2  # replica groups (one process each) the global batch is dealt over
+    replica_id: int = 0  # this process's replica group, 0 .. replicas-1 (`tessera launch --ft-replicas` sets it)
+    lighthouse: str = ""  # torchft lighthouse HOST:PORT (or http://HOST:PORT); empty: $TORCHFT_LIGHTHOUSE
+    min_replicas: int = 1  # fewest replica groups a step commits with
+    timeout_s: float = 10.0  # a collective or quorum this slow counts as a failed peer (the step is redone)
 
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
@@ -44,3 +56,5 @@ class ParallelConfig:
     meta_init: bool = False  # build on the meta device, shard, then initialize (for models too big for one host)
     engine: Literal["torch", "deepspeed"] = "torch"  # torch: FSDP2/DDP/TP/PP/CP/EP; deepspeed: ZeRO data parallelism
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    fault_tolerance: Literal["none", "torchft"] = "none"  # torchft: replica groups survive a dead peer ([parallel.ft])
+    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

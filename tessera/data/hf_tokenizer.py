@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.data.sources import DataError
+from tessera.errors import read_json_object
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -48,15 +49,7 @@ def _token_content(value: Any) -> str | None:
 
 def _json_object(file: Path) -> dict[str, Any]:
     """A tokenizer JSON file that must hold one object: every other content is one DataError naming it."""
-    try:
-        data = json.loads(file.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise DataError(f"'{file}' is not UTF-8 text (byte {err.start}); fix or remove it") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"'{file}' is not valid JSON ({err}); fix or remove it") from None
-    if not isinstance(data, dict):
-        raise DataError(f"'{file}' must hold a JSON object, got {type(data).__name__}; fix or remove it")
-    return data
+    return read_json_object(file, DataError, f"'{file}'", "; fix or remove it")
 
 
 def read_token_config(path: Path) -> dict[str, Any] | None:

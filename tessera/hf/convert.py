@@ -10,9 +10,10 @@ import torch
 
 from tessera.config import ConfigError, JobConfig, resolved_objective
 from tessera.data.objectives import span_count
+from tessera.hf.families.qwen3_5 import EXPORT_AS
 from tessera.hf.weights import load_state, read_hf, save_hf
 from tessera.model import build_model
-from tessera.train.checkpoint import Checkpointer, CheckpointError
+from tessera.train.checkpoint import Checkpointer, CheckpointError, read_meta
 from tessera.train.ds_checkpoint import MOMENTS
 from tessera.train.lock import RunLock
 from tessera.train.rundir import carry_run_files, remove_run_outputs
@@ -98,6 +99,8 @@ def hf_export(checkpoint: str | Path, out_dir: str | Path, family: str | None = 
 
     ckpt = find_checkpoint(checkpoint)
     model = load(ckpt)
+    imported = read_meta(ckpt).get("imported_from", {}).get("family")
+    family = family or EXPORT_AS.get(imported)  # an imported Qwen3.5 model goes back as Qwen3.5
     family = save_hf(model, output_dir(out_dir, "export directory"), family)
     complete_hf_dir(Path(out_dir), ckpt, family, count_parameters(model))
     return family

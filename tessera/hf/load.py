@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from tessera.config import ModelConfig
 from tessera.hf.families import FAMILIES, HFConversionError, Rule
+from tessera.hf.families.common import SPLIT_LAST, split_last
 from tessera.hf.weights import _OUTPUT_KEYS, config_from_hf, is_hf_dir
 
 _INDEX = "model.safetensors.index.json"
@@ -159,6 +160,8 @@ class HFSlices:
             return torch.Size(reversed(first))
         if rule.kind == "experts":
             return torch.Size((len(rule.theirs), first[1], first[0]))
+        if rule.kind in SPLIT_LAST:
+            return torch.Size((*first[:-1], first[-1] // len(rule.ours)))
         rows = first[-1] if rule.kind == "fused_t" and len(first) == 2 else first[0]
         part = math.ceil(rows / len(rule.ours))
         rest = first[1:] if rule.kind == "fused" else first[:1] if len(first) == 2 else ()
@@ -185,6 +188,8 @@ class HFSlices:
         elif rule.kind == "experts":
             e, rows, cols = idx
             out = torch.stack([self._slice(theirs[k], (cols, rows)).T for k in range(e.start, e.stop)])
+        elif rule.kind in SPLIT_LAST:  # the HF tensor's leading dims sliced, then our part of its last dim
+            out = split_last(self._slice(theirs[0], idx[:-1]), i, len(rule.ours), rule.kind)[..., idx[-1]]
         else:
             out = self._fused_part(rule, i, idx)
         return out.float().contiguous()

@@ -20,6 +20,7 @@ from torch import nn
 
 from tessera.config import ConfigError, ModelConfig, model_config
 from tessera.hf.families import FAMILIES, HFConversionError, Rule
+from tessera.hf.families.common import SPLIT_LAST, join_last, split_last
 from tessera.model.block import layer_kind
 from tessera.model.ffn import ffn_hidden_size
 from tessera.model.moe import is_moe_layer
@@ -130,6 +131,9 @@ def _from_hf_tensors(rules: list[Rule], hf: dict[str, torch.Tensor]) -> dict[str
             out[rule.ours[0]] = theirs[0].T.contiguous()
         elif rule.kind == "experts":
             out[rule.ours[0]] = torch.stack([w.T for w in theirs])
+        elif rule.kind in SPLIT_LAST:
+            for i, name in enumerate(rule.ours):
+                out[name] = split_last(theirs[0], i, len(rule.ours), rule.kind).contiguous()
         else:
             fused = theirs[0].T if rule.kind == "fused_t" else theirs[0]
             for name, part in zip(rule.ours, fused.chunk(len(rule.ours), dim=0)):
@@ -147,6 +151,8 @@ def _to_hf_tensors(rules: list[Rule], ours: dict[str, torch.Tensor]) -> dict[str
             out[rule.theirs[0]] = tensors[0].T
         elif rule.kind == "experts":
             out.update({name: w.T for name, w in zip(rule.theirs, tensors[0])})
+        elif rule.kind in SPLIT_LAST:
+            out[rule.theirs[0]] = join_last(tensors, rule.kind)
         else:
             fused = torch.cat(tensors, dim=0)
             out[rule.theirs[0]] = fused.T if rule.kind == "fused_t" else fused
@@ -258,7 +264,7 @@ def _canonical(cfg: ModelConfig) -> dict[str, Any]:
     if "moe.shared_ffn_hidden" in values:  # issue 13's key: 0 means shared_experts x the expert width
         shared = values["moe.shared_ffn_hidden"] or values["moe.ffn_hidden"] * cfg.moe.shared_experts
         values["moe.shared_ffn_hidden"] = shared
-    if "M" in kinds and not cfg.mamba.dt_rank:
+    if set(kinds) & {"M", "m"} and not cfg.mamba.dt_rank:
         values["mamba.dt_rank"] = math.ceil(cfg.dim / 16)
     drop = set(_TRAINING_ONLY) | {"bias", "mamba.chunk", "gdn.chunk", "kda.chunk"} | _unused(cfg, kinds)
     drop |= {f"attention.{k}" for k in ("block_size", "random_blocks", "performer_features", "global_tokens")}
@@ -272,26 +278,27 @@ def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
     pos = cfg.position
     if pos.kind != "rope":
         drop |= {f"position.rope_{k}" for k in ("theta", "scaling", "scaling_factor", "original_max_len")}
-        drop |= {"position.rotary_fraction", "position.rope_attention_factor"}
+        drop |= {"position.rotary_fraction", "position.rope_attention_factor", "position.rope_yarn_truncate"}
     if pos.rope_scaling != "llama3":
         drop |= {"position.rope_low_freq_factor", "position.rope_high_freq_factor"}
     if pos.rope_scaling != "yarn":
-        drop.add("position.rope_attention_factor")
+        drop |= {"position.rope_attention_factor", "position.rope_yarn_truncate"}
     if pos.rope_scaling == "none":
         drop.add("mla.mscale")
     if pos.rope_scaling not in ("yarn", "llama3"):
         drop.add("position.rope_original_max_len")
     if pos.kind != "t5_bias":
         drop |= {"position.rel_buckets", "position.rel_max_distance"}
-    if not set(kinds) - {"M", "D", "K"}:  # no attention layer at all
+    if not set(kinds) - {"M", "m", "D", "K"}:  # no attention layer at all
         drop |= {"n_heads", "n_kv_heads", "head_dim", "attention.", "position.", "mla."}
-    if "M" not in kinds:
+    if not set(kinds) & {"M", "m"}:
         drop.add("mamba.")
     if "D" not in kinds:
         drop.add("gdn.")
     if "K" not in kinds:
         drop.add("kda.")
-    drop |= {"mamba.head_dim", "mamba.groups"} if cfg.mamba.version == 1 else {"mamba.dt_rank", "mamba.dt_norm"}
+    mamba2_only = {"mamba.head_dim", "mamba.groups", "mamba.dt_min"}
+    drop |= mamba2_only if cfg.mamba.version == 1 else {"mamba.dt_rank", "mamba.dt_norm"}
     if not cfg.mla.kv_rank:
         drop.add("mla.")
     drop |= {"dsa."} if not cfg.dsa.topk else {"dsa.indexer_loss_coef"}
@@ -299,9 +306,10 @@ def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
         drop.add("moe.")
     if not cfg.attention.qk_norm:
         drop.add("attention.qk_norm_scope")
-    if not any((k != "M" or cfg.mamba.ffn) and not is_moe_layer(cfg, i) for i, k in enumerate(kinds)):
+    has_ffn = [k not in "Mm" or (k == "M" and cfg.mamba.ffn) for k in kinds]
+    if not any(f and not is_moe_layer(cfg, i) for i, f in enumerate(has_ffn)):
         drop.add("ffn_hidden")  # no dense FFN anywhere
-    if set(kinds) == {"M"} and not cfg.mamba.ffn:  # no FFN either
+    if not any(has_ffn):  # no FFN either
         drop |= {"ffn_hidden", "activation", "ffn_bias", "moe.", "mamba.ffn"}
     return drop
 
@@ -324,10 +332,19 @@ def detect_family(cfg: ModelConfig) -> str:
         return "qwen3_next"
     if "K" in kinds:
         return "kimi_linear"
+    if "m" in kinds or "M" in kinds and cfg.activation == "relu2":
+        return "nemotron_h"
     if "M" in kinds:
         return "jamba" if kinds != {"M"} or cfg.mamba.ffn else "mamba2" if cfg.mamba.version == 2 else "mamba"
     if cfg.mla.kv_rank:
         return "deepseek_v32" if cfg.dsa.topk else "deepseek_v3"
+    if cfg.attention.sinks:
+        return "gpt_oss"
+    layered = {"sandwich": "gemma3_text", "reordered": "olmo3"}.get(cfg.norm_position)
+    if layered and not cfg.moe.experts:
+        return layered
+    if cfg.position.nope_layers:
+        return "smollm3"
     if cfg.moe.experts:
         return _moe_family(cfg)
     if cfg.position.kind == "learned":

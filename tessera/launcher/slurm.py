@@ -27,6 +27,7 @@ from typing import Literal
 from tessera.config import JobConfig
 from tessera.validate import load_config
 from tessera.launcher.common import TORCHRUN_ENV, LaunchError, check_world_size, train_args
+from tessera.launcher.torchrun import check_elastic
 from tessera.plan import warn_if_unfit
 from tessera.train.lock import refuse_if_running
 from tessera.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_MARKER
@@ -55,6 +56,7 @@ class SlurmSpec:
     signal_seconds: int = 300
     rdzv_port: int = 0  # 0: 29500 + job id % 1000, so jobs sharing a head node do not collide
     max_restarts: int = 0
+    min_nodes: int = 0  # elastic (--nnodes MIN:MAX): the fewest nodes the job runs and continues on; 0 = nodes
     sbatch_options: list[str] = field(default_factory=list)
     setup: list[str] = field(default_factory=list)
     python: str = field(
@@ -120,14 +122,34 @@ def check_spec(spec: SlurmSpec, config: JobConfig) -> None:
         )
 
 
+def is_elastic(spec: SlurmSpec) -> bool:
+    """Whether the job runs on a node range (``--nnodes MIN:MAX``) rather than a fixed count."""
+    return 0 < spec.min_nodes < spec.nodes
+
+
+def elastic_banner(config: JobConfig, spec: SlurmSpec) -> str:
+    """The line saying how an elastic job keeps its global batch on fewer nodes ("" when not elastic)."""
+    if not is_elastic(spec):
+        return ""
+    t = config.train
+    return (
+        f"tessera: elastic: {spec.min_nodes} to {spec.nodes} nodes of {spec.gpus_per_node} processes; on fewer than "
+        f"{spec.nodes} nodes train.grad_accum rises (train.elastic_world={t.elastic_world}) to keep the global batch "
+        f"of {t.batch_size * t.grad_accum} sequences"
+    )
+
+
 def _sbatch_lines(spec: SlurmSpec, run_dir: str, job_name: str) -> list[str]:
     per_node = spec.gpus_per_node
     cpus = spec.cpus_per_task or (per_node if spec.device == "cpu" else 0)
+    nodes = f"{spec.min_nodes}-{spec.nodes}" if is_elastic(spec) else str(spec.nodes)
     lines = [
         f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={spec.nodes}",
+        f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1          # one torchrun per node; it starts the processes",
     ]
+    if is_elastic(spec):
+        lines.append("#SBATCH --no-kill                    # a failed node leaves the others running (elastic)")
     if spec.device == "gpu":
         lines.append(f"#SBATCH --gres=gpu:{per_node}")
     if cpus:
@@ -182,7 +204,7 @@ def _torchrun_args(spec: SlurmSpec) -> list[str]:
     """torchrun on one node, through the job's Python: c10d rendezvous on the first node, signals forwarded."""
     return [
         '"$PYTHON" -m torch.distributed.run',
-        f"--nnodes={spec.nodes}",
+        f"--nnodes={spec.min_nodes}:{spec.nodes}" if is_elastic(spec) else f"--nnodes={spec.nodes}",
         f"--nproc-per-node={spec.gpus_per_node}",
         "--rdzv-backend=c10d",
         '--rdzv-endpoint="$HEAD_ADDR:$RDZV_PORT"',
@@ -230,7 +252,9 @@ def render_sbatch(config: JobConfig, spec: SlurmSpec, command: str) -> str:
             'rendezvous $HEAD_ADDR:$RDZV_PORT"'
         ),
         "# One task per node, holding all of the node's allocated CPUs (srun would default to one).",
-        'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" ' + " \\\n    ".join(_torchrun_args(spec)),
+        *_elastic_comment(config, spec),
+        f'srun --kill-on-bad-exit={0 if is_elastic(spec) else 1} --cpus-per-task="$SLURM_CPUS_ON_NODE" '
+        + " \\\n    ".join(_torchrun_args(spec)),
         "status=$?",
         "",
         (
@@ -245,6 +269,18 @@ def render_sbatch(config: JobConfig, spec: SlurmSpec, command: str) -> str:
         "",
     ]
     return "\n".join(body)
+
+
+def _elastic_comment(config: JobConfig, spec: SlurmSpec) -> list[str]:
+    """Comment lines of an elastic script: what happens when a node is lost."""
+    if not is_elastic(spec):
+        return []
+    return [
+        f"# {elastic_banner(config, spec).removeprefix('tessera: ')}.",
+        "# A lost node: torchrun's agents meet again (c10d rendezvous, --max-restarts) on the nodes left and",
+        "# the trainer resumes from the newest checkpoint, resharded. srun keeps the other tasks running",
+        "# (--kill-on-bad-exit=0, --no-kill). The rendezvous lives on the first node: losing it ends the job.",
+    ]
 
 
 def write_job(config: JobConfig, spec: SlurmSpec, command: str) -> Path:
@@ -285,9 +321,15 @@ def slurm(
     ``argv`` is the ``tessera`` command line; the script records it (without --submit/--dry-run).
     """
     command = shlex.join(["tessera", *(a for a in argv if a not in ("--submit", "--dry-run"))])
+    if spec.min_nodes and not 1 <= spec.min_nodes <= spec.nodes:
+        raise LaunchError(f"--nnodes {spec.min_nodes}:{spec.nodes}: need 1 <= MIN <= MAX")
+    if is_elastic(spec):  # train.elastic_world, and every node count of the range must keep the batch
+        overrides = check_elastic(config_path, overrides, spec.min_nodes, spec.nodes, spec.gpus_per_node)
     config = load_config(config_path, overrides)
     spec = dataclasses.replace(spec, device=job_device(spec.device, config))
     check_spec(spec, config)
+    if banner := elastic_banner(config, spec):  # on stderr under --dry-run: stdout is the script
+        print(banner, file=sys.stderr if dry_run else sys.stdout, flush=True)
     warn_if_unfit(config, spec.nodes * spec.gpus_per_node, spec.gpu, spec.gpus_per_node, spec.device)
     if dry_run:
         print(render_sbatch(config, spec, command), end="")

@@ -18,25 +18,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from tessera import registry
 from tessera.config import ModelConfig, layer_heads
+from tessera.dtypes import autocast_input
 from tessera.model import kernels  # noqa: F401  (registers the kernels)
+from tessera.model.kernels.common import AttnContext, SequenceSplit  # noqa: F401  (re-exported from their leaf)
 from tessera.model.kernels.common import allowed_mask as _allowed  # noqa: F401  (re-exported)
 from tessera.model.kernels.linear import PerformerFeatures, linear_attention  # noqa: F401  (re-exported)
 from tessera.model.kernels.sdpa import block_sparse_attention  # noqa: F401  (re-exported)
-from tessera.model.masks import BlockLayout, MaskSpec
 from tessera.model.norm import RMSNorm, ZeroCenteredRMSNorm
 from tessera.model.position import apply_rope
 from tessera.model.sinks import AttentionSinks
-
-if TYPE_CHECKING:
-    from tessera.model.moe import MoELog
 
 
 def kernel_spec(name: str) -> registry.KernelSpec:
@@ -102,49 +98,6 @@ class SlidingKVCache:
         return keys, values
 
 
-@dataclass
-class AttnContext:
-    """What all layers of one forward share: the mask, a score bias and the RoPE tables."""
-
-    mask: torch.Tensor | None = None  # bool (B|1, 1, Tq, Tk), True where attention is allowed
-    blocks: BlockLayout | None = None  # a windowed pattern's block-sparse plan (instead of ``mask``)
-    bias: torch.Tensor | None = None  # float (B|1, H, Tq, Tk) added to the scores (T5 bias, ALiBi)
-    is_causal: bool = False  # plain causal over a square block: sdpa's fast path, no mask tensor
-    causal: bool = False  # the linear kernels' only mask
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
-    document_ids: torch.Tensor | None = None  # (B, T): recurrent mixers restart at each new document
-    # Set when this forward holds only part of each sequence: recurrent mixers scan it through this
-    # (see tessera.model.gated_deltanet.RecurrentSplit); the stack's SequenceSplit.
-    split: Any = None
-    moe_log: MoELog | None = None  # where MoE layers record their routing (see tessera.model.moe.MoELog)
-    # Replaces every layer's attention core, (layer, q, k, v, this context) -> output: set when this forward
-    # holds only part of each sequence and its queries must reach the other parts' keys (see SequenceSplit);
-    # ``bias`` then spans the local queries and the keys of SequenceSplit.key_positions.
-    attend: Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor, AttnContext], torch.Tensor] | None = None
-
-
-class SequenceSplit(Protocol):
-    """A forward that holds only some tokens of each sequence (context parallelism sets one on a
-    :class:`~tessera.model.transformer.Stack` from outside; the zoo only calls it)."""
-
-    def positions(self, length: int, device: torch.device) -> torch.Tensor:
-        """(1, length) positions, in the whole sequence, of this forward's ``length`` tokens."""
-        ...
-
-    def key_positions(self, length: int, device: torch.device) -> torch.Tensor:
-        """(1, keys) positions, in the whole sequence, of the keys the attention core scores, in its order
-        (what a score bias such as ALiBi or T5's spans)."""
-        ...
-
-    def attention(
-        self, spec: MaskSpec, length: int, document_ids: torch.Tensor | None, device: torch.device
-    ) -> Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor, AttnContext], torch.Tensor]:
-        """The attention core of one forward's layers (:attr:`AttnContext.attend`); it may exchange
-        per-batch metadata (document ids) once here, for all layers."""
-        ...
-
-
 class Attention(nn.Module):
     """Self- or cross-attention; ``n_kv_heads`` < ``n_heads`` gives GQA (1 gives MQA)."""
 
@@ -192,7 +145,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attend from ``x`` (B, T, dim) to itself (or to ``memory`` for cross-attention)."""
         b, t, _ = x.shape
-        src = memory if self.cross else x
+        x = autocast_input(x)
+        src = autocast_input(memory) if self.cross else x
         q, k = self.q_proj(x), self.k_proj(src)
         gate = None
         if self.output_gate:
@@ -274,14 +228,11 @@ MIXER = registry.register(
     )
 )
 
-QK_NORM_ALL = registry.register(
-    registry.Spec(
-        kind="option",
-        name="qk_norm_all",
-        feature="QK-norm over all heads",
-        keys=("model.attention.qk_norm", "model.attention.qk_norm_scope"),
-        uses=lambda m: m.attention.qk_norm and m.attention.qk_norm_scope == "all",
-        unsupported={},  # under tp its statistics are reduced over the ranks (parallel/tensor_attention.py)
-        checks=(),
-    )
+QK_NORM_ALL = registry.option(
+    name="qk_norm_all",
+    feature="QK-norm over all heads",
+    keys=("model.attention.qk_norm", "model.attention.qk_norm_scope"),
+    uses=lambda m: m.attention.qk_norm and m.attention.qk_norm_scope == "all",
+    unsupported={},  # under tp its statistics are reduced over the ranks (parallel/tensor_attention.py)
+    checks=(),
 )

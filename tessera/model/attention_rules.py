@@ -19,14 +19,11 @@ def check_window(m: Any) -> None:
     )
 
 
-SLIDING_WINDOW = registry.register(
-    registry.Spec(
-        kind="option",
-        name="sliding_window",
-        feature="sliding-window attention (per layer with layer_pattern A/G)",
-        keys=("model.attention.sliding_window", "model.layer_pattern"),
-        uses=lambda m: m.attention.sliding_window > 0,
-        unsupported={},
-        checks=(check_window,),
-    )
+SLIDING_WINDOW = registry.option(
+    name="sliding_window",
+    feature="sliding-window attention (per layer with layer_pattern A/G)",
+    keys=("model.attention.sliding_window", "model.layer_pattern"),
+    uses=lambda m: m.attention.sliding_window > 0,
+    unsupported={},
+    checks=(check_window,),
 )

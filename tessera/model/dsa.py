@@ -26,6 +26,9 @@ Parameter names follow HF transformers' ``DeepseekV32Indexer`` (``indexer.wq_b``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +38,7 @@ from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require, require_all
 from tessera.model.attention import AttnContext, _allowed, scaled_by_layer
+from tessera.model import mla
 from tessera.model.mla import LatentAttention, LatentCache
 from tessera.model.position import apply_rope
 
@@ -139,11 +143,27 @@ def sparse_latent_core(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of (B, H, Tq, kv_rank) absorbed queries (and their RoPE parts) over each query's ``idx`` keys,
     in the latent: the (B, H, Tq, kv_rank) latent-space output and the (B, Tq, k) attention weights summed
-    over heads (detached; the indexer's KL target)."""
+    over heads in fp64 (detached; the indexer's KL target)."""
     lat, rope = gather_tokens(latent, idx), gather_tokens(k_rope, idx)
     scores = torch.einsum("bhtr,btkr->bhtk", q_lat, lat) + torch.einsum("bhtd,btkd->bhtk", q_rope, rope)
     probs = (scores.float() * scale).masked_fill(~valid[:, None], float("-inf")).softmax(-1).to(lat.dtype)
-    return torch.einsum("bhtk,btkr->bhtr", probs, lat), probs.detach().sum(1)
+    # The head sum in fp64: split over tp ranks in any order, it rounds to the same fp32 target.
+    return torch.einsum("bhtk,btkr->bhtr", probs, lat), probs.detach().sum(1, dtype=torch.float64)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class HeadGroup:
+    """How this module's attention heads stand to the layer's: all of them here by default. Tensor parallelism
+    (which splits the heads, not the replicated indexer) replaces it (``tessera.parallel.tensor_attention``)."""
+
+    whole_input: Callable[[torch.Tensor], torch.Tensor] = _same  # the detached block input, whole sequence
+    sum_heads: Callable[[torch.Tensor], torch.Tensor] = _same  # a detached sum over these heads -> over all heads
+    local: Callable[[torch.Tensor], torch.Tensor] = _same  # a head-split weight -> the rows of these heads
+    shared: Callable[[torch.Tensor], torch.Tensor] = _same  # a value all heads read: gradient summed over them
 
 
 class SparseLatentAttention(LatentAttention):
@@ -152,6 +172,7 @@ class SparseLatentAttention(LatentAttention):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.indexer = LightningIndexer(cfg)
+        self.heads = HeadGroup()
         self.topk, self.stage, self.loss_coef = cfg.dsa.topk, cfg.dsa.stage, cfg.dsa.indexer_loss_coef
         self.last_indexer_loss: torch.Tensor | None = None  # the latest training forward's KL (detached)
 
@@ -168,7 +189,7 @@ class SparseLatentAttention(LatentAttention):
         q_rope = apply_rope(q_rope, ctx.cos, ctx.sin)
         k_rope = apply_rope(k_rope[:, None], ctx.cos, ctx.sin)[:, 0]
         # The indexer learns only from its KL term: its inputs are detached from the main model.
-        ix = x.detach()
+        ix = self.heads.whole_input(x.detach())
         index_keys = self.indexer.keys(ix, ctx)
         if cache is not None:
             latent, k_rope = cache.update(latent, k_rope, start)
@@ -196,6 +217,7 @@ class SparseLatentAttention(LatentAttention):
             return out, loss
         idx, valid = self.indexer.select(iq, iw, index_keys, allowed, self.topk)
         out, target = self._sparse(q_nope, q_rope, latent, k_rope, idx, valid)
+        target = self.heads.sum_heads(target).float()
         loss = _kl(target, self.indexer.scores(iq, iw, gather_tokens(index_keys, idx)), valid) if learn else None
         return out, loss
 
@@ -231,7 +253,7 @@ class SparseLatentAttention(LatentAttention):
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's key (H, nope, kv_rank) and value (H, v_head_dim, kv_rank) halves."""
-        w = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.kv_rank)
+        w = self.heads.local(self.kv_b_proj.weight).view(-1, self.nope + self.v_dim, self.kv_rank)
         return w[:, : self.nope], w[:, self.nope :]
 
     def _sparse(self, q_nope, q_rope, latent, k_rope, idx, valid) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,6 +261,7 @@ class SparseLatentAttention(LatentAttention):
         and the (B, Tq, k) head-summed attention weights."""
         w_uk, w_uv = self._absorbed()
         q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
+        latent = self.heads.shared(latent)  # read here by these heads alone (not through kv_b_proj)
         outs, targets = [], []
         for rows in _chunks(q_lat.shape[2]):
             args = (q_lat[:, :, rows], q_rope[:, :, rows], latent, k_rope, idx[:, rows], valid[:, rows], self.scale)
@@ -256,7 +279,8 @@ class SparseLatentAttention(LatentAttention):
         w_uk, _ = self._absorbed()
         q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
         scores = (q_lat @ latent[:, None].transpose(-1, -2) + q_rope @ k_rope[:, None].transpose(-1, -2)).float()
-        return (scores * self.scale).masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)
+        weights = (scores * self.scale).masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
+        return self.heads.sum_heads(weights.sum(1, dtype=torch.float64)).float()
 
     def _dense_kl(self, q_nope, q_rope, latent, k_rope, allowed, iq, iw, index_keys) -> torch.Tensor:
         target = self._dense_weights(q_nope, q_rope, latent, k_rope, allowed)
@@ -326,10 +350,9 @@ MIXER = registry.register(
         feature="DeepSeek sparse attention",
         keys=("model.dsa", "model.mla"),
         uses=lambda m: bool(m.mla.kv_rank and m.dsa.topk),
-        unsupported={
-            "tp": "the sparse core reads kv_b_proj's whole weight (absorbed into the queries); use data, expert, "
-            "context or pipeline parallelism",
-        },
+        unsupported={},
+        # latent attention's heads split over tp, the indexer replicated (parallel/tensor_attention.py)
+        tp_plan=mla.MIXER.tp_plan,
         checks=(check_dsa,),
         terms=registry.Terms(flops=_sparse_flops, memory=registry.TRACED),
         letters={"A": "attention", "G": "global attention"},
@@ -341,18 +364,15 @@ MIXER = registry.register(
     )
 )
 
-RING = registry.register(
-    registry.Spec(
-        kind="option",
-        name="dsa_ring",
-        feature="DeepSeek sparse attention with cp_method=ring",
-        keys=("model.dsa.topk", "parallel.cp_method"),
-        scope="job",
-        uses=lambda job: bool(job.model.dsa.topk) and job.parallel.cp_method == "ring",
-        unsupported={
-            "cp": "each query's top-k ranges over every rank's keys, which the ring never holds at once; use "
-            "parallel.cp_method=allgather",
-        },
-        checks=(),
-    )
+RING = registry.option(
+    name="dsa_ring",
+    feature="DeepSeek sparse attention with cp_method=ring",
+    keys=("model.dsa.topk", "parallel.cp_method"),
+    scope="job",
+    uses=lambda job: bool(job.model.dsa.topk) and job.parallel.cp_method == "ring",
+    unsupported={
+        "cp": "each query's top-k ranges over every rank's keys, which the ring never holds at once; use "
+        "parallel.cp_method=allgather",
+    },
+    checks=(),
 )

@@ -1,4 +1,4 @@
-"""Feed-forward networks: gated (SwiGLU, GeGLU) and plain (GELU, ReLU)."""
+"""Feed-forward networks: gated (SwiGLU, GeGLU) and plain (GELU, ReLU, squared ReLU)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import registry
+from tessera.dtypes import autocast_input
 
 ACTIVATIONS = {
     "swiglu": F.silu,
@@ -17,6 +18,7 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (So et al. 2021; Nemotron-H's FFN)
 }
 GATED = ("swiglu", "geglu")
 
@@ -45,7 +47,11 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
+        if self.gated:
+            x = autocast_input(x)  # read by two projections: cast once
+            h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = self.act(self.up_proj(x))
         return self.down_proj(self.dropout(h))
 
 
@@ -60,7 +66,7 @@ def dense_memory(shape: Any, block: Any, prec: Any) -> tuple[float, float, float
     token of a dense FFN sublayer; ``shape`` a plan ModelShape, ``prec`` a plan Precision."""
     h, c = shape.dim, prec.compute
     dropout = shape.ffn_hidden if shape.cfg.dropout > 0 else 0.0
-    gathered = (2 if prec.autocast and shape.gated else 1) * c * h  # its input (one cast copy per projection)
+    gathered = c * h  # its input (gate and up share one cast copy under autocast: tessera.dtypes.autocast_input)
     sharded = hidden_bytes(shape.ffn_hidden, shape.gated, c) + dropout
     return gathered, sharded, c * h, (2 if shape.gated else 1) * c * shape.ffn_hidden
 
@@ -71,7 +77,7 @@ DENSE = registry.register(
     registry.Spec(
         kind="ffn",
         name="dense",
-        feature="dense FFN (ReLU, GELU, SwiGLU, GeGLU)",
+        feature="dense FFN (ReLU, squared ReLU, GELU, SwiGLU, GeGLU)",
         keys=("model.activation", "model.ffn_hidden", "model.ffn_multiplier", "model.multiple_of", "model.ffn_bias"),
         uses=lambda m: m.moe.experts <= 1 or m.moe.first_dense > 0 or m.moe.every > 1,
         unsupported={},

@@ -28,13 +28,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from typing import Protocol
-
 from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require, require_all
-from tessera.model.mamba import MambaCache, causal_conv
-from tessera.model.recurrent import chunk_document_masks, continues_document
+from tessera.model.mamba import MambaCache
+from tessera.model.recurrent import (
+    Docs,
+    RecurrentMixer,
+    RecurrentSplit,
+    causal_depthwise_conv,
+    chunk_document_masks,
+    continues_document,
+    split_causal_conv,
+    split_scan,
+)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -160,66 +167,35 @@ def recurrent_gated_delta_rule(
     return torch.stack(outputs, dim=2), s
 
 
-class RecurrentSplit(Protocol):
-    """A forward that holds only some pieces of each sequence (context parallelism implements it from outside):
-    what a recurrent mixer needs from the other pieces."""
-
-    def pieces(self, length: int) -> list[slice]:
-        """The local tokens as contiguous pieces of the whole sequence, in local order."""
-        ...
-
-    def halos(self, tails: torch.Tensor) -> torch.Tensor:
-        """(B, C, pieces, W) the last W inputs of each local piece -> the W inputs before each (zeros at the
-        sequence's start), from whichever rank holds them."""
-        ...
-
-    def entering_states(self, transitions: torch.Tensor, contributions: torch.Tensor) -> torch.Tensor:
-        """Each local piece's summary - the state transition A (pieces, B, H, Dk, Dk) and the state it adds from
-        zero, H (pieces, B, H, Dk, Dv), so that S_end = A S_in + H - -> the state entering each local piece
-        (pieces, B, H, Dk, Dv): a prefix over the pieces of all ranks in sequence order."""
-        ...
-
-
-def split_causal_conv(x: torch.Tensor, weight: torch.Tensor, split: RecurrentSplit) -> torch.Tensor:
-    """:func:`causal_depthwise_conv` of a split sequence's local (B, C, T): each piece's window starts with the
-    halo of inputs before it."""
-    width = weight.shape[-1]
-    pieces = split.pieces(x.shape[-1])
-    halos = split.halos(torch.stack([x[..., p][..., x[..., p].shape[-1] - (width - 1) :] for p in pieces], dim=2))
-    outs = [
-        F.conv1d(torch.cat([halos[:, :, i], x[..., p]], -1), weight, groups=x.shape[1]) for i, p in enumerate(pieces)
-    ]
-    return torch.cat(outs, dim=-1)
-
-
 def split_gated_delta_rule(
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     gates: tuple[torch.Tensor, torch.Tensor],
     chunk: int,
     split: RecurrentSplit,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The gated delta rule over a split sequence: each local piece is scanned from a zero state and from the
-    identity (one pass: the value columns evolve independently), giving its summary (transition, contribution);
-    the split combines the summaries of every piece in order, and each piece is scanned again from the state
-    entering it."""
+    """The gated delta rule over a split sequence (:func:`~tessera.model.recurrent.split_scan`): a local piece's
+    summary is its scan from a zero state and from the identity (one pass: the value columns evolve
+    independently), the transition and contribution of S_end = A S_in + H."""
     (q, k, v), (g, beta) = qkv, gates
     dk, dv = k.shape[-1], v.shape[-1]
-    pieces = split.pieces(q.shape[2])
-    summaries = []
-    for p in pieces:
+
+    def piece_docs(p: slice) -> torch.Tensor | None:
+        return document_ids[:, p] if document_ids is not None else None
+
+    def summarize(p: slice) -> tuple[torch.Tensor, torch.Tensor]:
         probe = torch.cat([v[:, :, p], v.new_zeros(*v[:, :, p].shape[:-1], dk)], dim=-1)
         eye = torch.eye(dk, device=v.device, dtype=v.dtype).expand(*v.shape[:2], dk, dk)
         start = torch.cat([v.new_zeros(*v.shape[:2], dk, dv), eye], dim=-1)
-        summaries.append(
-            chunk_gated_delta_rule(q[:, :, p], k[:, :, p], probe, g[:, :, p], beta[:, :, p], chunk, start)[1]
-        )
-    final = torch.stack(summaries)  # (pieces, B, H, Dk, Dv + Dk): [contribution | transition]
-    entering = split.entering_states(final[..., dv:], final[..., :dv])
-    outs = [
-        chunk_gated_delta_rule(q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p], beta[:, :, p], chunk, entering[i])[0]
-        for i, p in enumerate(pieces)
-    ]
-    return torch.cat(outs, dim=2)
+        final = chunk_gated_delta_rule(q[:, :, p], k[:, :, p], probe, g[:, :, p], beta[:, :, p], chunk, start,
+                                       piece_docs(p))[1]
+        return final[..., dv:], final[..., :dv]  # [contribution | transition]
+
+    def scan(p: slice, entering: torch.Tensor) -> torch.Tensor:
+        return chunk_gated_delta_rule(q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p], beta[:, :, p], chunk, entering,
+                                      piece_docs(p))[0]
+
+    return torch.cat(split_scan(split, q.shape[2], summarize, scan, False, document_ids), dim=2)
 
 
 class GatedOutputNorm(nn.Module):
@@ -244,7 +220,7 @@ class GatedOutputNorm(nn.Module):
         return ((self.weight * h.to(y.dtype)) * gate).to(y.dtype)
 
 
-class DeltaRuleMixer(nn.Module):
+class DeltaRuleMixer(RecurrentMixer):
     """What the delta-rule mixers (Gated DeltaNet, Kimi Delta Attention) share: q, k and v through one causal
     depthwise convolution (+ SiLU), L2-normalized q and k (q scaled by key_head_dim^-1/2), the delta rule in its
     chunked, recurrent (decoding from a :class:`MambaCache`) or split (context parallel) form.
@@ -284,33 +260,39 @@ class DeltaRuleMixer(nn.Module):
         """The rule's output (B, T, H, Dv) -> the mixer's (B, T, dim)."""
         raise NotImplementedError
 
-    def forward(
+    def _conv(
         self,
-        x: torch.Tensor,
-        cache: MambaCache | None = None,
-        start: int = 0,
-        *,
-        split: RecurrentSplit | None = None,
-        document_ids: torch.Tensor | None = None,
+        mixed: torch.Tensor,
+        cache: MambaCache | None,
+        start: int,
+        document_ids: Docs,
+        split: RecurrentSplit | None,
     ) -> torch.Tensor:
-        """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``; with
-        ``document_ids`` (B, T), restart at every document boundary; with ``split``, ``x`` is this forward's part
-        of each sequence (context parallelism)."""
+        """silu(causal conv) of (B, C, T); with a cache, continue from its window (restarted at ``start`` = 0)."""
+        weight = self.conv_weight()
+        if split is not None:
+            return F.silu(split_causal_conv(mixed, weight, split, document_ids))
+        if cache is None:
+            return F.silu(causal_depthwise_conv(mixed, weight, document_ids))
+        if start == 0:
+            cache.conv.zero_()
+            cache.ssm.zero_()
+        full = torch.cat([cache.conv.to(mixed.dtype), mixed], dim=-1)
+        cache.conv.copy_(full[..., full.shape[-1] - cache.conv.shape[-1] :])
+        return F.silu(F.conv1d(full, weight, groups=mixed.shape[1]))
+
+    def mix(self, x: torch.Tensor, cache: MambaCache | None, start: int, docs: Docs, split: RecurrentSplit | None):
+        """See :meth:`~tessera.model.recurrent.RecurrentMixer.forward`."""
         batch, length, _ = x.shape
         q, k, v, extras = self._project(x)
         widths = [q.shape[-1], k.shape[-1], v.shape[-1]]
-        mixed = torch.cat([q, k, v], dim=-1).transpose(1, 2)
-        weight = self.conv_weight()
-        if split is not None:
-            mixed = F.silu(split_causal_conv(mixed, weight, split))
-        else:
-            mixed = causal_conv(mixed, weight, None, cache, start, document_ids)
+        mixed = self._conv(torch.cat([q, k, v], dim=-1).transpose(1, 2), cache, start, docs, split)
         q, k, v = mixed.transpose(1, 2).float().split(widths, dim=-1)
         q, k = (l2_normalize(t.view(batch, length, -1, self.key_head_dim)) for t in (q, k))
         q = q * self.key_head_dim**-0.5
         q, k = (t.repeat_interleave(self.group, dim=2).transpose(1, 2) for t in (q, k))
         v = v.view(batch, length, -1, self.value_head_dim).transpose(1, 2)
-        y = self._scan((q, k, v), self._gates(x, extras), cache, document_ids, split)
+        y = self._scan((q, k, v), self._gates(x, extras), cache, docs, split)
         return self._output(y.transpose(1, 2).to(x.dtype), extras)
 
     def _scan(
@@ -318,12 +300,12 @@ class DeltaRuleMixer(nn.Module):
         qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         gates: tuple[torch.Tensor, torch.Tensor],
         cache: MambaCache | None,
-        document_ids: torch.Tensor | None,
+        document_ids: Docs,
         split: RecurrentSplit | None,
     ) -> torch.Tensor:
         q, k, v = qkv
         if split is not None:
-            return split_gated_delta_rule(qkv, gates, self.chunk, split)
+            return split_gated_delta_rule(qkv, gates, self.chunk, split, document_ids)
         h0 = cache.ssm if cache is not None else None
         if cache is not None and q.shape[2] == 1:
             y, h = recurrent_gated_delta_rule(q, k, v, *gates, h0)
@@ -332,6 +314,7 @@ class DeltaRuleMixer(nn.Module):
         if cache is not None:
             cache.ssm.copy_(h)
         return y
+
 
 class GatedDeltaNet(DeltaRuleMixer):
     """The Gated DeltaNet token mixer of ``[model.gdn]``: (B, T, dim) -> (B, T, dim)."""
@@ -415,7 +398,7 @@ def recurrent_forward(
     module: nn.Module, h: torch.Tensor, ctx: object, cache: MambaCache | None, start: int
 ) -> torch.Tensor:
     """A delta-rule mixer's registered forward: the packed documents and sequence split of the block's context."""
-    return module(h, cache, start, document_ids=getattr(ctx, "document_ids", None), split=getattr(ctx, "split", None))
+    return module(h, cache, start, getattr(ctx, "document_ids", None), getattr(ctx, "split", None))
 
 
 def new_state_cache(

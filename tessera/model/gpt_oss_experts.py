@@ -3,8 +3,8 @@
 ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``
 (OpenAI gpt-oss, alpha 1.702, limit 7): the same (E, dim, hidden) batched weights as
 :class:`~tessera.model.moe.Experts` plus ``gate_bias``/``up_bias`` (E, hidden) and ``down_bias``
-(E, dim). Rows run expert by expert (the loop path; biases ride along). Its router (a biased linear,
-softmax over the top-k logits) is ``model.moe.router_bias`` with the ``topk_softmax`` router.
+(E, dim). Rows run expert by expert (the loop path; biases ride along), also under expert parallelism.
+Its router (a biased linear, softmax over the top-k logits) is ``model.moe.router_bias`` with ``topk_softmax``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 class BiasedExperts(nn.Module):
     """E gated experts with a bias on each projection; the clamped SwiGLU when ``limit`` > 0, else SwiGLU.
 
-    The interface of :class:`~tessera.model.moe.Experts` (expert parallelism, which would need the biases
-    too, is refused for it: see ``SPEC``)."""
+    The interface of :class:`~tessera.model.moe.Experts`; expert parallelism shards all six :data:`BANKS`
+    and runs :func:`biased_expert_ffn` on its local experts."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, limit: float, std: float, out_std: float) -> None:
         super().__init__()
@@ -54,27 +54,33 @@ class BiasedExperts(nn.Module):
         for p in (self.gate_bias, self.up_bias, self.down_bias):
             nn.init.zeros_(p)
 
-    def _unit(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return clamped_swiglu(gate, up, self.limit) if self.limit > 0 else F.silu(gate) * up
-
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` applied to tokens ``x`` (N, dim)."""
-        h = self._unit(x @ self.gate_proj[e] + self.gate_bias[e], x @ self.up_proj[e] + self.up_bias[e])
-        return h @ self.down_proj[e] + self.down_bias[e]
+        banks = [getattr(self, name)[e : e + 1] for name in BANKS]
+        return biased_expert_ffn(x, [x.shape[0]], banks, self.limit)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, padded: bool = True) -> torch.Tensor:
         """Rows ``x`` (M, dim) sorted by expert, ``counts`` (E,) rows per expert -> outputs (M, dim); rows past
         ``counts.sum()`` (dropped assignments) come back as zeros. Every expert's weights join the graph."""
-        sizes = counts.tolist()
-        parts = x[: sum(sizes)].split(sizes)
-        weights = zip(self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0), strict=True)
-        biases = zip(self.gate_bias.unbind(0), self.up_bias.unbind(0), self.down_bias.unbind(0), strict=True)
-        outs = [
-            self._unit(part @ g + gb, part @ u + ub) @ d + db
-            for part, (g, u, d), (gb, ub, db) in zip(parts, weights, biases, strict=True)
-        ]
-        y = torch.cat(outs) if outs else x[:0]
-        return F.pad(y, (0, 0, 0, x.shape[0] - y.shape[0]))
+        banks = [getattr(self, name) for name in BANKS]
+        return biased_expert_ffn(x, counts.tolist(), banks, self.limit)
+
+
+BANKS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")  # what expert parallelism shards
+
+
+def biased_expert_ffn(x: torch.Tensor, sizes: list[int], banks: list[torch.Tensor], limit: float) -> torch.Tensor:
+    """Rows ``x`` grouped by expert (``sizes[e]`` rows each) through the :data:`BANKS` (gate, up, down and their
+    biases, one row per expert); rows past ``sum(sizes)`` come back as zeros (also expert parallelism's path)."""
+    parts = x[: sum(sizes)].split(sizes)
+    gates, ups, downs, gate_b, up_b, down_b = (bank.unbind(0) for bank in banks)
+    outs = []
+    for part, g, u, d, gb, ub, db in zip(parts, gates, ups, downs, gate_b, up_b, down_b, strict=True):
+        gate, up = part @ g + gb, part @ u + ub
+        h = clamped_swiglu(gate, up, limit) if limit > 0 else F.silu(gate) * up
+        outs.append(h @ d + db)
+    y = torch.cat(outs) if outs else x[:0]
+    return F.pad(y, (0, 0, 0, x.shape[0] - y.shape[0]))
 
 
 def gpt_oss_experts(cfg: Any, hidden: int) -> BiasedExperts | None:
@@ -96,18 +102,13 @@ def check_gpt_oss_experts(m: Any) -> None:
     )
 
 
-SPEC = registry.register(
-    registry.Spec(
-        kind="option",
-        name="gpt_oss_experts",
-        feature="gpt-oss experts (expert biases, clamped SwiGLU)",
-        keys=("model.moe.expert_biases", "model.moe.swiglu_limit"),
-        uses=lambda m: m.moe.experts > 1 and (m.moe.expert_biases or m.moe.swiglu_limit > 0),
-        unsupported={
-            "ep": "the expert-parallel dispatch carries the three projection weights, not the experts' biases; "
-            "use data or tensor parallelism",
-            "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch'",
-        },
-        checks=(check_gpt_oss_experts,),
-    )
+SPEC = registry.option(
+    name="gpt_oss_experts",
+    feature="gpt-oss experts (expert biases, clamped SwiGLU)",
+    keys=("model.moe.expert_biases", "model.moe.swiglu_limit"),
+    uses=lambda m: m.moe.experts > 1 and (m.moe.expert_biases or m.moe.swiglu_limit > 0),
+    unsupported={
+        "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch'",
+    },
+    checks=(check_gpt_oss_experts,),
 )

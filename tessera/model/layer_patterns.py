@@ -27,7 +27,7 @@ from tessera.config.checks import require
 from tessera.model.position import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from tessera.model.attention import AttnContext
+    from tessera.model.kernels.common import AttnContext
 
 
 def nope_layers(m: ModelConfig) -> frozenset[int]:
@@ -76,7 +76,7 @@ def check_nope_layers(m: Any) -> None:
         ids = []
     require(
         bool(ids) and len(set(ids)) == len(ids),
-        f"model.position.nope_layers={text!r} is not a list of distinct layer indices; write e.g. \"3,7,11\"",
+        f'model.position.nope_layers={text!r} is not a list of distinct layer indices; write e.g. "3,7,11"',
     )
     bad = [i for i in ids if not 0 <= i < m.n_layers]
     require(
@@ -98,33 +98,19 @@ def check_local_rope(m: Any) -> None:
         return
     require(theta > 0, f"model.position.local_rope_theta must be positive (0 = off), got {theta}")
     require(
-        m.position.kind == "rope" and m.attention.sliding_window > 0 and "G" in m.layer_pattern
-        and not m.mla.kv_rank,
+        m.position.kind == "rope" and m.attention.sliding_window > 0 and "G" in m.layer_pattern and not m.mla.kv_rank,
         "model.position.local_rope_theta is the RoPE base of the local 'A' layers: it needs model.position.kind="
         "'rope', model.attention.sliding_window > 0 and 'G' layers in model.layer_pattern (e.g. \"AAAAAG\")",
     )
 
 
-NOPE = registry.register(
-    registry.Spec(
-        kind="option",
-        name="nope_layers",
-        feature="NoPE layers (no rotary on chosen layers)",
-        keys=("model.position.nope_layers",),
-        uses=lambda m: bool(m.position.nope_layers),
-        unsupported={},
-        checks=(check_nope_layers,),
-    )
-)
-
-LOCAL_ROPE = registry.register(
-    registry.Spec(
-        kind="option",
-        name="local_rope",
-        feature="per-layer RoPE base (local/global layers)",
-        keys=("model.position.local_rope_theta", "model.layer_pattern"),
-        uses=lambda m: m.position.local_rope_theta > 0,
-        unsupported={},
-        checks=(check_local_rope,),
-    )
+registry.register_options(
+    {
+        "nope_layers": ("NoPE layers (no rotary on chosen layers)", "model.position.nope_layers", check_nope_layers),
+        "local_rope": (
+            "per-layer RoPE base (local/global layers)",
+            "model.position.local_rope_theta",
+            check_local_rope,
+        ),
+    }
 )

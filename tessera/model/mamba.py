@@ -24,42 +24,34 @@ from tessera.config import ModelConfig
 from tessera.config.checks import require, require_all
 from tessera.model.norm import RMSNorm
 from tessera.model.recurrent import causal_depthwise_conv, chunk_document_masks, continues_document
-
-
-class MambaCache:
-    """One Mamba layer's decoding state: the last ``conv - 1`` convolution inputs and the SSM state."""
-
-    def __init__(self, batch: int, conv_dim: int, conv: int, state_shape: tuple[int, ...], device: torch.device):
-        self.conv = torch.zeros(batch, conv_dim, conv - 1, device=device)
-        self.ssm = torch.zeros(batch, *state_shape, device=device)
-
-    def bytes(self) -> int:
-        """Memory of the state (fixed, whatever the context length)."""
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
+from tessera.model.recurrent import Docs, MambaCache, RecurrentMixer, RecurrentSplit, split_causal_conv, split_scan
 
 
 def causal_conv(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    conv: nn.Conv1d,
     cache: MambaCache | None,
     start: int,
     document_ids: torch.Tensor | None = None,
+    split: RecurrentSplit | None = None,
 ) -> torch.Tensor:
-    """silu(depthwise causal conv) of ``x`` (B, C, T) with ``weight`` (C, 1, W) and ``bias``; with a cache,
-    continue from its window at ``start``; with ``document_ids`` (B, T), restart the window at every document
-    boundary. The groups are the weight's channels (tensor parallelism hands a mixer a slice of them)."""
+    """silu(depthwise causal conv) of ``x`` (B, C, T); with a cache, continue from its window at ``start``;
+    with ``document_ids`` (B, T), restart the window at every document boundary; with ``split``, ``x`` is this
+    forward's part of each sequence (the windows start with the inputs before each piece)."""
+    width = conv.kernel_size[0]
+    if split is not None:
+        return F.silu(split_causal_conv(x, conv.weight, split, document_ids, conv.bias))
     if cache is None and document_ids is not None:
-        out = causal_depthwise_conv(x, weight, document_ids)
-        return F.silu(out + bias[:, None] if bias is not None else out)
-    if cache is None:
-        return F.silu(F.conv1d(F.pad(x, (weight.shape[-1] - 1, 0)), weight, bias, groups=x.shape[1]))
+        out = causal_depthwise_conv(x, conv.weight, document_ids)
+        return F.silu(out + conv.bias[:, None] if conv.bias is not None else out)
+    if cache is None:  # groups from the input: a tensor-parallel rank convolves only its channels
+        return F.silu(F.conv1d(F.pad(x, (width - 1, 0)), conv.weight, conv.bias, groups=x.shape[1]))
     if start == 0:
         cache.conv.zero_()
         cache.ssm.zero_()
     full = torch.cat([cache.conv.to(x.dtype), x], dim=-1)
-    cache.conv.copy_(full[..., full.shape[-1] - (weight.shape[-1] - 1) :])
-    return F.silu(F.conv1d(full, weight, bias, groups=x.shape[1]))
+    cache.conv.copy_(full[..., full.shape[-1] - (width - 1) :])
+    return F.silu(F.conv1d(full, conv.weight, conv.bias, groups=x.shape[1]))
 
 
 def prefix_scan(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +85,34 @@ def selective_scan(
     return torch.cat(outputs, dim=1), h
 
 
-class MambaMixer(nn.Module):
+def split_selective_scan(
+    decay: torch.Tensor,
+    inputs: torch.Tensor,
+    c: torch.Tensor,
+    chunk: int,
+    split: RecurrentSplit,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`selective_scan` over a split sequence (:func:`~tessera.model.recurrent.split_scan`): a piece's
+    transition is the product of its decays (zero past a document boundary), its contribution its final state
+    from zero."""
+
+    def piece_decay(p: slice) -> torch.Tensor:
+        if document_ids is None:
+            return decay[:, p]
+        return decay[:, p] * continues_document(document_ids[:, p])[..., None, None]
+
+    def summarize(p: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        d = piece_decay(p)
+        return d.prod(1), selective_scan(d, inputs[:, p], c[:, p], None, chunk)[1]
+
+    def scan(p: slice, entering: torch.Tensor) -> torch.Tensor:
+        return selective_scan(piece_decay(p), inputs[:, p], c[:, p], entering, chunk)[0]
+
+    return torch.cat(split_scan(split, decay.shape[1], summarize, scan, True, document_ids), dim=1)
+
+
+class MambaMixer(RecurrentMixer):
     """Mamba-1: a state of ``state`` channels per inner channel, input-dependent dt, B and C."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -128,27 +147,24 @@ class MambaMixer(nn.Module):
         """An empty decoding state for ``batch`` sequences."""
         return MambaCache(batch, self.inner, self.conv1d.kernel_size[0], (self.inner, self.state), device)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cache: MambaCache | None = None,
-        start: int = 0,
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``; with
-        ``document_ids`` (B, T), restart the state and the convolution at every document boundary."""
+    def mix(self, x: torch.Tensor, cache: MambaCache | None, start: int, docs: Docs, split: RecurrentSplit | None):
+        """See :meth:`~tessera.model.recurrent.RecurrentMixer.forward`."""
+        document_ids = docs
         u, z = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)
-        u = causal_conv(u, self.conv1d.weight, self.conv1d.bias, cache, start, document_ids)
-        u = u.transpose(1, 2)  # (B, T, E)
+        u = causal_conv(u, self.conv1d, cache, start, document_ids, split).transpose(1, 2)  # (B, T, E)
         dt, b, c = self.x_proj(u).split([self.dt_rank, self.state, self.state], dim=-1)
         if self.dt_layernorm is not None:
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         dt = F.softplus(self.dt_proj(dt).float())  # (B, T, E)
         a = -torch.exp(self.A_log.float())  # (E, N)
         decay = torch.exp(dt[..., None] * a)
+        inputs = (dt * u.float())[..., None] * b.float()[:, :, None, :]
+        if split is not None:
+            y = split_selective_scan(decay, inputs, c.float(), self.chunk, split, document_ids)
+            y = (y + u.float() * self.D.float()) * F.silu(z.transpose(1, 2).float())
+            return self.out_proj(y.to(x.dtype))
         if document_ids is not None:  # a zero decay at a document's first position forgets the state exactly
             decay = decay * continues_document(document_ids)[..., None, None]
-        inputs = (dt * u.float())[..., None] * b.float()[:, :, None, :]
         h0 = cache.ssm if cache is not None else None
         y, h = selective_scan(decay, inputs, c.float(), h0, self.chunk)
         if cache is not None:
@@ -200,6 +216,34 @@ def ssd_scan(
     return torch.cat(outputs, dim=1), h
 
 
+def split_ssd_scan(
+    x: torch.Tensor,
+    log_decay: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    chunk: int,
+    split: RecurrentSplit,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`ssd_scan` over a split sequence (:func:`~tessera.model.recurrent.split_scan`): a piece's transition
+    is its total decay per head (zero when a document starts inside it), its contribution its final state from
+    zero."""
+
+    def docs(p: slice) -> torch.Tensor | None:
+        return document_ids[:, p] if document_ids is not None else None
+
+    def summarize(p: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        total = log_decay[:, p].sum(1).exp()  # (B, H)
+        if document_ids is not None:
+            total = total * (document_ids[:, p] == document_ids[:, p][:, :1]).all(1)[:, None]
+        return total[..., None, None], ssd_scan(x[:, p], log_decay[:, p], b[:, p], c[:, p], None, chunk, docs(p))[1]
+
+    def scan(p: slice, entering: torch.Tensor) -> torch.Tensor:
+        return ssd_scan(x[:, p], log_decay[:, p], b[:, p], c[:, p], entering, chunk, docs(p))[0]
+
+    return torch.cat(split_scan(split, x.shape[1], summarize, scan, True, document_ids), dim=1)
+
+
 def _segment_sum(a: torch.Tensor) -> torch.Tensor:
     """(..., L) -> (..., L, L): out[l, s] = a[s+1] + ... + a[l] for s <= l, -inf above the diagonal.
 
@@ -213,12 +257,13 @@ def _segment_sum(a: torch.Tensor) -> torch.Tensor:
 
 
 class GatedRMSNorm(nn.Module):
-    """Mamba-2's output norm: RMSNorm(y * silu(z)) over groups of channels."""
+    """Mamba-2's output norm: RMSNorm(y * silu(z)) over groups of ``dim / groups`` channels (HF's
+    ``MambaRMSNormGated``: one group per B/C group; a tensor-parallel rank normalizes its whole groups)."""
 
     def __init__(self, dim: int, groups: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.groups, self.eps = groups, eps
+        self.group_size, self.eps = dim // groups, eps
 
     def reset_parameters(self) -> None:
         """Unit gain."""
@@ -227,19 +272,19 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Normalized gated ``y`` (..., dim) in ``y``'s dtype."""
         h = y.float() * F.silu(z.float())
-        g = h.view(*h.shape[:-1], self.groups, -1)
+        g = h.view(*h.shape[:-1], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * g.view(h.shape).to(y.dtype)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     """Mamba-2: heads of ``head_dim`` channels, one scalar decay per head, B/C shared within groups."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         m = cfg.mamba
         self.inner, self.state, self.chunk, self.groups = m.expand * cfg.dim, m.state, m.chunk, m.groups
-        self.head_dim = m.head_dim
+        self.head_dim, self.dt_min = m.head_dim, m.dt_min
         self.heads = self.inner // m.head_dim
         self.conv_dim = self.inner + 2 * m.groups * m.state
         self.in_proj = nn.Linear(cfg.dim, self.inner + self.conv_dim + self.heads, bias=m.proj_bias)
@@ -265,32 +310,31 @@ class Mamba2Mixer(nn.Module):
         shape = (self.heads, self.head_dim, self.state)
         return MambaCache(batch, self.conv_dim, self.conv1d.kernel_size[0], shape, device)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cache: MambaCache | None = None,
-        start: int = 0,
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Mix ``x`` (B, T, dim) along time; with ``cache``, continue a sequence at position ``start``; with
-        ``document_ids`` (B, T), restart the state and the convolution at every document boundary."""
+    def mix(self, x: torch.Tensor, cache: MambaCache | None, start: int, docs: Docs, split: RecurrentSplit | None):
+        """See :meth:`~tessera.model.recurrent.RecurrentMixer.forward`."""
+        document_ids = docs
         batch, length, _ = x.shape
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
-        xbc = causal_conv(
-            xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, cache, start, document_ids
-        ).transpose(1, 2)
-        xs, b, c = xbc.float().split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
+        # Widths from the parameters: a tensor-parallel rank holds some heads and their B/C groups.
+        heads, conv_dim = self.A_log.shape[0], self.conv1d.weight.shape[0]
+        inner = heads * self.head_dim
+        groups = (conv_dim - inner) // (2 * self.state)
+        z, xbc, dt = self.in_proj(x).split([inner, conv_dim, heads], dim=-1)
+        xbc = causal_conv(xbc.transpose(1, 2), self.conv1d, cache, start, document_ids, split).transpose(1, 2)
+        xs, b, c = xbc.float().split([inner, groups * self.state, groups * self.state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H)
-        per_group = self.heads // self.groups
-        b, c = (t.view(batch, length, self.groups, self.state).repeat_interleave(per_group, dim=2) for t in (b, c))
-        xs = xs.view(batch, length, self.heads, self.head_dim)
+        dt = dt.clamp(min=self.dt_min) if self.dt_min else dt
+        b, c = (t.view(batch, length, groups, self.state).repeat_interleave(heads // groups, dim=2) for t in (b, c))
+        xs = xs.view(batch, length, heads, self.head_dim)
         a = -torch.exp(self.A_log.float())
         h0 = cache.ssm if cache is not None else None
-        y, h = ssd_scan(xs * dt[..., None], dt * a, b, c, h0, self.chunk, document_ids)
+        if split is not None:
+            y = split_ssd_scan(xs * dt[..., None], dt * a, b, c, self.chunk, split, document_ids)
+        else:
+            y, h = ssd_scan(xs * dt[..., None], dt * a, b, c, h0, self.chunk, document_ids)
         if cache is not None:
             cache.ssm.copy_(h)
         y = y + xs * self.D.float()[:, None]
-        return self.out_proj(self.norm(y.reshape(batch, length, self.inner), z).to(x.dtype))
+        return self.out_proj(self.norm(y.reshape(batch, length, inner), z).to(x.dtype))
 
 
 def build_mamba(cfg: ModelConfig) -> nn.Module:
@@ -305,6 +349,10 @@ def check_mamba(m: ModelConfig) -> None:
     require_all("model.mamba", mamba, ("state", "conv", "expand", "head_dim", "groups", "chunk"), positive=True)
     require_all("model.mamba", mamba, ("dt_rank",), positive=False)
     require(mamba.version == 1 or not mamba.dt_norm, "model.mamba.dt_norm (Jamba) is a Mamba-1 option; set version = 1")
+    require(
+        mamba.dt_min >= 0 and (mamba.version == 2 or not mamba.dt_min),
+        f"model.mamba.dt_min={mamba.dt_min} must be >= 0, and is a Mamba-2 option (set version = 2 or dt_min = 0)",
+    )
     if mamba.version == 2:
         inner = mamba.expand * m.dim
         require(
@@ -314,16 +362,15 @@ def check_mamba(m: ModelConfig) -> None:
         )
 
 
-MAMBA_UNSUPPORTED = {
-    "tp": "the tensor-parallel plan shards attention and FFN projections, not the Mamba mixer",
-    "cp": "context parallelism splits attention over the sequence, not the recurrent scan",
-}
+# tp: channels and heads split by tessera/parallel/recurrent.py; cp: each rank scans its pieces from zero and the
+# summaries combine over the ranks (split_scan, parallel/context.py).
+MAMBA_UNSUPPORTED: dict[str, str] = {}
 # FLOPs: no score products (PaLM's term); the projections are in 6 * N. Memory: measured by the planner.
 MAMBA_TERMS = registry.Terms(flops=registry.zero, memory=registry.TRACED)
 
 
 def _forward(module: nn.Module, h: torch.Tensor, ctx: object, cache: MambaCache | None, start: int) -> torch.Tensor:
-    return module(h, cache, start, getattr(ctx, "document_ids", None))
+    return module(h, cache, start, getattr(ctx, "document_ids", None), getattr(ctx, "split", None))
 
 
 def _new_cache(module: nn.Module, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> MambaCache:
@@ -339,6 +386,9 @@ def _mamba_spec(name: str, version: int, mixer: type[nn.Module]) -> registry.Mix
         unsupported=MAMBA_UNSUPPORTED,
         checks=(check_mamba,),
         terms=MAMBA_TERMS,
+        # Empty: no projection is a DTensor shard (HF's fused in_proj is laid out by role, not by head); every
+        # parameter is sliced per rank by tessera/parallel/recurrent.py's MambaChannels.
+        tp_plan={},
         letters={"M": "Mamba"},
         selects=lambda m: (m.mamba.version == 2) == (version == 2),
         attr="mamba",

@@ -1,25 +1,29 @@
-"""Which keys each query may see: causal, sliding window, documents, Longformer and BigBird patterns.
+"""Which keys each query may see: causal, sliding window, documents, and the patterns kernels bring.
 
 One rule, :func:`allowed`, decides for any query and key positions (broadcast tensors), so the same
 code serves whole sequences, KV-cached decoding (queries are the last ``Tq`` of the keys), the
 blocks of the block-sparse kernels and context parallelism's global token indices. Masks are
 boolean, True where attention is allowed.
 
+A kernel that brings its own sparsity pattern (Longformer, BigBird: ``tessera/model/kernels/sparse.py``)
+declares it as its ``KernelSpec.pattern``, a :class:`Pattern`; this module reads it through the registry
+and names no kernel.
+
 :func:`attention_mask` is the dense (Tq, Tk) mask. :func:`block_layout` is the block-sparse plan of
-the windowed patterns (sliding window, Longformer, BigBird): queries in blocks, each attending only
+the windowed patterns (a sliding window or a kernel's pattern): queries in blocks, each attending only
 the key blocks its pattern can reach plus the global tokens, so memory and work grow as
 O(length x window) instead of O(length^2).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-# BigBird's random blocks come from this fixed seed, so every layer, step and process agrees.
-_BIGBIRD_SEED = 0
+from tessera import registry
+
 # Block edge of the sliding-window kernels: a query block reaches ceil((window - 1) / block) blocks back.
 _WINDOW_BLOCK = 128
 
@@ -37,51 +41,70 @@ class MaskSpec:
     max_len: int = 2048
 
     @property
+    def pattern(self) -> Pattern | None:
+        """The kernel's own sparsity pattern (its ``KernelSpec.pattern``), or None."""
+        return registry.get("attention_kernel", self.kernel).pattern
+
+    @property
     def windowed(self) -> bool:
         """Whether the pattern limits each query to nearby keys (plus global and random ones)."""
-        return self.kernel in ("longformer", "bigbird") or self.window > 0
+        return self.pattern is not None or self.window > 0
 
     @property
     def n_global(self) -> int:
-        """Positions that attend and are attended everywhere (Longformer, BigBird)."""
-        return self.global_tokens if self.kernel in ("longformer", "bigbird") else 0
+        """Positions that attend and are attended everywhere (a pattern's global tokens)."""
+        pattern = self.pattern
+        return pattern.n_global(self) if pattern is not None else 0
 
 
-@functools.lru_cache(maxsize=8)
-def _bigbird_order(n_blocks: int) -> torch.Tensor:
-    """(n_blocks, n_blocks) key blocks of each query block in random order (fixed per size)."""
-    gen = torch.Generator().manual_seed(_BIGBIRD_SEED)
-    return torch.rand(n_blocks, n_blocks, generator=gen).argsort(dim=-1)
+class Pattern(Protocol):
+    """A kernel's own sparsity pattern (``KernelSpec.pattern``), over the keys of a :class:`MaskSpec`."""
+
+    def allowed(self, spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Bool (broadcast): the keys at positions ``k`` queries at ``q`` see, before causality and documents."""
+        ...
+
+    def n_global(self, spec: MaskSpec) -> int:
+        """Positions that attend and are attended everywhere."""
+        ...
+
+    def block(self, spec: MaskSpec) -> int:
+        """The block edge of its block-sparse plan."""
+        ...
+
+    def key_slots(self, spec: MaskSpec, block: int, n_blocks: int, device: torch.device) -> torch.Tensor:
+        """(n_blocks, slots) key-block ids of each query block (may repeat or fall outside the sequence)."""
+        ...
 
 
-def _bigbird_random(n_blocks: int, random_blocks: int, device: torch.device) -> torch.Tensor:
-    """(n_blocks, n_blocks) bool: the random key blocks of each query block (fixed per size)."""
-    picked = torch.zeros(n_blocks, n_blocks, dtype=torch.bool)
-    picked.scatter_(1, _bigbird_order(n_blocks)[:, :random_blocks], True)
-    return picked.to(device)
-
-
-def _bigbird_blocks(spec: MaskSpec) -> int:
-    return -(-spec.max_len // spec.block_size)
-
-
-def _near(q: torch.Tensor, k: torch.Tensor, reach: int) -> torch.Tensor:
+def near(q: torch.Tensor, k: torch.Tensor, reach: int) -> torch.Tensor:
     """|q - k| < reach, by comparisons only (no pairwise integer difference is materialized)."""
     return (k > q - reach) & (k < q + reach)
 
 
+def window_block(spec: MaskSpec) -> int:
+    """The block edge of a sliding window's block-sparse plan."""
+    return min(spec.window, _WINDOW_BLOCK)
+
+
+def neighbour_slots(spec: MaskSpec, reach: int, n_blocks: int, device: torch.device) -> torch.Tensor:
+    """(n_blocks, slots) ids of the key blocks ``reach`` blocks back (and ahead, unless causal) of each query block."""
+    offsets = torch.arange(-reach, (0 if spec.causal else reach) + 1, device=device)
+    return torch.arange(n_blocks, device=device)[:, None] + offsets
+
+
+def window_slots(spec: MaskSpec, block: int, n_blocks: int, device: torch.device) -> torch.Tensor:
+    """The key blocks a sliding window of ``spec.window`` keys reaches from each query block."""
+    return neighbour_slots(spec, -(-(spec.window - 1) // block), n_blocks, device)
+
+
 def _pattern(spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """The kernel's own pattern before causality and documents (broadcast), or None for all keys."""
-    if spec.kernel in ("longformer", "bigbird"):
-        is_global = (q < spec.global_tokens) | (k < spec.global_tokens)
-        if spec.kernel == "longformer":
-            return _near(q, k, spec.window) | is_global
-        n_blocks = _bigbird_blocks(spec)
-        bq, bk = (q // spec.block_size).clamp(0, n_blocks - 1), (k // spec.block_size).clamp(0, n_blocks - 1)
-        rand = _bigbird_random(n_blocks, spec.random_blocks, q.device)[bq, bk]
-        return _near(bq, bk, 2) | is_global | rand
+    pattern = spec.pattern
+    if pattern is not None:
+        return pattern.allowed(spec, q, k)
     if spec.window > 0:
-        return _near(q, k, spec.window)
+        return near(q, k, spec.window)
     return None
 
 
@@ -187,16 +210,12 @@ class BlockLayout:
 
 
 def _key_slots(spec: MaskSpec, block: int, n_blocks: int, device: torch.device) -> torch.Tensor:
-    """(n_blocks, slots) key-block ids of each query block: the neighbours its pattern reaches and
-    BigBird's random blocks (ids may repeat or fall outside the sequence: see _unique_in_range)."""
-    reach = 1 if spec.kernel == "bigbird" else -(-(spec.window - 1) // block)
-    offsets = torch.arange(-reach, (0 if spec.causal else reach) + 1, device=device)
-    slots = torch.arange(n_blocks, device=device)[:, None] + offsets
-    if spec.kernel == "bigbird" and spec.random_blocks:
-        order = _bigbird_order(_bigbird_blocks(spec))[:, : spec.random_blocks].to(device)
-        rows = torch.arange(n_blocks, device=device).clamp(max=order.shape[0] - 1)
-        slots = torch.cat([slots, order[rows]], dim=1)
-    return slots
+    """(n_blocks, slots) key-block ids of each query block: the blocks its pattern (or window) reaches
+    (ids may repeat or fall outside the sequence: see _unique_in_range)."""
+    pattern = spec.pattern
+    if pattern is not None:
+        return pattern.key_slots(spec, block, n_blocks, device)
+    return window_slots(spec, block, n_blocks, device)
 
 
 def _unique_in_range(slots: torch.Tensor, n_blocks: int) -> torch.Tensor:
@@ -214,7 +233,7 @@ def block_layout(
     if not spec.windowed:
         return None
     n_global = min(spec.n_global, length)
-    block = spec.block_size if spec.kernel == "bigbird" else min(spec.window, _WINDOW_BLOCK)
+    block = spec.pattern.block(spec) if spec.pattern is not None else window_block(spec)
     n_blocks = -(-length // block)
     slots = _key_slots(spec, block, n_blocks, device)
     if slots.shape[1] * block + n_global >= length:

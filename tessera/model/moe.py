@@ -291,8 +291,10 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_experts + 1, dtype=torch.long, device=x.device)
         counts = counts.scatter_add(0, flat, torch.ones_like(flat))[: self.n_experts]
         token = order // self.top_k
-        y = self.experts(x[token], counts, padded=self.capacity_factor > 0)
-        w = (r.weights * r.keep).flatten()[order]
+        rows, w = x[token], (r.weights * r.keep).flatten()[order]
+        if self.cfg.scale_input:  # Llama 4: the expert sees its input times the routing weight (see moe_routing.py)
+            rows, w = rows * w[:, None].to(rows.dtype), r.keep.flatten()[order].to(w.dtype)
+        y = self.experts(rows, counts, padded=self.capacity_factor > 0)
         return torch.zeros_like(x).index_add(0, token, (y * w[:, None].to(y.dtype)).to(x.dtype))
 
     def forward(self, x: torch.Tensor, log: MoELog | None = None) -> torch.Tensor:
@@ -488,17 +490,14 @@ MOE = registry.register(
     )
 )
 
-CAPACITY = registry.register(
-    registry.Spec(
-        kind="option",
-        name="moe_capacity",
-        feature="MoE capacity limit (token dropping)",
-        keys=("model.moe.capacity_factor",),
-        uses=lambda m: m.moe.experts > 1 and m.moe.capacity_factor > 0,
-        unsupported={
-            "cp": "which tokens an expert drops depends on their order across the ranks' slices; use "
-            "model.moe.capacity_factor=0 (dropless)",
-        },
-        checks=(),
-    )
+CAPACITY = registry.option(
+    name="moe_capacity",
+    feature="MoE capacity limit (token dropping)",
+    keys=("model.moe.capacity_factor",),
+    uses=lambda m: m.moe.experts > 1 and m.moe.capacity_factor > 0,
+    unsupported={
+        "cp": "which tokens an expert drops depends on their order across the ranks' slices; use "
+        "model.moe.capacity_factor=0 (dropless)",
+    },
+    checks=(),
 )

@@ -142,18 +142,14 @@ def mtp_token_counts(labels: torch.Tensor, loss_mask: torch.Tensor | None, depth
     return [int(mtp_targets(labels, loss_mask, k)[1].sum()) for k in range(1, depth + 1)]
 
 
-SPEC = registry.register(
-    registry.Spec(
-        kind="option",
-        name="mtp",
-        feature="multi-token prediction",
-        keys=("model.mtp_depth",),
-        uses=lambda m: bool(m.mtp_depth),
-        unsupported={
-            "cp": "the MTP modules read the tokens ahead of each position, which context parallelism puts on other "
-            "ranks",
-            "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' (FSDP/DDP/TP/PP)",
-        },
-        checks=(),
-    )
+SPEC = registry.option(
+    name="mtp",
+    feature="multi-token prediction",
+    keys=("model.mtp_depth",),
+    uses=lambda m: bool(m.mtp_depth),
+    unsupported={
+        "cp": "the MTP modules read the tokens ahead of each position, which context parallelism puts on other ranks",
+        "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' (FSDP/DDP/TP/PP)",
+    },
+    checks=(),
 )

@@ -26,6 +26,7 @@ class RopeScaling:
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     attention_factor: float = 0.0  # yarn: cos/sin magnitude (0 = 0.1 * ln(factor) + 1)
+    truncate: bool = True  # yarn: the blend's dimension range rounded outward to integers (HF ``truncate``)
 
 
 def rope_scaling_of(pos: PositionConfig, max_len: int) -> RopeScaling:
@@ -38,6 +39,7 @@ def rope_scaling_of(pos: PositionConfig, max_len: int) -> RopeScaling:
         pos.rope_low_freq_factor,
         pos.rope_high_freq_factor,
         pos.rope_attention_factor,
+        pos.rope_yarn_truncate,
     )
 
 
@@ -59,8 +61,10 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: RopeScaling = RopeScaling
     def correction_dim(rotations: float) -> float:
         return rot_dim * math.log(scaling.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(32.0)), 0)
-    high = min(math.ceil(correction_dim(1.0)), rot_dim - 1)
+    low, high = correction_dim(32.0), correction_dim(1.0)
+    if scaling.truncate:  # HF's default; gpt-oss keeps the fractional range (truncate=false)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -182,7 +182,7 @@ def check_document_masks(job: JobConfig) -> None:
     linear attention kernels' prefix sums (elu+1, Performer) cannot stop at one yet."""
     kernel = job.model.attention.kernel
     require(
-        not (job.data.document_mask and kernel in ("linear", "performer")),
+        not (job.data.document_mask and not registry.get("attention_kernel", kernel).scores),
         f"data.document_mask cannot stop model.attention.kernel='{kernel}' at document boundaries; set "
         "data.document_mask=false or use the sdpa or eager kernel",
     )

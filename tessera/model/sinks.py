@@ -128,14 +128,11 @@ def check_sinks(m: Any) -> None:
     )
 
 
-SPEC = registry.register(
-    registry.Spec(
-        kind="option",
-        name="attention_sinks",
-        feature="attention sinks (gpt-oss)",
-        keys=("model.attention.sinks",),
-        uses=lambda m: m.attention.sinks,
-        unsupported={},
-        checks=(check_sinks,),
-    )
+SPEC = registry.option(
+    name="attention_sinks",
+    feature="attention sinks (gpt-oss)",
+    keys=("model.attention.sinks",),
+    uses=lambda m: m.attention.sinks,
+    unsupported={},
+    checks=(check_sinks,),
 )

@@ -5,7 +5,7 @@
 - ``model.attention.softcap``: every attention score ``s`` becomes ``cap * tanh(s / cap)`` before the
   mask (HF's ``attn_logit_softcapping``); only the eager kernel writes the scores out to cap them.
 - ``model.logit_softcap``: the head's logits capped the same way (``final_logit_softcapping``); the
-  fused head + loss never forms whole logits, so that combination is refused.
+  fused head + loss (tessera.train.loss) reads the head's ``cap`` and caps each chunk of logits.
 
 The embedding and the head are subclasses of ``nn.Embedding`` / ``nn.Linear`` with the same parameter
 names, so tensor parallelism, tied weights, checkpoints and HF mappings see the modules they expect.
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera import registry
 from tessera.config import ModelConfig
 from tessera.config.checks import require
+from tessera.registry import register_options
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -85,6 +85,14 @@ def check_logit_softcap(m: Any) -> None:
     require(not cap or m.arch == "decoder", f"model.logit_softcap is for decoders, not model.arch='{m.arch}'")
 
 
+def check_sublayer_norms(m: Any) -> None:
+    """Sandwich and reordered norms: decoder blocks (no cross-attention sublayer to norm)."""
+    require(
+        m.norm_position in ("pre", "post") or m.arch == "decoder",
+        f"model.norm_position='{m.norm_position}' is for decoders, not model.arch='{m.arch}'",
+    )
+
+
 def check_embed_scale(m: Any) -> None:
     """Scaled embeddings: a decoder's token embedding."""
     require(not m.embed_scale or m.arch == "decoder", f"model.embed_scale is for decoders, not model.arch='{m.arch}'")
@@ -92,33 +100,22 @@ def check_embed_scale(m: Any) -> None:
 
 _CP_SOFTCAP = "the ring-attention core of context parallelism merges uncapped sdpa blocks; run softcap without cp"
 
-for _spec in (
-    registry.Spec(
-        kind="option",
-        name="attention_softcap",
-        feature="attention-logit soft-capping (Gemma 2)",
-        keys=("model.attention.softcap", "model.attention.kernel"),
-        uses=lambda m: m.attention.softcap != 0,
-        unsupported={"cp": _CP_SOFTCAP},
-        checks=(check_attention_softcap,),
-    ),
-    registry.Spec(
-        kind="option",
-        name="logit_softcap",
-        feature="final-logit soft-capping (Gemma 2)",
-        keys=("model.logit_softcap",),
-        uses=lambda m: m.logit_softcap != 0,
-        unsupported={},
-        checks=(check_logit_softcap,),
-    ),
-    registry.Spec(
-        kind="option",
-        name="embed_scale",
-        feature="embeddings scaled by sqrt(dim) (Gemma)",
-        keys=("model.embed_scale",),
-        uses=lambda m: m.embed_scale,
-        unsupported={},
-        checks=(check_embed_scale,),
-    ),
-):
-    registry.register(_spec)
+
+def _sublayer_norms_used(m: Any) -> bool:
+    return m.norm_position in ("sandwich", "reordered")
+
+
+register_options(
+    {
+        "attention_softcap": ("attention soft-capping (Gemma 2)", "model.attention.softcap", check_attention_softcap),
+        "logit_softcap": ("final-logit soft-capping (Gemma 2)", "model.logit_softcap", check_logit_softcap),
+        "embed_scale": ("embeddings scaled by sqrt(dim) (Gemma)", "model.embed_scale", check_embed_scale),
+        "sublayer_norms": (
+            "sandwich / reordered sublayer norms",
+            "model.norm_position",
+            check_sublayer_norms,
+            _sublayer_norms_used,
+        ),
+    },
+    unsupported={"attention_softcap": {"cp": _CP_SOFTCAP}},
+)

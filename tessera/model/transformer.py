@@ -131,11 +131,11 @@ class Stack(nn.Module):
             ctx.bias = self.rel_bias(q_pos, k_pos)
         return ctx
 
-    def _runs_eager(self) -> bool:
-        """Whether any attention layer of this stack runs the eager kernel now (configured, or set by an
-        inspection tool for this forward)."""
-        kernels = (getattr(getattr(layer, "attention", None), "kernel", None) for layer in self.layers.values())
-        return self.cfg.attention.kernel == "eager" or "eager" in kernels
+    def _needs_dense_mask(self) -> bool:
+        """Whether any attention layer of this stack runs a kernel that reads the whole mask now (configured,
+        or set by an inspection tool for this forward: ``KernelSpec.dense_mask``)."""
+        kernels = {getattr(getattr(layer, "attention", None), "kernel", None) for layer in self.layers.values()}
+        return any(kernel_spec(k).dense_mask for k in ({self.cfg.attention.kernel} | kernels) - {None})
 
     def _masking(
         self,
@@ -161,7 +161,7 @@ class Stack(nn.Module):
         kv_len = start + length - kv_start
         # The block-sparse kernel serves plain attention without a dense score bias (eager keeps dense
         # weights for inspection tools, which switch layers to eager; latent attention reads the mask itself).
-        sparse_ok = not self._runs_eager() and self.rel_bias is None and not self.cfg.mla.kv_rank
+        sparse_ok = not self._needs_dense_mask() and self.rel_bias is None and not self.cfg.mla.kv_rank
         if sparse_ok and start == 0 and kv_start == 0:
             blocks = block_layout(spec, length, device, document_ids)
             if blocks is not None:
@@ -315,21 +315,34 @@ def _init_module(name: str, module: nn.Module, cfg: ModelConfig) -> None:
         module.reset_parameters()
 
 
-class Decoder(Stack):
+class TiedOutput:
+    """What the three architectures share at the top: the output head tied to the token embedding
+    (``model.tie_embeddings``) and :meth:`init_weights`."""
+
+    cfg: ModelConfig
+    tok_embeddings: nn.Embedding
+    output: nn.Linear
+
+    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
+        """See :func:`init_weights`."""
+        init_weights(self, self.cfg, seed_of)
+
+    def _tie_and_init(self) -> None:
+        """Share the token embedding's weight with the output head when the config ties them, then initialize."""
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+
+class Decoder(TiedOutput, Stack):
     """Causal LM: token embedding, ``n_layers`` causal blocks, final norm, output head (optionally tied)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, cfg.n_layers, causal=True)
         self.tok_embeddings = token_embedding(cfg)  # scaled by sqrt(dim) under model.embed_scale (Gemma)
         self.output = output_head(cfg)  # soft-capped logits under model.logit_softcap (Gemma 2)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
         self.mtp = build_mtp(cfg)  # multi-token prediction modules (model.mtp_depth), or None
-        self.init_weights()
-
-    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
-        """See :func:`init_weights`."""
-        init_weights(self, self.cfg, seed_of)
+        self._tie_and_init()
 
     def forward(
         self,
@@ -380,7 +393,7 @@ class MLMHead(nn.Module):
         return self.norm(self.act(self.dense(h)))
 
 
-class Encoder(Stack):
+class Encoder(TiedOutput, Stack):
     """Bidirectional encoder with a masked-LM head (BERT); tied output with a vocab bias."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -389,13 +402,7 @@ class Encoder(Stack):
         self.type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.dim) if cfg.type_vocab_size else None
         self.head = MLMHead(cfg)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=True)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.init_weights()
-
-    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
-        """See :func:`init_weights`."""
-        init_weights(self, self.cfg, seed_of)
+        self._tie_and_init()
 
     def embed(self, tokens: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token (+ token-type) embeddings (B, T, dim)."""
@@ -433,7 +440,7 @@ class Encoder(Stack):
         return apply_output(self.head(h), self.output, output_fn) if self.output is not None else h
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(TiedOutput, nn.Module):
     """Seq2seq (T5): shared token embedding, encoder stack, decoder stack with cross-attention, head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -443,13 +450,7 @@ class EncoderDecoder(nn.Module):
         self.encoder = Stack(cfg, cfg.n_layers, causal=False)
         self.decoder = Stack(cfg, cfg.n_decoder_layers or cfg.n_layers, causal=True, cross=True)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.init_weights()
-
-    def init_weights(self, seed_of: ModuleSeed | None = None) -> None:
-        """See :func:`init_weights`."""
-        init_weights(self, self.cfg, seed_of)
+        self._tie_and_init()
 
     def encode(self, input_ids: torch.Tensor, moe_log: MoELog | None = None) -> torch.Tensor:
         """Encoder output (B, S, dim), the decoder's cross-attention memory."""
@@ -528,8 +529,7 @@ def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
 
 
 def _option(name: str, feature: str, key: str, uses: Callable[[ModelConfig], bool], unsupported: dict) -> None:
-    spec = registry.Spec(kind="option", name=name, feature=feature, keys=(key,), uses=uses, unsupported=unsupported)
-    registry.register(dataclasses.replace(spec, checks=()))
+    registry.option(name=name, feature=feature, keys=(key,), uses=uses, unsupported=unsupported, checks=())
 
 
 _option("tied_embeddings", "tied embeddings", "model.tie_embeddings", lambda m: m.tie_embeddings, {})

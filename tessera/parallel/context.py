@@ -40,7 +40,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tessera.model.attention import Attention, AttnContext
+from tessera.model.attention import Attention, AttnContext, kernel_spec
 from tessera.model.masks import MaskSpec, allowed
 from tessera.model.moe import MoE, TokenGroup
 from tessera.model.sinks import ring_sink_grad, ring_start
@@ -91,7 +91,10 @@ class ContextParallel:
     def attention(
         self, spec: MaskSpec, length: int, document_ids: torch.Tensor | None, device: torch.device
     ) -> AttendFn:
-        """The attention core shared by one forward's layers (documents all-gathered here, once)."""
+        """The attention core shared by one forward's layers (documents all-gathered here, once). A kernel without
+        scores (linear, performer) runs its own split form on the local keys (the layer's context holds the split)."""
+        if not kernel_spec(spec.kernel).scores:
+            return lambda attn, q, k, v, layer: attn.attend(q, k, v, dataclasses.replace(layer, attend=None))
         q_idx = self.index(length, device)
         kv_idx = [zigzag_index(length * self.size, self.size, r, device) for r in range(self.size)]
         kv_doc = self._gather_documents(document_ids)
@@ -112,7 +115,7 @@ class ContextParallel:
         mask = allowed(spec, q_idx[:, None], keys[None, :], *docs).view(-1, 1, length, keys.numel())
         # sdpa would turn a bool mask into a float copy per layer: share one (a score bias needs the bool one)
         additive = mask
-        if spec.kernel != "eager":
+        if not kernel_spec(spec.kernel).dense_mask:
             additive = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
         plain, biased = AttnContext(mask=additive), AttnContext(mask=mask)
 
@@ -122,7 +125,7 @@ class ContextParallel:
 
         return attend
 
-    # Recurrent mixers (tessera.model.gated_deltanet.RecurrentSplit): this rank holds sequence chunks ``rank`` and
+    # Recurrent mixers (tessera.model.recurrent.RecurrentSplit): this rank holds sequence chunks ``rank`` and
     # ``2 cp - 1 - rank``; a scan visits the 2 cp chunks in order, so the pieces' halos and entering states come
     # from the ranks holding the chunks before them (all-gathered, differentiable: gradients reach those ranks).
 
@@ -147,15 +150,24 @@ class ContextParallel:
         mine = (self.rank, 2 * self.size - 1 - self.rank)
         return torch.stack([ordered[c - 1] if c else torch.zeros_like(ordered[0]) for c in mine], dim=2)
 
-    def entering_states(self, transitions: torch.Tensor, contributions: torch.Tensor) -> torch.Tensor:
-        """The state entering each local piece: the chunks' summaries combined in order from a zero state."""
-        dv = contributions.shape[-1]
-        ordered = self._in_order(torch.cat([contributions, transitions], dim=-1))
-        state, entering = torch.zeros_like(ordered[0][..., :dv]), []
-        for summary in ordered:
+    def entering_states(
+        self, transitions: torch.Tensor, contributions: torch.Tensor, elementwise: bool = False
+    ) -> torch.Tensor:
+        """The state entering each local piece: the chunks' summaries combined in order from a zero state
+        (S <- A @ S + H, or A * S + H with ``elementwise``; one all-gather of both, flattened)."""
+        a_shape, h_shape = transitions.shape[1:], contributions.shape[1:]
+        flat = torch.cat([contributions.flatten(1), transitions.to(contributions.dtype).flatten(1)], dim=1)
+        ordered = [s.split([h_shape.numel(), a_shape.numel()]) for s in self._in_order(flat)]
+        state, entering = contributions.new_zeros(h_shape), []
+        for h, a in ordered:
             entering.append(state)
-            state = summary[..., dv:] @ state + summary[..., :dv]
+            a, h = a.view(a_shape), h.view(h_shape)
+            state = (a * state if elementwise else a @ state) + h
         return torch.stack([entering[self.rank], entering[2 * self.size - 1 - self.rank]])
+
+    def maximum(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``x`` over the cp ranks (detached)."""
+        return funcol.wait_tensor(funcol.all_reduce(x.detach().contiguous(), "max", self.group))
 
     def _gather_documents(self, document_ids: torch.Tensor | None) -> list[torch.Tensor] | None:
         if document_ids is None:

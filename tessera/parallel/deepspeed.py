@@ -24,7 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ConfigError, JobConfig
+from tessera.errors import read_json_object
 from tessera.parallel.env import export_single_process_env
+from tessera.parallel.rules import DS_JSON_FIX
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -119,18 +121,7 @@ def deepspeed_config(config: JobConfig, dp: int, device_type: str = "cpu") -> di
 
 def read_user_json(path: str | Path) -> dict[str, Any]:
     """The JSON object of a ds.json, or one ConfigError naming ``parallel.deepspeed.config`` and the problem."""
-    where = f"parallel.deepspeed.config='{path}'"
-    try:
-        data = json.loads(Path(path).read_bytes().decode("utf-8"))
-    except OSError as err:
-        raise ConfigError(f"{where} cannot be read ({err.strerror}); give the path of a ds.json") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{where} is not UTF-8 text (byte {err.start}); give a JSON file") from None
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{where} is not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, ConfigError, f"parallel.deepspeed.config='{path}'", DS_JSON_FIX)
 
 
 class _ReadKeys(dict):

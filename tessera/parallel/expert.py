@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tessera.model.gpt_oss_experts import BANKS, BiasedExperts, biased_expert_ffn
 from tessera.model.moe import Experts, MoE, expert_ffn
 from tessera.parallel.context import mesh_token_group
 
@@ -48,14 +49,17 @@ class ExpertParallelExperts(Experts):
 
     def __init__(self, experts: Experts, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
         nn.Module.__init__(self)
-        self.act, self.gated = experts.act, experts.gated
+        self.act, self.gated = getattr(experts, "act", None), experts.gated
+        # gpt-oss's biased experts: their biases are sharded like the weights and run the biased loop
+        self.limit = experts.limit if isinstance(experts, BiasedExperts) else None
+        names = BANKS if self.limit is not None else _WEIGHTS
         self.ep_mesh, self.tp_mesh = ep_mesh, tp_mesh
         n_experts, ep = experts.up_proj.shape[0], ep_mesh.size()
         if n_experts % ep:
             raise ValueError(f"{n_experts} experts cannot be split over ep={ep} ranks")
         self.n_experts, self.n_local = n_experts, n_experts // ep
         first = ep_mesh.get_local_rank() * self.n_local
-        for name in _WEIGHTS:
+        for name in names:
             full = getattr(experts, name)
             if full is None:
                 self.register_parameter(name, None)
@@ -109,7 +113,11 @@ class ExpertParallelExperts(Experts):
         perm = expert_of_row.argsort(stable=True)
         per_expert = [sum(received[r * n_local + e] for r in range(ep)) for e in range(n_local)]
         local_counts = received_counts.view(ep, n_local).sum(0)
-        y = expert_ffn(routed[perm], local_counts, *self._local_weights(), self.act, per_expert, padded=False)
+        if self.limit is not None:
+            banks = [getattr(self, name).to_local() for name in BANKS]
+            y = biased_expert_ffn(routed[perm], per_expert, banks, self.limit)
+        else:
+            y = expert_ffn(routed[perm], local_counts, *self._local_weights(), self.act, per_expert, padded=False)
         y = y[perm.argsort()]
         back = funcol.wait_tensor(funcol.all_to_all_single_autograd(y, in_splits, out_splits, group))
         return F.pad(back, (0, 0, 0, rows.shape[0] - back.shape[0]))

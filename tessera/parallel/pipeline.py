@@ -100,7 +100,7 @@ class _AttachAux(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(aux)
         ctx.scale = scale
-        return h.view_as(h)
+        return h.clone()  # not a view: the zero-bubble schedules' split backward detaches stage outputs in place
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -121,7 +121,9 @@ class StageTail:
     def pack(self) -> tuple[torch.Tensor, ...]:
         """The tensors sent after the hidden states, in the order :meth:`unpack` reads them."""
         embedded = () if self.embedded is None else (self.embedded.view_as(self.embedded),)
-        return self.documents + (() if self.targets is None else (self.targets,)) + embedded
+        metadata = self.documents + (() if self.targets is None else (self.targets,))
+        # The schedule's micro-batch chunks are views, which a split backward's in-place detach_ refuses.
+        return tuple(t.clone() if t._is_view() else t for t in metadata) + embedded
 
     @classmethod
     def unpack(cls, tail: tuple[torch.Tensor, ...], targets: bool, embedded: bool) -> StageTail:

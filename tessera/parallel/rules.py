@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tessera.config import JobConfig, OptimConfig, ParallelConfig, TrainConfig
 from tessera.config.checks import require
-from tessera.errors import ConfigError
+from tessera.errors import ConfigError, read_json_object
 from tessera.model.ffn import ffn_hidden_size
+
+
+DS_JSON_FIX = "; give the path of a ds.json that holds one JSON object"  # ends each parallel.deepspeed.config error
 
 
 def check_engine(p: ParallelConfig, t: TrainConfig) -> None:
@@ -39,13 +41,7 @@ def check_engine(p: ParallelConfig, t: TrainConfig) -> None:
     if p.deepspeed.config:
         path = Path(p.deepspeed.config)
         require(path.is_file(), f"parallel.deepspeed.config='{path}' does not exist; give the path of a ds.json")
-        try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"parallel.deepspeed.config='{path}' is not UTF-8 text (byte {err.start})") from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"parallel.deepspeed.config='{path}' is not valid JSON ({err})") from None
-        require(isinstance(data, dict), f"parallel.deepspeed.config='{path}' must hold a JSON object")
+        read_json_object(path, ConfigError, f"parallel.deepspeed.config='{path}'", DS_JSON_FIX)
 
 
 def check_engine_optimizer(p: ParallelConfig, o: OptimConfig) -> None:

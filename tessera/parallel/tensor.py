@@ -36,7 +36,7 @@ from tessera.parallel.head_params import HeadSharded
 from tessera.model.mla import LatentAttention
 from tessera.parallel.tensor_attention import all_heads_norm_plan, latent_attention_plan
 from tessera.model.gated_deltanet import DeltaRuleMixer
-from tessera.parallel.recurrent import DeltaRuleHeads
+from tessera.parallel.recurrent import DeltaRuleHeads, MambaChannels
 
 
 class ReplicateInput(ParallelStyle):
@@ -169,6 +169,7 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         plan.update(_attention_plan("cross_attention", sp, block.cross_attention))
     if sp:
         norms = [f"{mixer.attr}_norm", "ffn_norm"] + (["cross_attention_norm"] if block.cross_attention else [])
+        norms += [f"{mixer.attr}_post_norm", "ffn_post_norm"]  # sandwich norms (absent ones are skipped)
         plan.update({name: SequenceParallel() for name in norms})
     if block.moe is not None:
         if sp:
@@ -269,12 +270,14 @@ def _stack_plan(stack: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """A delta-rule mixer's per-channel parameters (sliced per rank): gradients summed over the tp ranks.
-    (Per-head QK-norm gains are Replicate DTensors through :func:`_qk_norm_plan`; DTensor sums theirs.)"""
-    mixer = getattr(block, block.mixer_spec.attr)
+def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
+    """The recurrent mixers' parameters sliced per rank (tessera/parallel/recurrent.py): gradients summed over the
+    tp ranks. (Per-head QK-norm gains are Replicate DTensors through :func:`_qk_norm_plan`; DTensor sums theirs.)"""
+    mixer = getattr(block, block.mixer_spec.attr, None)
     if isinstance(mixer, DeltaRuleMixer):
         parallelize_module(mixer, tp_mesh, DeltaRuleHeads())
+    if getattr(block, "mamba", None) is not None:
+        parallelize_module(block.mamba, tp_mesh, MambaChannels(sp))
 
 
 def _present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
@@ -302,8 +305,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         blocks = list(stack.layers.values())
         for block in blocks:
             # Attention derives its local head count from the sharded projections' widths.
-            parallelize_module(block, tp_mesh, _block_plan(block, sp))
-            _replicated_partial_grads(block, tp_mesh)
+            parallelize_module(block, tp_mesh, _present(block, _block_plan(block, sp)))
+            _replicated_partial_grads(block, tp_mesh, sp)
         if sp and replicated_embedding and blocks:
             parallelize_module(blocks[0], tp_mesh, ShardSequence())
     for module in (getattr(model, "mtp", None) or {}).values():  # multi-token prediction (on the last stage)

@@ -12,6 +12,13 @@ head but leaves ``kv_a_proj_with_mqa`` outside any column-parallel projection, s
 gradient for it covers only its heads: :func:`shared_across_ranks` sums it over the tp ranks in
 backward (Megatron's "copy to tensor-parallel region", written with DTensor).
 
+**DeepSeek Sparse Attention** is latent attention plus a lightning indexer, which stays replicated: it reads
+the detached block input (all-gathered under sequence parallelism) and the whole latent query, so every
+rank computes the same scores and the same top-k, global over the sequence. The indexer's KL target (the
+main attention's weights summed over heads) is summed over the tp ranks' heads, so every rank's indexer
+takes the same gradient; the sparse core reads its own heads' rows of ``kv_b_proj`` and the whole latent
+(whose gradient, from each rank's heads, is summed over the ranks: :class:`SparseHeads`).
+
 **QK-norm over all heads.** The RMSNorm spans the whole q (k) projection, whose channels
 tensor parallelism splits: its weight is sharded like the projection's output (``Shard(0)``) and the
 norm runs on the ``Shard(-1)`` DTensor of the local channels, so DTensor all-reduces the mean of the
@@ -23,10 +30,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from tessera.model.dsa import HeadGroup
 
 
 def shared_across_ranks(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -70,6 +80,31 @@ class LowRankProjection(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=shard_input, output_fn=gather_output)
 
 
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class SparseHeads(ParallelStyle):
+    """DSA's :class:`~tessera.model.dsa.HeadGroup` over the tp ranks (see the module docstring): the block
+    input whole, the indexer's KL target summed over every rank's heads, ``kv_b_proj`` as this rank's rows."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+
+        def sum_heads(t: torch.Tensor) -> torch.Tensor:  # detached: a plain all-reduce, no autograd
+            return funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
+
+        def shared(t: torch.Tensor) -> torch.Tensor:
+            return shared_across_ranks(t, device_mesh)
+
+        module.heads = HeadGroup(whole_input=_whole, sum_heads=sum_heads, local=_local, shared=shared)
+        return module
+
+
 def latent_attention_plan(prefix: str, attention: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     """The plan of one :class:`~tessera.model.mla.LatentAttention` (see the module docstring)."""
     stream = Shard(1) if sp else Replicate()
@@ -84,6 +119,8 @@ def latent_attention_plan(prefix: str, attention: nn.Module, sp: bool) -> dict[s
         plan[f"{prefix}.q_b_proj"] = ColwiseParallel()
         if sp:
             plan[f"{prefix}.q_a_proj"] = LowRankProjection(sp)
+    if getattr(attention, "indexer", None) is not None:
+        plan[prefix] = SparseHeads()
     return plan
 
 

@@ -46,7 +46,7 @@ class Precision:
     optim: int  # optimizer state per parameter (AdamW: two fp32 moments)
     compute: int  # matmul inputs/outputs and gathered parameters
     stream: int  # the residual stream between blocks
-    autocast: bool  # per-op casts (each projection keeps its own cast copy of its input)
+    autocast: bool  # per-op casts (q/k/v, and gate/up, share one cast copy of their input)
     reduce: int  # gradient reduction dtype (FSDP reduce_dtype)
 
 
@@ -138,7 +138,7 @@ def tessera_block(shape: ModelShape, block: BlockParams, prec: Precision) -> Blo
     if cfg.attention.qk_norm:
         attention += (4 + c) * (q + kv)
     ffn_gathered, ffn_sharded, op_ffn_gathered, op_ffn_sharded = _ffn_part(shape, block, prec)
-    gathered = (3 if prec.autocast else 1) * c * h + ffn_gathered  # q/k/v input: a cast copy per projection
+    gathered = c * h + ffn_gathered  # q/k/v input: one cast copy for the three (tessera.dtypes.autocast_input)
     full = BlockActivation(residual, gathered, attention + ffn_sharded, scores)
     # op-level checkpointing keeps the block input, q/k/v and o_proj outputs, the kernel outputs, FFN matmul
     # outputs (o_proj's and down_proj's whole-size, before the TP reduction)
@@ -159,7 +159,7 @@ def _traced_block(shape: ModelShape, block: BlockParams, prec: Precision) -> Blo
     return BlockMemory(full, BlockActivation(prec.stream * h, 0.0, 0.0), op)
 
 
-_TRACED: dict[tuple[str, int, Precision], float] = {}
+_TRACED: dict[tuple[str, str, Precision], float] = {}
 
 
 def traced_mixer_bytes(shape: ModelShape, layer: int, prec: Precision) -> float:
@@ -167,11 +167,15 @@ def traced_mixer_bytes(shape: ModelShape, layer: int, prec: Precision) -> float:
 
     Their kernels (chunked scans, low-rank projections) keep tensors no short formula follows, so
     the real module runs once on fake tensors (shapes only, no storage) and the storages autograd
-    saves are added up, at two chunks (Mamba) or 256 tokens; cached per model and precision.
+    saves are added up, at two chunks (Mamba) or 256 tokens; cached per model, mixer and precision (every layer of
+    one mixer keeps the same bytes: a 28-block hybrid traces twice, not 28 times).
     """
     import json
 
-    key = (json.dumps(dataclasses.asdict(shape.cfg), sort_keys=True, default=str), layer, prec)
+    from tessera.model.mixers import mixer_for
+
+    mixer = mixer_for(shape.cfg, layer).name
+    key = (json.dumps(dataclasses.asdict(shape.cfg), sort_keys=True, default=str), mixer, prec)
     if key not in _TRACED:
         _TRACED[key] = _trace(shape, layer, prec)
     return _TRACED[key]
@@ -187,7 +191,8 @@ def _trace(shape: ModelShape, layer: int, prec: Precision) -> float:
     from tessera.plan.shapes import one_period
 
     cfg = shape.cfg
-    tokens = min(cfg.max_seq_len, 2 * cfg.mamba.chunk if cfg.layer_pattern and "M" in cfg.layer_pattern else 256)
+    mamba = cfg.layer_pattern and set(cfg.layer_pattern) & {"M", "m"}
+    tokens = min(cfg.max_seq_len, 2 * cfg.mamba.chunk if mamba else 256)
     dtype = torch.bfloat16 if prec.compute == 2 and not prec.autocast else torch.float32
     with torch.device("meta"):
         model = build_model(one_period(cfg)).to(dtype)

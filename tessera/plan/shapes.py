@@ -20,6 +20,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from tessera import registry
 from tessera.config import ModelConfig
 from tessera.layout import cost_balanced_counts
 from tessera.model import build_model
@@ -98,11 +99,10 @@ class ModelShape:
 
     def block_flops(self, seq_len: int) -> list[float]:
         """Each block's share of :meth:`flops_per_token`: 6 per active matrix parameter (top-k of the routed
-        experts), plus 12 H Q T for an attention layer's score products."""
-        attention = 12.0 * self.n_heads * self.head_dim * seq_len
+        experts), plus its mixer's registered term (an attention layer's: its kernel's score products)."""
         return [
             6.0 * (b.tp + b.replicated + (b.experts * self.top_k // self.experts if self.experts else 0))
-            + (attention if b.mixer != "mamba" else 0.0)
+            + registry.get("mixer", b.mixer).terms.flops(self.cfg, seq_len)
             for b in self.blocks
         ]
 

@@ -10,12 +10,17 @@ A comma-separated list of ``KIND@WHERE`` items; nothing is injected when the var
   start of every forward, as a slower device would (tests of straggler detection).
 - ``hang@RANK:STEP``: global rank RANK stops at the start of step STEP and sleeps for an hour
   (tests of the hang report: its peers wait in the step's first collective).
+- ``die@RANK:STEP``: global rank RANK SIGKILLs itself in its first forward of a step >= STEP (inside
+  the step: under torchft its peers' gradient allreduce of that step then fails).
+- ``pace@SECONDS``: every rank sleeps SECONDS at the start of every step (idle, no CPU), so a tiny
+  run lasts long enough for the fault-tolerance tests to kill and restart a replica group in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +37,9 @@ class Faults:
     corrupt_steps: set[int] = field(default_factory=set)
     slow_forward: dict[int, float] = field(default_factory=dict)  # rank -> seconds per forward
     hang: dict[int, int] = field(default_factory=dict)  # rank -> step
+    pace: float = 0.0  # seconds slept at the start of every step
+    die: dict[int, int] = field(default_factory=dict)  # rank -> step
+    step: int = 0  # the step being trained (set at its start)
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -41,14 +49,16 @@ class Faults:
             kind, _, where = item.partition("@")
             if kind == "corrupt_batch":
                 faults.corrupt_steps.add(int(where))
-            elif kind in ("slow_forward", "hang"):
+            elif kind == "pace":
+                faults.pace = float(where)
+            elif kind in ("slow_forward", "hang", "die"):
                 rank, _, value = where.partition(":")
-                if kind == "hang":
-                    faults.hang[int(rank)] = int(value)
+                if kind in ("hang", "die"):
+                    getattr(faults, kind)[int(rank)] = int(value)
                 else:
                     faults.slow_forward[int(rank)] = float(value)
             else:
-                raise ValueError(f"${ENV}: unknown fault {kind!r} (corrupt_batch, slow_forward, hang)")
+                raise ValueError(f"${ENV}: unknown fault {kind!r} (corrupt_batch, slow_forward, hang, pace, die)")
         return faults
 
     def corrupt(self, step: int, batch: Any, vocab_size: int) -> Any:
@@ -65,9 +75,18 @@ class Faults:
         if rank in self.slow_forward:
             seconds = self.slow_forward[rank]
             model.register_forward_pre_hook(lambda *_: _spin(seconds))
+        if rank in self.die:
+            model.register_forward_pre_hook(lambda *_: self._maybe_die(self.die[rank]))
+
+    def _maybe_die(self, step: int) -> None:
+        if self.step >= step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def maybe_hang(self, rank: int, step: int) -> None:
-        """Stop this rank for an hour at ``step`` when listed (its peers then wait in a collective)."""
+        """Stop this rank for an hour at ``step`` when listed (its peers then wait in a collective); ``pace``."""
+        self.step = step
+        if self.pace:
+            time.sleep(self.pace)
         if self.hang.get(rank) == step:
             time.sleep(3600)
 

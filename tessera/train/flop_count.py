@@ -11,7 +11,7 @@ Two counts of every term:
 - ``executed``: what the kernels tessera runs compute, the count ``torch.utils.flop_counter``
   reports: a dense or masked sdpa scores every (query, key) pair (the CPU kernel and the math path
   skip nothing), the block-sparse windowed kernels only their blocks, a chunked delta rule its padded
-  chunks;
+  chunks, the convolution its (left-padded) output;
 - ``model``: the useful work, for MFU: causal attention over the keys each query may see
   (T (T + 1) / 2 pairs, a sliding window ``min(i + 1, w)``, Longformer/BigBird their pattern); the
   causal convolutions are padded on the left only, so both counts are one output per position.
@@ -110,7 +110,7 @@ def _allowed_pairs(spec: MaskSpec, length: int, rows: int = 1024) -> float:
     attention, else counted by blocks of query rows."""
     if not spec.windowed:
         return length * (length + 1) / 2 if spec.causal else float(length * length)
-    if spec.kernel not in ("longformer", "bigbird") and spec.causal:  # a causal sliding window of w keys
+    if spec.pattern is None and spec.causal:  # a causal sliding window of w keys
         w = min(spec.window, length)
         return w * (w + 1) / 2 + (length - w) * w
     keys = torch.arange(length)[None]
@@ -161,8 +161,9 @@ def _attention(count: FlopCount, module: nn.Module, masking: tuple | None, q_len
 
 def _mamba(count: FlopCount, mixer: nn.Module, length: int) -> float:
     """A Mamba layer's convolution and scan contractions; returns the convolution's executed FLOPs."""
-    conv_executed = 2.0 * mixer.conv1d.weight.numel() * length  # padded on the left only: one output a position
-    count.add("mamba_conv", conv_executed)
+    conv = mixer.conv1d
+    conv_executed = 2.0 * conv.weight.numel() * length  # causal: padded on the left only, one output per position
+    count.add("mamba_conv", conv_executed, conv_executed)
     if isinstance(mixer, MambaMixer):  # y_t = h_t . c_t over (inner, state)
         count.add("mamba_scan", 2.0 * length * mixer.inner * mixer.state)
     elif isinstance(mixer, Mamba2Mixer):  # SSD: per chunk a masked (L x L) product and the state passing

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tessera.train.lock import read_json
+
 FILE = "goodput.json"
 LOST = ("startup", "restart", "recomputed", "checkpoint", "eval", "rollback")
 
@@ -43,11 +45,8 @@ class Goodput:
 
     def begin(self, resumed_step: int, records: list[dict[str, Any]]) -> None:
         """Before the loop: ``records`` are the run's metrics.jsonl records as the previous session left them."""
-        if self.path.is_file() and records:
-            try:
-                self.earlier = json.loads(self.path.read_text(encoding="utf-8"))
-            except ValueError:
-                self.earlier = {}
+        if records:
+            self.earlier = read_json(self.path)
         trained = [r["step"] for r in records if "loss" in r]
         if trained and resumed_step < max(trained):
             self.redo_until = max(trained)
@@ -100,12 +99,8 @@ class Goodput:
 
 def status_line(run_dir: str | Path) -> list[str]:
     """``tessera status``'s goodput line from ``RUN/goodput.json`` (none when absent)."""
-    path = Path(run_dir) / FILE
-    if not path.is_file():
-        return []
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
+    data = read_json(Path(run_dir) / FILE)
+    if not data:
         return []
     s = data["seconds"]
     lost = ", ".join(f"{k} {s[k]:.1f} s" for k in LOST if s.get(k))

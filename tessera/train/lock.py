@@ -130,7 +130,8 @@ def _unusable_run_dir(run_dir: Path, err: OSError) -> str:
     return f"train.run_dir '{run_dir}' is not writable ({err.strerror}); choose a writable train.run_dir"
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A run directory's small JSON file, or {} when it is absent, being rewritten or not ours."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -160,7 +161,7 @@ def run_holder(run_dir: str | Path, trust_heartbeat: bool = True) -> Holder | No
     path = Path(run_dir) / LOCK_NAME
     if not path.is_file():
         return None
-    locked, info = _locked_here(path), _read_json(path)
+    locked, info = _locked_here(path), read_json(path)
     holder = Holder(
         int(info.get("pid", 0)),
         str(info.get("host", "?")),

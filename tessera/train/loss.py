@@ -132,12 +132,21 @@ def _logits_grad_(
     return e.mul_(weights[:, None])
 
 
+def _softcap_(z: torch.Tensor, cap: float) -> torch.Tensor:
+    """In place: ``z`` -> cap * tanh(z / cap) (a soft-capped head, Gemma 2); returns d capped / d z = 1 - tanh^2."""
+    t = z.div_(cap).tanh_()
+    slope = 1.0 - t * t
+    t.mul_(cap)
+    return slope
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W.T + b, y_i) over a whole or vocab-sharded head, chunk by chunk (see the module doc)."""
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, labels, weights, smoothing: float, chunk: int, dtype, shard: _Shard, twice: bool
+        ctx, hidden, weight, bias, labels, weights, smoothing: float, chunk: int, dtype, shard: _Shard, twice: bool,
+        cap: float = 0.0,
     ):
         needs_grad = any(ctx.needs_input_grad[:3])
         ctx.twice, ctx.results = twice, None
@@ -150,16 +159,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + chunk].to(dtype)
             wt = weights[start : start + chunk]
             z = (h @ w.t() if b is None else torch.addmm(b, h, w.t())).float()
+            slope = _softcap_(z, cap) if cap else None
             ce, total, target, hit = _chunk_loss_(z, labels[start : start + chunk], shard, smoothing)
             loss += (wt * ce).sum()
             if needs_grad:
-                g = _logits_grad_(z, total, target, hit, wt, smoothing, shard.vocab).to(dtype)
+                g = _logits_grad_(z, total, target, hit, wt, smoothing, shard.vocab)
+                g = (g if slope is None else g.mul_(slope)).to(dtype)
                 grad_h[start : start + chunk] = g @ w
                 grad_w += (g.t() @ h).float()
                 if grad_b is not None:
                     grad_b += g.float().sum(0)
                 del g
-            del z  # before the next chunk's logits exist: one chunk's buffers at a time, not two
+            del z, slope  # before the next chunk's logits exist: one chunk's buffers at a time, not two
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return loss
@@ -173,7 +184,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = grad_h.mul_(grad_loss)
         grad_w = grad_w.mul_(grad_loss).to(w_dtype)
         grad_b = None if grad_b is None else grad_b.mul_(grad_loss).to(b_dtype)
-        results = (grad_h, grad_w, grad_b, None, None, None, None, None, None, None)
+        results = (grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None)
         if ctx.twice:
             ctx.results = results
         return results
@@ -214,8 +225,10 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     chunk: int = 0,
     backward_twice: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """:func:`lm_loss` of ``hidden @ weight.T + bias`` without materializing the logits (a plain scalar tensor).
+    """:func:`lm_loss` of ``hidden @ weight.T + bias`` (soft-capped at ``softcap`` when > 0) without materializing
+    the logits (a plain scalar tensor).
 
     ``hidden`` (B, T, D); ``weight`` (V, D) and ``bias`` (V), plain or vocab-sharded DTensors (then
     ``hidden`` is a DTensor or a tensor replicated over the tp ranks); ``labels`` and ``loss_mask``
@@ -232,7 +245,7 @@ def linear_cross_entropy(
     weights = token_weights(labels, loss_mask)
     with _no_autocast(flat.device):
         return _LinearCrossEntropy.apply(
-            flat, w, b, labels.flatten(), weights, float(label_smoothing), size, dtype, shard, backward_twice
+            flat, w, b, labels.flatten(), weights, float(label_smoothing), size, dtype, shard, backward_twice, softcap
         )
 
 
@@ -258,5 +271,6 @@ class FusedHeadLoss:
         """The mean loss of ``output(hidden)`` against the labels."""
         smoothing, chunk, twice = self.label_smoothing, self.chunk, self.backward_twice
         return linear_cross_entropy(
-            hidden, output.weight, output.bias, self.labels, self.loss_mask, smoothing, chunk, twice
+            hidden, output.weight, output.bias, self.labels, self.loss_mask, smoothing, chunk, twice,
+            getattr(output, "cap", 0.0),  # a soft-capped head (tessera.model.softcap.SoftcappedHead)
         )

@@ -10,7 +10,7 @@ import tomllib
 
 from tessera.errors import ConfigError
 from tessera.train.goodput import status_line as goodput_line
-from tessera.train.lock import Holder, _read_json, duration, run_holder
+from tessera.train.lock import Holder, duration, read_json, run_holder
 from tessera.train.straggler_table import status_table as straggler_table
 
 
@@ -73,7 +73,7 @@ def _seconds_per_step(records: list[dict[str, Any]], since: float, tokens_per_st
 def _state_line(run_dir: Path, holder: Holder | None, step: int, total: int) -> str:
     if holder is not None:
         return "running: " + holder.describe()
-    preempted = _read_json(run_dir / "preempted.json")  # the trainer's marker: signal, step, checkpoint
+    preempted = read_json(run_dir / "preempted.json")  # the trainer's marker: signal, step, checkpoint
     if preempted:
         return (
             f"stopped by {preempted.get('signal', 'a signal')} at step {preempted.get('step', '?')} "

@@ -148,6 +148,13 @@ class TorchSteps:
         """Per-step figures the engine itself keeps (a pipeline's MTP losses); {} otherwise."""
         return {}
 
+    def bind_loader(self, loader: Any) -> None:
+        """The training loader, for a runner that rewinds or hands on the data position (torchft's); unused here."""
+
+    def summary(self) -> dict[str, Any]:
+        """Run totals the runner keeps for summary.json ({} here; torchft's: redone steps, live recoveries)."""
+        return {}
+
     def step(self, step: int, next_batch: Callable[[], MicroBatch]) -> dict[str, Any]:
         """One optimizer step; without MoE the host waits for the device once (loss and grad norm together)."""
         losses, moe_logs = self._accumulate(next_batch)

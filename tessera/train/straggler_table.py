@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from tessera.train.lock import read_json
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 COMPUTE = PHASES[:4]  # the phases a rank can be slow in (others only wait in them)
@@ -12,12 +13,8 @@ TABLE = "stragglers.json"
 
 def status_table(run_dir: str | Path) -> list[str]:
     """``tessera status``'s per-rank table from ``RUN/stragglers.json`` (no lines when absent)."""
-    path = Path(run_dir) / TABLE
-    if not path.is_file():
-        return []
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
+    data = read_json(Path(run_dir) / TABLE)
+    if not data:
         return []
     cols = ("step_s", *COMPUTE, "collectives")
     lines = [f"per-rank ms per step at step {data['step']} (own work per phase; collectives = time waited)"]

@@ -55,7 +55,8 @@ from tessera.parallel.env import dist_env, resolve_device
 from tessera.parallel.init import shard_seeds
 from tessera.parallel.scaler import build_grad_scaler
 from tessera.train.distributed import setup_parallel, teardown_parallel
-from tessera.train.steps import ModelLoss, StepParts, TorchSteps, runner_class
+from tessera.train.steps import ModelLoss, StepParts, TorchSteps
+from tessera.train.ft_steps import runner_for
 from tessera.train.loss import FusedHeadLoss, lm_loss
 
 
@@ -139,7 +140,7 @@ class Trainer:
     def _build_runner(self) -> TorchSteps:
         """The optimizer, schedule, grad scaler and the step runner of the configured engine."""
         cfg = self.config
-        runner = runner_class(cfg)
+        runner = runner_for(cfg)  # parallel.fault_tolerance='torchft': torchft's runner (train/ft_steps.py)
         runner.check_config(cfg)
         # DeepSpeed wraps the model and brings its optimizer (self.engine, train/engine.py); torch's are built here
         self.engine, self.model, self.optimizer, self.scheduler = runner.prepare(cfg, self.model, self.parallel)
@@ -166,7 +167,9 @@ class Trainer:
             self.qk_clip,
             self._extra_metrics,
         )
-        return runner.create(parts, self.engine, self.pipeline)
+        built = runner.create(parts, self.engine, self.pipeline)
+        built.bind_loader(self.data.train)
+        return built
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
@@ -466,7 +469,7 @@ class Trainer:
             metrics = self.train_step()
             if self._handle_spike(logger, result, window):
                 continue  # rolled back to a checkpoint: self.step is its step
-            self.step += 1
+            self.step = metrics.pop("trained_step", self.step + 1)  # torchft: a joining group steps to its peers'
             watchdog.kick(self.step)
             self._check_stragglers(logger)
             window.add(metrics, self.tokens_per_step, time.perf_counter() - t0)
@@ -627,7 +630,7 @@ class Trainer:
         final_loss = result.losses[-1] if result.losses else None
         # param_sumsq: per tensor, layout-independent: the parity tests' final check
         self.goodput.write()
-        extra = {"spikes": self.spikes.events, "goodput": self.goodput.totals()}
+        extra = {"spikes": self.spikes.events, "goodput": self.goodput.totals(), **self.runner.summary()}
         write_summary(
             self.run_dir,
             self.step,

@@ -6,8 +6,8 @@ For cp = 2 (two groups of 2 ranks) and cp = 4, each attention method, with and w
 masks and with windowed kernels, a tiny decoder runs on this rank's zigzag slice; the summed loss
 and the gradients summed over the cp group (what FSDP's reduction over dp_shard x cp does after the
 loss is scaled by cp) are compared with the same model run on the whole sequence in one process.
-Two negative controls break the recipe on purpose (local RoPE positions; a local loss mean) and
-must be far off. Rank 0 writes every case's max errors to OUT.json.
+Negative controls break the recipe on purpose (local RoPE positions; a local loss mean; the recurrent
+mixers' cross-rank state or convolution halo dropped) and must be far off. Rank 0 writes every case's max errors to OUT.json.
 """
 
 from __future__ import annotations
@@ -70,6 +70,10 @@ def run_case(mesh, method: str, documents: bool, model_kw: dict, bug: str = "") 
     cp = copy.deepcopy(ref)
     cp.zero_grad()
     apply_context_parallel(cp, mesh, method)
+    if bug == "no_state":  # the recurrent mixers' state does not cross to the next rank
+        cp.sequence_split.entering_states = lambda a, h, elementwise=False: torch.zeros_like(h)
+    if bug == "no_halo":  # the convolutions' windows start at each piece
+        cp.sequence_split.halos = torch.zeros_like
     if bug == "local_positions":
         cp.sequence_split.positions = lambda length, device: torch.arange(length, device=device)[None]
     if bug == "local_bias_keys":  # the score bias over this rank's keys only
@@ -115,6 +119,37 @@ def _sink_cases(cases: dict, meshes: dict) -> None:
         cases["bug_sink_per_rank"] = run_case(meshes["cp2"], "ring", False, sinks)
     finally:
         cp_module.ring_start = start
+
+
+# Recurrent mixers: Mamba-2 with elu+1 attention, Mamba-1 with Performer, Gated DeltaNet (scan chunks of 4).
+MAMBA = {"state": 4, "head_dim": 16, "chunk": 4}
+GDN = {"key_heads": 2, "value_heads": 4, "key_head_dim": 8, "value_head_dim": 8, "chunk": 4}
+RECURRENT = {
+    "mamba2_linear": {"layer_pattern": "MA", "mamba": {**MAMBA, "version": 2}, "attention": {"kernel": "linear"}},
+    "mamba_performer": {"layer_pattern": "MA", "mamba": MAMBA, "attention": {"kernel": "performer"}},
+    "mamba2": {"layer_pattern": "MA", "mamba": {**MAMBA, "version": 2}},
+    "mamba": {"layer_pattern": "MA", "mamba": MAMBA},
+    "gdn": {"layer_pattern": "DA", "gdn": GDN},
+}
+
+
+def _recurrent_cases(cases: dict, meshes: dict) -> None:
+    """Each recurrent mixer at cp2, three of them at cp4, with document masks where the mixer has them (the linear
+    kernels have none; without documents the mixers run in the linear-kernel models and in the run-level world of
+    tests/integration/test_gated_deltanet_parallel.py), and the cross-rank state and the convolution halo dropped on
+    purpose."""
+    plan = {
+        "cp2": ("mamba2_linear", "mamba_performer", "mamba2", "mamba", "gdn"),
+        "cp4": ("mamba2_linear", "mamba", "gdn"),
+    }
+    for mesh_name, names in plan.items():
+        for name in names:
+            documents = "kernel" not in RECURRENT[name].get("attention", {})
+            case = f"{mesh_name}_recurrent_{name}{'_docs' if documents else ''}"
+            cases[case] = run_case(meshes[mesh_name], "allgather", documents, RECURRENT[name])
+    cp2 = meshes["cp2"]
+    cases["bug_recurrent_no_state"] = run_case(cp2, "allgather", False, RECURRENT["mamba2_linear"], "no_state")
+    cases["bug_recurrent_no_halo"] = run_case(cp2, "allgather", True, RECURRENT["mamba"], "no_halo")
 
 
 def main() -> None:
@@ -173,6 +208,7 @@ def main() -> None:
     cases["bug_local_bias_keys"] = run_case(mesh, "allgather", False, alibi, bug="local_bias_keys")
     cases["bug_local_mean"] = run_case(mesh, "allgather", True, {}, bug="local_mean")
     _sink_cases(cases, meshes)
+    _recurrent_cases(cases, meshes)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(cases, f)

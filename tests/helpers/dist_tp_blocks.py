@@ -1,6 +1,8 @@
 """Under torchrun (2 ranks): every TP-sharded block's outputs and gradients equal the unsharded block's.
 
-For a dense and a MoE decoder (the MoE one with Qwen3's per-head QK-norm), with and without sequence parallelism, the sharded copy of a
+For a dense and a MoE decoder (the MoE one with Qwen3's per-head QK-norm), latent attention, QK-norm over all heads, and
+the recurrent mixers (Mamba-1, Mamba-2, Gated DeltaNet, with the linear kernels' attention layers), with and without
+sequence parallelism, the sharded copy of a
 model and the original see the same tokens; each block's output (hooked) and every parameter
 gradient are compared after a forward and backward through the loss.
 """
@@ -47,7 +49,10 @@ def check(cfg: ModelConfig, sp: bool, mesh) -> None:
     F.cross_entropy(ref(tokens).flatten(0, 1), labels.flatten()).backward()
     with loss_parallel():
         F.cross_entropy(tp(tokens).flatten(0, 1), labels.flatten()).backward()
-    where = f"moe={cfg.moe.experts} mla={cfg.mla.kv_rank}/{cfg.mla.q_rank} qk_norm={cfg.attention.qk_norm} sp={sp}"
+    where = (
+        f"moe={cfg.moe.experts} mla={cfg.mla.kv_rank}/{cfg.mla.q_rank} qk_norm={cfg.attention.qk_norm} "
+        f"pattern={cfg.layer_pattern} mamba={cfg.mamba.version} sp={sp}"
+    )
     for name in ref_out:
         torch.testing.assert_close(
             tp_out[name], ref_out[name], atol=ATOL, rtol=RTOL, msg=lambda m: f"{where} block {name} output: {m}"
@@ -99,6 +104,22 @@ def attention_variants() -> list[ModelConfig]:
     ]
 
 
+def recurrent_variants() -> list[ModelConfig]:
+    """Mamba-1 (Jamba's dt/B/C norms, projection biases: x_proj's output summed over the ranks, the output bias
+    added once) with Performer attention, Mamba-2 (two B/C groups, one per rank; its gated norm per group) with
+    elu+1 attention, and Gated DeltaNet; spread-out weights (std 0.2) so a missing reduction shows."""
+    base = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=32, tie_embeddings=False, init_std=0.2)
+    mamba = {"state": 8, "head_dim": 16, "chunk": 8, "proj_bias": True}
+    gdn = {"key_heads": 2, "value_heads": 4, "key_head_dim": 16, "value_head_dim": 16, "chunk": 8}
+    return [
+        model_config(**base, layer_pattern="MA", mamba={**mamba, "dt_norm": True}, attention={"kernel": "performer"}),
+        model_config(
+            **base, layer_pattern="MA", mamba={**mamba, "version": 2, "groups": 2}, attention={"kernel": "linear"}
+        ),
+        model_config(**base, layer_pattern="DA", gdn=gdn),
+    ]
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -119,7 +140,7 @@ def main() -> None:
             attention={"qk_norm": True},  # Qwen3-MoE: per-head QK-norm, one weight shared by the tp ranks' heads
             tie_embeddings=False,
         )
-        for cfg in (dense, moe, *attention_variants()):
+        for cfg in (dense, moe, *attention_variants(), *recurrent_variants()):
             for sp in (False, True):
                 check(cfg, sp, mesh)
         check_collectives(mesh)

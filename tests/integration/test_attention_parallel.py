@@ -1,7 +1,9 @@
 """Latent attention (a tiny DeepSeek-V3 recipe: MLA with a query bottleneck, sigmoid-routed experts),
 QK-norm over all heads (an OLMo 2-style dense decoder) and DeepSeek Sparse Attention (the V3 recipe plus
-a lightning indexer, top-k global over the sequence) under tensor, sequence, expert and context
-parallelism match the single-process run: losses and grad norms per step and the final parameters
+a lightning indexer, top-k global over the sequence; under tp2 and cp2) under tensor, sequence, expert and context
+parallelism, and a Gemma 3-shaped decoder (local/global layers with their own RoPE, sandwich norms) under
+tp2 + SP, cp2 (windows crossing the ranks' boundary) and pp2, match the single-process run: losses and grad
+norms per step and the final parameters
 (fp32, 1e-5 relative). One 2-process world trains every layout (tests/helpers/dist_variants.py)."""
 
 from __future__ import annotations
@@ -43,6 +45,22 @@ OLMO2 = [
 # DeepSeek-V3.2: each query attends to the 8 keys (of up to 32) an 8-head lightning indexer picks
 # (enough heads that no two keys tie at an all-zero score: ties break by key order, which cp permutes).
 DSA = ["model.dsa.topk=8", "model.dsa.index_heads=8", "model.dsa.index_head_dim=16"]
+# Gemma 3's shape: a local layer (8-token windows, RoPE base 1e4: windows cross the cp ranks' halves) and a global
+# one (1e6), sandwich norms of gain 1 + w, per-head QK-norm, GeGLU, sqrt(dim) embeddings, a tied soft-capped head.
+GEMMA3 = [
+    *OLMO2[:4],
+    "model.layer_pattern=AG",
+    "model.attention.sliding_window=8",
+    "model.attention.qk_norm=true",
+    "model.position.rope_theta=1000000",
+    "model.position.local_rope_theta=10000",
+    "model.norm=zero_centered_rmsnorm",
+    "model.norm_position=sandwich",
+    "model.embed_scale=true",
+    "model.activation=geglu",
+    "model.tie_embeddings=true",
+    "model.logit_softcap=30",  # through the fused head + loss (vocab-parallel under tp)
+]
 ONE_RANK = ["parallel.dp_shard=1"]
 LAYOUTS = {
     "mla_tp2_sp": [*ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -51,6 +69,12 @@ LAYOUTS = {
     "mla_cp2_ring": [*ONE_RANK, "parallel.cp=2", "parallel.cp_method=ring"],
     "olmo2_tp2_sp": [*OLMO2, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=true"],
     "dsa_cp2_allgather": [*DSA, *ONE_RANK, "parallel.cp=2", "parallel.cp_method=allgather"],  # global top-k
+    "gemma3_tp2_sp": [*GEMMA3, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "gemma3_cp2_ring": [*GEMMA3, *ONE_RANK, "parallel.cp=2", "parallel.cp_method=ring"],
+    "gemma3_pp2": [*GEMMA3, *ONE_RANK, "parallel.pp=2", "parallel.microbatches=2"],
+    # heads split, the indexer replicated: the same global top-k on both ranks, its KL target over all heads
+    "dsa_tp2": [*DSA, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=false"],
+    "dsa_tp2_sp": [*DSA, *ONE_RANK, "parallel.tp=2", "parallel.sequence_parallel=true"],
 }
 
 
@@ -63,6 +87,7 @@ def test_latent_attention_and_all_heads_qk_norm_layouts_match_one_process(tmp_pa
         "mla": train(load_config(recipe, [f"train.run_dir={tmp_path}/mla_single"])).run_dir,
         "olmo2": train(load_config(recipe, [*OLMO2, f"train.run_dir={tmp_path}/olmo2_single"])).run_dir,
         "dsa": train(load_config(recipe, [*DSA, f"train.run_dir={tmp_path}/dsa_single"])).run_dir,
+        "gemma3": train(load_config(recipe, [*GEMMA3, f"train.run_dir={tmp_path}/gemma3_single"])).run_dir,
     }
     torchrun(2, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps(LAYOUTS))
     for name in LAYOUTS:

@@ -116,6 +116,16 @@ PIPELINE_AND_DDP = {
         ["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"],
         ["model.position.kind=t5_bias"],
     ),
+    # Recurrent mixers' per-rank parameter slices (tessera/parallel/recurrent.py) read FSDP's unsharded parameters.
+    "fsdp2_tp2_gated_deltanet": (
+        ["parallel.dp_shard=2", "parallel.tp=2"],
+        ["model.layer_pattern=DA", "model.gdn.key_heads=2", "model.gdn.value_heads=4", "model.gdn.chunk=8"],
+    ),
+    "cp2_tp2_sp_mamba2_linear": (
+        ["parallel.cp=2", "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
+        ["model.layer_pattern=MA", "model.mamba.version=2", "model.mamba.head_dim=16", "model.mamba.groups=2",
+         "model.mamba.chunk=8", "model.attention.kernel=linear"],
+    ),
 }
 
 

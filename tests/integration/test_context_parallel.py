@@ -181,7 +181,7 @@ def test_zigzag_split_balances_causal_work_and_covers_the_sequence():
         (["parallel.cp=2", "train.seq_len=30"], "divisible by 2 x parallel.cp=4"),
         (["parallel.cp=2", "parallel.cp_method=ring", "model.attention.dropout=0.1"], "without dropout"),
         (["parallel.cp=2", "parallel.tp=4", "model.n_kv_heads=4", "train.seq_len=36"], "tp=4 x parallel.cp=2"),
-        (["parallel.cp=2", "model.attention.kernel=linear"], "linear attention kernels"),
+        (["parallel.cp=2", "model.attention.kernel=linear", "model.arch=encoder", "model.sentinel_tokens=1"], "causal only"),
         (["parallel.cp=2", "parallel.cp_method=ring", "model.position.kind=alibi"], "adds no score bias"),
         (["parallel.cp=2", "model.moe.experts=4", "model.moe.capacity_factor=1.25"], "token dropping\\) with cp"),
         (["parallel.cp=2", "parallel.cp_method=zigzag"], "parallel.cp_method"),
@@ -204,6 +204,9 @@ def test_layer_level_parity_and_negative_controls(tmp_path):
     assert max(bugs["bug_local_expert_counts"].values()) > 1e-2  # MoE balancing must count every rank's tokens
     assert max(bugs["bug_local_bias_keys"].values()) > 1e-2  # ALiBi/T5 bias over the gathered keys' positions
     assert max(bugs["bug_sink_per_rank"].values()) > 1e-2  # attention sinks enter each softmax once, not per rank
+    assert max(bugs["bug_recurrent_no_state"].values()) > 1e-2  # Mamba-2 / elu+1 state crosses the ranks
+    assert max(bugs["bug_recurrent_no_halo"].values()) > 1e-2  # the convolution window reaches the rank before
+    assert sum(name.startswith(("cp2_recurrent", "cp4_recurrent")) for name in cases) == 8
 
 
 @pytest.mark.slow

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from pathlib import Path
 
 import pytest
 
-from helpers.runs import run_cli
+from helpers.runs import REPO, run_cli
 from test_launch import losses, write_config
 from test_user_errors import fails_with
 from tessera.validate import load_config
@@ -52,6 +60,40 @@ def test_elastic_ranges_that_cannot_keep_the_batch_are_one_line(tiny_config, tmp
     fails_with(["launch", str(recipe), *args, "--rdzv-endpoint", "127.0.0.1:29400", "--dry-run"], capsys, fragment)
 
 
+def test_slurm_elastic_script(tiny_config, tmp_path, capsys):
+    """`tessera slurm --nnodes 1:2`: a node range, no kill on a node's failure, torchrun's elastic range and
+    restarts, train.elastic_world in the copied config, and the grad_accum banner."""
+    from tessera.cli import main
+
+    recipe = write_config(tiny_config, tmp_path / "job.toml")
+    args = ["slurm", str(recipe), "--nnodes", "1:2", "--gpus-per-node", "2", "--device", "cpu", "--max-restarts", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "elastic: 1 to 2 nodes of 2 processes; on fewer than 2 nodes train.grad_accum rises" in out
+    script = (tmp_path / "job" / "job.sbatch").read_text()
+    for line in ("#SBATCH --nodes=1-2", "#SBATCH --no-kill", "srun --kill-on-bad-exit=0", "--nnodes=1:2"):
+        assert line in script, line
+    assert "--rdzv-backend=c10d" in script and "--max-restarts=3" in script
+    assert load_config(str(tmp_path / "job" / "config.toml"), []).train.elastic_world == 4
+    fixed = main(["slurm", str(recipe), "--nodes", "2", "--gpus-per-node", "2", "--device", "cpu", "--dry-run"])
+    script = capsys.readouterr().out
+    assert fixed == 0 and "--nnodes=2 \\\n" in script and "--no-kill" not in script
+    assert "srun --kill-on-bad-exit=1" in script
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--nnodes", "1:3", "--gpus-per-node", "1", "train.batch_size=4"], "at 1 node(s)"),
+        (["--nnodes", "2:1"], "need 1 <= MIN <= MAX"),
+        (["--nnodes", "a:b"], "must be a node count N or an elastic range MIN:MAX"),
+    ],
+)
+def test_slurm_elastic_ranges_that_cannot_keep_the_batch_are_one_line(tiny_config, tmp_path, capsys, args, fragment):
+    recipe = write_config(tiny_config, tmp_path / "job.toml")
+    fails_with(["slurm", str(recipe), *args, "--device", "cpu", "--dry-run"], capsys, fragment)
+
+
 def test_torchrun_command_keeps_a_plain_node_count():
     from tessera.launcher.torchrun import make_spec
 
@@ -81,3 +123,77 @@ def test_four_ranks_lose_two_for_good_and_finish_on_two_with_equal_losses(tiny_c
     for step in range(9, 13):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5), (step, resumed[step], reference[step])
     assert load_config(str(shrunk / "config.toml"), []).train.grad_accum == 2  # the resolved config says so
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            found += [int(child), *_descendants(int(child))]
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants at once, as a lost node."""
+    for victim in [pid, *_descendants(pid)]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_for_listener(host: str, port: int, agent: subprocess.Popen) -> None:
+    deadline = time.time() + 300
+    while time.time() < deadline and agent.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_killed_agent_leaves_the_job_to_torchrun_on_the_node_left(tiny_config, tmp_path):
+    """Two torchrun agents ("nodes") of an --nnodes 1:2 job on this machine; one agent and its worker are
+    SIGKILLed after the step-4 checkpoint. The agent left (it hosts the c10d rendezvous) restarts its worker
+    group, the rendezvous closes with one node, and the job finishes at world size 1 with grad_accum doubled:
+    losses after the shrink equal a one-process run's at the same global batch."""
+    recipe = write_config(tiny_config, tmp_path / "job.toml", *ELASTIC_JOB)
+    run = tmp_path / "job"
+    reference = run_cli("train", str(recipe), f"train.run_dir={tmp_path / 'reference'}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    # torchrun's agent hosts the c10d store when the endpoint names its own host (127.0.0.1 does not count):
+    # this machine's hostname, so the first agent hosts it and the second connects
+    host, port = socket.gethostname(), _free_port()
+    cmd = [sys.executable, "-m", "tessera", "launch", str(recipe), "--nnodes", "1:2", "--nproc-per-node", "1"]
+    cmd += ["--rdzv-endpoint", f"{host}:{port}", "--max-restarts", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_FAULTS": "pace@0.5"}
+    logs = [tmp_path / "head.log", tmp_path / "other.log"]
+    agents = []
+    try:
+        for log in logs:  # each agent in its own session: killing one kills its worker too, as a lost node
+            agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+            _wait_for_listener(host, port, agents[0])  # the first agent hosts the rendezvous store
+        deadline = time.time() + 400
+        while not any(int(c.name.removeprefix("step_")) >= 4 for c in list_checkpoints(run)) and time.time() < deadline:
+            assert agents[0].poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.5)
+        _kill_tree(agents[1].pid)  # the agent and its worker (torchrun starts workers in their own session)
+        agents[0].wait(timeout=400)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _kill_tree(agent.pid)
+    out = logs[0].read_text()
+    assert agents[0].returncode == 0, out[-5000:]
+    assert "elastic: 1 of 2 processes; train.grad_accum 1 -> 2, train.batch_size 4 -> 2" in out, out[-5000:]
+    expected, resumed = dict(losses(tmp_path / "reference")), dict(losses(run))
+    assert sorted(resumed) == list(range(1, 13))
+    for step in resumed:
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-5), (step, resumed[step], expected[step])

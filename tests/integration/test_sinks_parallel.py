@@ -1,5 +1,5 @@
 """Attention sinks with alternating windowed and global layers (gpt-oss-shaped) under tp2 (+SP), cp2 (ring,
-the window crossing the rank boundary) and pp2 match the single-process run on losses, grad norms and final
+the window crossing the rank boundary) and pp2, and with gpt-oss's biased experts under ep2, match the single-process run on losses, grad norms and final
 parameters (fp32, 1e-5 relative, 3 steps), all layouts in one spawned 2-process world. The layer-level CP
 proof and its negative control (the sink entered once per rank) are in test_context_parallel.py."""
 
@@ -33,12 +33,25 @@ LAYOUTS = {
     "cp2_ring": ["parallel.cp=2", "parallel.dp_shard=1", "parallel.cp_method=ring"],
     "pp2": ["parallel.pp=2", "parallel.dp_shard=1"],
 }
+# gpt-oss's MoE: 4 biased experts with the clamped SwiGLU (top-2, biased router), their banks and biases
+# sharded over ep=2 (the experts' rows all-to-all'd to the rank that holds them).
+GPT_OSS_MOE = [
+    "model.moe.experts=4",
+    "model.moe.top_k=2",
+    "model.moe.router_bias=true",
+    "model.moe.expert_biases=true",
+    "model.moe.swiglu_limit=7",
+    "model.moe.ffn_hidden=48",
+]
+MOE_LAYOUTS = {"moe_ep2": [*GPT_OSS_MOE, "parallel.ep=2", "parallel.dp_shard=2"]}
 
 
 @pytest.mark.slow
 def test_sinks_and_windows_match_single_process(tmp_path, cache_dir):
     recipe = write_tiny_recipe(tmp_path / "sinks.toml", cache_dir, *SINKS)
     reference = train(load_config(recipe, [f"train.run_dir={tmp_path}/single"])).run_dir
-    torchrun(2, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps(LAYOUTS))
-    for name in LAYOUTS:
-        assert assert_runs_match(tmp_path / name, reference) == 3, name  # losses, grad norms, final parameters
+    moe_reference = train(load_config(recipe, [*GPT_OSS_MOE, f"train.run_dir={tmp_path}/moe_single"])).run_dir
+    layouts = {**LAYOUTS, **MOE_LAYOUTS}
+    torchrun(2, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps(layouts))
+    for name in layouts:  # losses, grad norms, final parameters
+        assert assert_runs_match(tmp_path / name, moe_reference if name in MOE_LAYOUTS else reference) == 3, name

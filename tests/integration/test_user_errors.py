@@ -67,7 +67,6 @@ def test_out_of_range_values_name_the_key(override, message, capsys, monkeypatch
             ["parallel.tp=2", "parallel.dp_shard=1", "model.n_heads=3", "model.dim=96"],
             "model.n_heads=3 is not divisible by parallel.tp=2",
         ),
-        (["parallel.tp=2", "parallel.dp_shard=1"], "DeepSeek sparse attention with tp"),
     ],
 )
 def test_sparse_and_latent_attention_mistakes_are_one_line(overrides, message, capsys, monkeypatch):

@@ -2,7 +2,7 @@
 docs/ARCHITECTURE.md's import table and module list equal to the code.
 
 The graph is read from the source with ``ast`` (every ``import`` statement anywhere in a module,
-``TYPE_CHECKING`` blocks excluded because they never run). ``cli.py`` imports each command's module
+``TYPE_CHECKING`` blocks included: a cycle of type-only imports is still a cycle of the design). ``cli.py`` imports each command's module
 inside its handler on purpose (``tessera --help`` stays instant); those edges are the one exception.
 """
 
@@ -22,17 +22,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def _imports(tree: ast.AST, here: str, is_package: bool) -> list[tuple[str, bool]]:
-    """(imported module, inside a function) for every import that can run."""
+    """(imported module, inside a function) for every import statement, ``TYPE_CHECKING`` blocks included."""
     found: list[tuple[str, bool]] = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
-        if _is_type_checking(node):
-            return
         if isinstance(node, ast.Import):
             found.extend((alias.name, in_function) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

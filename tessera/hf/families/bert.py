@@ -5,9 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.hf.families.common import Family, Rule, copy, fail, ffn_hidden, linear, norm
+from tessera.hf.families.common import Family, Rule, copy, fail, linear, norm, sizes_from_hf, sizes_to_hf
 
 _BERT_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}
+_SIZES = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "ffn_hidden": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+}
 
 
 def _bert_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -19,20 +27,15 @@ def _bert_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("is_decoder") or hf.get("add_cross_attention"):
         fail("is_decoder", True, "bert")
     return dict(
+        sizes_from_hf(hf, _SIZES),
         arch="encoder",
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"],
-        ffn_hidden=hf["intermediate_size"],
+        type_vocab_size=hf.get("type_vocab_size", 2),
         activation=_BERT_ACT[act],
         norm="layernorm",
         norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
         norm_position="post",
         embed_norm=True,
-        type_vocab_size=hf.get("type_vocab_size", 2),
         position="learned",
-        max_seq_len=hf["max_position_embeddings"],
         qkv_bias=True,
         bias=True,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
@@ -41,15 +44,10 @@ def _bert_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _bert_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "intermediate_size": ffn_hidden(cfg),
+        **sizes_to_hf(cfg, _SIZES),
         "hidden_act": {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
         "layer_norm_eps": cfg.norm_eps,
         "type_vocab_size": cfg.type_vocab_size,
-        "max_position_embeddings": cfg.max_seq_len,
         "position_embedding_type": "absolute",
         "tie_word_embeddings": cfg.tie_embeddings,
     }

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tessera.config import ConfigError, ModelConfig
 from tessera.model.ffn import ffn_hidden_size
 
@@ -21,7 +23,8 @@ class Rule:
 
     kind: ``copy`` (1:1), ``t`` (transposed, GPT-2 Conv1D), ``fused`` / ``fused_t`` (our q, k, v
     concatenated along HF's output dim, transposed for Conv1D), ``experts`` (our (E, in, out)
-    bank <-> E per-expert (out, in) HF matrices).
+    bank <-> E per-expert (out, in) HF matrices), ``interleaved`` / ``halves`` (our tensors side by side in
+    HF's last dimension: alternating channels, gpt-oss's gate_up_proj, or one after the other, Llama 4's).
     """
 
     ours: tuple[str, ...]
@@ -43,6 +46,23 @@ class Family:
     prepare: Callable[[dict[str, Any], ModelConfig, dict[str, Any]], None] | None = None
     # Rewrites exported HF tensors in place into the checkpoint's layout (the inverse of ``prepare``'s rewrite).
     finish: Callable[[ModelConfig, dict[str, Any]], None] | None = None
+
+
+SPLIT_LAST = ("interleaved", "halves")  # the kinds that split HF's last dimension into our tensors
+
+
+def split_last(t: torch.Tensor, part: int, parts: int, kind: str) -> torch.Tensor:
+    """Our tensor ``part`` of ``parts`` in HF tensor ``t`` under a :data:`SPLIT_LAST` rule."""
+    if kind == "interleaved":
+        return t[..., part::parts]
+    return t.chunk(parts, dim=-1)[part]
+
+
+def join_last(tensors: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """The HF tensor of our ``tensors`` under a :data:`SPLIT_LAST` rule (the inverse of :func:`split_last`)."""
+    if kind == "interleaved":
+        return torch.stack(tensors, dim=-1).flatten(-2)
+    return torch.cat(tensors, dim=-1)
 
 
 def copy(ours: str, theirs: str) -> Rule:
@@ -85,6 +105,52 @@ def get(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:
 def ffn_hidden(cfg: ModelConfig) -> int:
     """The dense FFN's resolved hidden width."""
     return ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
+
+
+def sizes_from_hf(hf: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The [model] sizes a family's name table (ours -> HF's) reads from its HF config."""
+    return {ours: hf[theirs] for ours, theirs in names.items()}
+
+
+def sizes_to_hf(cfg: ModelConfig, names: dict[str, str]) -> dict[str, Any]:
+    """The same table written back into an HF config (``ffn_hidden`` resolved to the width that runs)."""
+    return {theirs: ffn_hidden(cfg) if ours == "ffn_hidden" else getattr(cfg, ours) for ours, theirs in names.items()}
+
+
+def decoder_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The [model] keys every RMSNorm decoder family reads alike from its HF config (Llama, DeepSeek, Jamba);
+    an activation tessera does not have is refused."""
+    act = hf.get("hidden_act", "silu")
+    if act not in ACT_IN:
+        fail("hidden_act", act, family)
+    return {
+        "vocab_size": hf["vocab_size"],
+        "dim": hf["hidden_size"],
+        "n_layers": hf["num_hidden_layers"],
+        "n_heads": hf["num_attention_heads"],
+        "ffn_hidden": hf["intermediate_size"],
+        "activation": ACT_IN[act],
+        "norm": "rmsnorm",
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "max_seq_len": hf["max_position_embeddings"],
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+def decoder_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config keys every RMSNorm decoder family writes alike (Llama, DeepSeek, Jamba)."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": ffn_hidden(cfg),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+        "hidden_act": ACT_OUT.get(cfg.activation, cfg.activation),
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
 
 
 def heads(hf: dict[str, Any], dim: int, n_heads: int) -> dict[str, Any]:
@@ -131,10 +197,12 @@ def rope_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
             rope_high_freq_factor=float(params["high_freq_factor"]),
         )
     elif kind == "yarn":
-        for key, default in (("beta_fast", 32), ("beta_slow", 1), ("truncate", True)):
+        for key, default in (("beta_fast", 32), ("beta_slow", 1)):
             if params.get(key) not in (None, default):
                 fail(f"rope_parameters.{key}", params[key], family)
         out["rope_original_max_len"] = original
+        if params.get("truncate") is not None:
+            out["rope_yarn_truncate"] = bool(params["truncate"])
         mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
         if params.get("attention_factor") is not None:
             out["rope_attention_factor"] = float(params["attention_factor"])
@@ -161,5 +229,7 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             scaling.update(low_freq_factor=pos.rope_low_freq_factor, high_freq_factor=pos.rope_high_freq_factor)
         if pos.rope_scaling == "yarn" and pos.rope_attention_factor:
             scaling["attention_factor"] = pos.rope_attention_factor
+        if pos.rope_scaling == "yarn" and not pos.rope_yarn_truncate:
+            scaling["truncate"] = False
     parameters = {"rope_theta": pos.rope_theta, "rope_type": "default", **(scaling or {})}
     return {"rope_parameters": parameters, "rope_theta": pos.rope_theta, "rope_scaling": scaling}

@@ -8,12 +8,11 @@ import torch
 
 from tessera.config import ModelConfig
 from tessera.hf.families.common import (
-    ACT_IN,
-    ACT_OUT,
     Family,
     HFConversionError,
     Rule,
     copy,
+    decoder_to_hf,
     ends_rules,
     fail,
     ffn_hidden,
@@ -22,8 +21,9 @@ from tessera.hf.families.common import (
     rope_from_hf,
     rope_params,
     rope_to_hf,
+    decoder_from_hf,
 )
-from tessera.hf.families.llama import dense_ffn_rules, expert_rules
+from tessera.hf.families.llama import dense_ffn_rules, expert_rules, layer_norm_rules
 from tessera.model.moe import is_moe_layer
 
 
@@ -42,25 +42,14 @@ def _mla_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    act = hf.get("hidden_act", "silu")
-    if act not in ACT_IN:
-        fail("hidden_act", act, "deepseek_v3")
+    out = decoder_from_hf(hf, "deepseek_v3")
     n_heads = hf["num_attention_heads"]
     if get(hf, "num_key_value_heads", default=n_heads) != n_heads:
         fail("num_key_value_heads", hf["num_key_value_heads"], "deepseek_v3", "latent attention expands every head")
     n_layers = hf["num_hidden_layers"]
     bias = bool(hf.get("attention_bias", False))
     out = {
-        "vocab_size": hf["vocab_size"],
-        "dim": hf["hidden_size"],
-        "n_layers": n_layers,
-        "n_heads": n_heads,
-        "ffn_hidden": hf["intermediate_size"],
-        "activation": ACT_IN[act],
-        "norm": "rmsnorm",
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "max_seq_len": hf["max_position_embeddings"],
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        **out,
         "attention": {"qkv_bias": bias, "o_bias": bias},
         "position": rope_from_hf(hf, "deepseek_v3"),
         "mla": _mla_from_hf(hf),
@@ -135,16 +124,8 @@ def _deepseek_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         for params in (rope["rope_scaling"], rope["rope_parameters"]):
             params["mscale_all_dim"] = mla.mscale
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": ffn_hidden(cfg),
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_heads,
-        "hidden_act": ACT_OUT.get(cfg.activation, cfg.activation),
-        "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings,
+        **decoder_to_hf(cfg),
+        "num_key_value_heads": cfg.n_heads,  # latent attention: every head has its keys and values
         **mla_to_hf(cfg),
         "rope_interleave": False,  # tessera rotates halves; interleaved checkpoints are de-interleaved on import
         "num_nextn_predict_layers": cfg.mtp_depth,  # DeepSeek-V3's MTP modules, stored as layers n_layers + k
@@ -170,11 +151,7 @@ def _mla_rules(cfg: ModelConfig, ours: str, theirs: str) -> list[Rule]:
 
 def _layer_rules(cfg: ModelConfig, ours: str, theirs: str, index: int) -> list[Rule]:
     """One block's rules (``index`` says whether it is a MoE layer)."""
-    rules = [
-        copy(f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
-        copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-    ]
-    rules += _mla_rules(cfg, f"{ours}.attention", f"{theirs}.self_attn")
+    rules = layer_norm_rules(ours, theirs) + _mla_rules(cfg, f"{ours}.attention", f"{theirs}.self_attn")
     if not is_moe_layer(cfg, index):
         return rules + dense_ffn_rules(cfg, f"{ours}.feed_forward", f"{theirs}.mlp")
     rules += [

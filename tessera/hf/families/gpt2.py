@@ -5,9 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.hf.families.common import Family, Rule, copy, fail, ffn_hidden, norm
+from tessera.hf.families.common import Family, Rule, copy, fail, ffn_hidden, norm, sizes_from_hf, sizes_to_hf
 
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+_SIZES = {
+    "vocab_size": "vocab_size",
+    "dim": "n_embd",
+    "n_layers": "n_layer",
+    "n_heads": "n_head",
+    "max_seq_len": "n_positions",
+}
 
 
 def _gpt2_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -18,16 +26,12 @@ def _gpt2_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         fail("activation_function", act, "gpt2")
     dim = hf["n_embd"]
     return dict(
-        vocab_size=hf["vocab_size"],
-        dim=dim,
-        n_layers=hf["n_layer"],
-        n_heads=hf["n_head"],
+        sizes_from_hf(hf, _SIZES),
         ffn_hidden=hf.get("n_inner") or 4 * dim,
         activation=_GPT2_ACT[act],
         norm="layernorm",
         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
         position="learned",
-        max_seq_len=hf["n_positions"],
         bias=True,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
         attention={
@@ -40,11 +44,7 @@ def _gpt2_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _gpt2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {
-        "vocab_size": cfg.vocab_size,
-        "n_embd": cfg.dim,
-        "n_layer": cfg.n_layers,
-        "n_head": cfg.n_heads,
-        "n_positions": cfg.max_seq_len,
+        **sizes_to_hf(cfg, _SIZES),
         "n_inner": ffn_hidden(cfg),
         "activation_function": {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
         "layer_norm_epsilon": cfg.norm_eps,

@@ -6,42 +6,30 @@ from typing import Any
 
 from tessera.config import ModelConfig
 from tessera.hf.families.common import (
-    ACT_IN,
-    ACT_OUT,
     Family,
     Rule,
     copy,
+    decoder_to_hf,
     ends_rules,
     fail,
-    ffn_hidden,
     get,
     heads,
     linear,
     rope_from_hf,
     rope_to_hf,
+    decoder_from_hf,
 )
 from tessera.model.moe import is_moe_layer
 
 
 def llama_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """The ModelConfig keys of a Llama-like HF config (also the base of Mistral, Qwen2, Mixtral, the MoE families)."""
-    act = hf.get("hidden_act", "silu")
-    if act not in ACT_IN:
-        fail("hidden_act", act, family)
+    out = decoder_from_hf(hf, family)
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     attention_bias = bool(hf.get("attention_bias", False))  # Llama: biases on q, k, v and o
     return {
-        "vocab_size": hf["vocab_size"],
-        "dim": dim,
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": n_heads,
+        **out,
         "n_kv_heads": get(hf, "num_key_value_heads", default=n_heads),
-        "ffn_hidden": hf["intermediate_size"],
-        "activation": ACT_IN[act],
-        "norm": "rmsnorm",
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "max_seq_len": hf["max_position_embeddings"],
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "ffn_bias": bool(hf.get("mlp_bias", False)),
         "attention": {"qkv_bias": attention_bias, "o_bias": attention_bias},
         "position": rope_from_hf(hf, family),
@@ -59,33 +47,28 @@ def _ffn_bias(cfg: ModelConfig) -> bool:
 
 def llama_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
     """The HF config of a Llama-like tessera config (exactness is checked by the caller)."""
-    hf = {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
-        "head_dim": cfg.head_dim or cfg.dim // cfg.n_heads,
-        "intermediate_size": ffn_hidden(cfg),
-        "hidden_act": ACT_OUT.get(cfg.activation, cfg.activation),
-        "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        **rope_to_hf(cfg),
-    }
+    hf = {**decoder_to_hf(cfg), "head_dim": cfg.head_dim or cfg.dim // cfg.n_heads, **rope_to_hf(cfg)}
     if family == "llama":
         hf.update(attention_bias=cfg.attention.qkv_bias, mlp_bias=_ffn_bias(cfg))
     return hf
 
 
-def attention_rules(cfg: ModelConfig, ours: str, theirs: str) -> list[Rule]:
-    """q/k/v/o projections (and the q/k norms of Qwen3-style qk_norm)."""
+def layer_norm_rules(ours: str, theirs: str, mixer_norm: str = "attention_norm") -> list[Rule]:
+    """A pre-norm layer's two norms under Llama's names: before the mixer (``mixer_norm``) and before the FFN."""
+    return [
+        copy(f"{ours}.{mixer_norm}.weight", f"{theirs}.input_layernorm.weight"),
+        copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
+    ]
+
+
+def attention_rules(cfg: ModelConfig, ours: str, theirs: str, attn: str = "self_attn") -> list[Rule]:
+    """q/k/v/o projections (and the q/k norms of Qwen3-style qk_norm); ``attn``: HF's attention module name."""
     rules: list[Rule] = []
     for p in "qkv":
-        rules += linear(f"{ours}.attention.{p}_proj", f"{theirs}.self_attn.{p}_proj", cfg.attention.qkv_bias)
-    rules += linear(f"{ours}.attention.o_proj", f"{theirs}.self_attn.o_proj", _o_bias(cfg))
+        rules += linear(f"{ours}.attention.{p}_proj", f"{theirs}.{attn}.{p}_proj", cfg.attention.qkv_bias)
+    rules += linear(f"{ours}.attention.o_proj", f"{theirs}.{attn}.o_proj", _o_bias(cfg))
     if cfg.attention.qk_norm:
-        rules += [copy(f"{ours}.attention.{n}_norm.weight", f"{theirs}.self_attn.{n}_norm.weight") for n in "qk"]
+        rules += [copy(f"{ours}.attention.{n}_norm.weight", f"{theirs}.{attn}.{n}_norm.weight") for n in "qk"]
     return rules
 
 
@@ -103,16 +86,18 @@ def expert_rules(ours: str, theirs: str, n: int, names: tuple[str, str, str]) ->
     ]
 
 
+def llama_layer_rules(cfg: ModelConfig, i: int) -> tuple[str, str, list[Rule]]:
+    """Layer ``i``'s name prefixes (ours, HF's) and the rules of its two norms and attention projections."""
+    ours, theirs = f"layers.{i}", f"model.layers.{i}"
+    return ours, theirs, layer_norm_rules(ours, theirs) + attention_rules(cfg, ours, theirs)
+
+
 def llama_rules(cfg: ModelConfig, family: str) -> list[Rule]:
     """Weight names of Llama, Mistral, Qwen2 and Mixtral."""
     rules = ends_rules(cfg, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        rules += [
-            copy(f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
-            copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-        ]
-        rules += attention_rules(cfg, ours, theirs)
+        ours, theirs, layer = llama_layer_rules(cfg, i)
+        rules += layer
         if is_moe_layer(cfg, i):
             rules.append(copy(f"{ours}.moe.router.weight", f"{theirs}.block_sparse_moe.gate.weight"))
             rules += expert_rules(f"{ours}.moe", f"{theirs}.block_sparse_moe", cfg.moe.experts, ("w1", "w3", "w2"))

@@ -7,7 +7,7 @@ from typing import Any
 
 from tessera.config import ModelConfig
 from tessera.model.block import layer_kind
-from tessera.hf.families.common import ACT_IN, ACT_OUT, Family, Rule, copy, ends_rules, fail, ffn_hidden, get, linear
+from tessera.hf.families.common import Family, Rule, copy, ends_rules, fail, get, linear, decoder_to_hf, decoder_from_hf
 from tessera.hf.families.llama import attention_rules, dense_ffn_rules, expert_rules
 from tessera.model.moe import is_moe_layer
 
@@ -34,7 +34,9 @@ def _check_act(hf: dict[str, Any], family: str, key: str = "hidden_act") -> None
         fail(key, hf[key], family)
 
 
-def _ssm_base(hf: dict[str, Any], family: str) -> dict[str, Any]:
+def _ssm_from_hf(hf: dict[str, Any], family: str, tied: bool, state: int, **mamba: Any) -> dict[str, Any]:
+    """What the configs of Mamba and Mamba-2 (``family``) share; ``tied`` and ``state`` are HF's defaults of
+    tie_word_embeddings and state_size, ``mamba`` the version's own [model.mamba] keys."""
     _check_act(hf, family)
     return {
         "vocab_size": hf["vocab_size"],
@@ -46,22 +48,21 @@ def _ssm_base(hf: dict[str, Any], family: str) -> dict[str, Any]:
         "max_seq_len": int(hf.get("max_position_embeddings") or _MAX_LEN),
         "layer_pattern": "M",
         "position": {"kind": "none"},
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", tied)),
+        "mamba": {
+            "state": hf.get("state_size", state),
+            "conv": hf.get("conv_kernel", 4),
+            "conv_bias": bool(hf.get("use_conv_bias", True)),
+            "proj_bias": bool(hf.get("use_bias", False)),
+            "ffn": False,
+            **mamba,
+        },
     }
 
 
 def _mamba_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    dim = hf["hidden_size"]
-    mamba = {
-        "version": 1,
-        "state": hf.get("state_size", 16),
-        "conv": hf.get("conv_kernel", 4),
-        "expand": hf.get("expand", 2),
-        "dt_rank": _dt_rank(hf.get("time_step_rank"), dim),
-        "conv_bias": bool(hf.get("use_conv_bias", True)),
-        "proj_bias": bool(hf.get("use_bias", False)),
-        "ffn": False,
-    }
-    return {**_ssm_base(hf, "mamba"), "tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "mamba": mamba}
+    expand, dt_rank = hf.get("expand", 2), _dt_rank(hf.get("time_step_rank"), hf["hidden_size"])
+    return _ssm_from_hf(hf, "mamba", True, 16, version=1, expand=expand, dt_rank=dt_rank)
 
 
 def _ssm_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -94,19 +95,8 @@ def _mamba2_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     dim, expand = hf["hidden_size"], hf.get("expand", 2)
     if hf["num_heads"] * hf["head_dim"] != expand * dim:
         fail("num_heads", hf["num_heads"], "mamba2", "num_heads * head_dim must equal expand * hidden_size")
-    mamba = {
-        "version": 2,
-        "state": hf.get("state_size", 128),
-        "conv": hf.get("conv_kernel", 4),
-        "expand": expand,
-        "head_dim": hf["head_dim"],
-        "groups": hf.get("n_groups", 1),
-        "chunk": hf.get("chunk_size", 256),
-        "conv_bias": bool(hf.get("use_conv_bias", True)),
-        "proj_bias": bool(hf.get("use_bias", False)),
-        "ffn": False,
-    }
-    return {**_ssm_base(hf, "mamba2"), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "mamba": mamba}
+    own = {"expand": expand, "head_dim": hf["head_dim"], "groups": hf.get("n_groups", 1)}
+    return _ssm_from_hf(hf, "mamba2", False, 128, version=2, chunk=hf.get("chunk_size", 256), **own)
 
 
 def _mamba2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -149,17 +139,9 @@ def _jamba_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     n, dim = hf["num_hidden_layers"], hf["hidden_size"]
     period, offset = hf.get("attn_layer_period", 8), hf.get("attn_layer_offset", 4)
     out = {
-        "vocab_size": hf["vocab_size"],
-        "dim": dim,
-        "n_layers": n,
-        "n_heads": hf["num_attention_heads"],
+        **decoder_from_hf(hf, "jamba"),
         "n_kv_heads": get(hf, "num_key_value_heads", default=hf["num_attention_heads"]),
-        "ffn_hidden": hf["intermediate_size"],
-        "activation": ACT_IN["silu"],
-        "norm": "rmsnorm",
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "max_seq_len": int(hf.get("max_position_embeddings") or 262144),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "layer_pattern": compress_pattern("".join("A" if i % period == offset else "M" for i in range(n))),
         "position": {"kind": "none"},
         "mamba": {
@@ -195,16 +177,7 @@ def _jamba_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     # Jamba places attention on layers i % period == offset; an export that cannot is refused by the round trip.
     period = (attn[1] - attn[0] if len(attn) > 1 else n) if attn else n + 1
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": ffn_hidden(cfg),
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
-        "hidden_act": ACT_OUT.get(cfg.activation, cfg.activation),
-        "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings,
+        **decoder_to_hf(cfg),
         "attn_layer_period": period,
         "attn_layer_offset": attn[0] % period if attn else n,
         "num_experts": cfg.moe.experts or 1,

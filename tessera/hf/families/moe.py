@@ -8,10 +8,10 @@ from typing import Any
 from tessera.config import ModelConfig
 from tessera.hf.families.common import Family, HFConversionError, Rule, copy, ends_rules, fail, ffn_hidden, get
 from tessera.hf.families.llama import (
-    attention_rules,
     dense_ffn_rules,
     expert_rules,
     llama_from_hf,
+    llama_layer_rules,
     llama_to_hf,
     qwen2_layers_from_hf,
     qwen2_layers_to_hf,
@@ -141,12 +141,8 @@ def _olmoe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 def _moe_rules(cfg: ModelConfig, family: str) -> list[Rule]:
     rules = ends_rules(cfg, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        rules += [
-            copy(f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
-            copy(f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-        ]
-        rules += attention_rules(cfg, ours, theirs)
+        ours, theirs, layer = llama_layer_rules(cfg, i)
+        rules += layer
         if not is_moe_layer(cfg, i):
             rules += dense_ffn_rules(cfg, f"{ours}.feed_forward", f"{theirs}.mlp")
             continue

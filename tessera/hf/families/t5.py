@@ -5,7 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.hf.families.common import Family, HFConversionError, Rule, copy, fail, ffn_hidden, get
+from tessera.hf.families.common import Family, HFConversionError, Rule, copy, fail, get, sizes_from_hf, sizes_to_hf
+
+
+_SIZES = {
+    "vocab_size": "vocab_size",
+    "dim": "d_model",
+    "n_heads": "num_heads",
+    "n_layers": "num_layers",
+    "ffn_hidden": "d_ff",
+}
 
 
 def _t5_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -23,14 +32,10 @@ def _t5_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         fail("feed_forward_proj", proj, "t5")
     tied = bool(hf.get("tie_word_embeddings", True))
     return dict(
+        sizes_from_hf(hf, _SIZES),
         arch="encoder_decoder",
-        vocab_size=hf["vocab_size"],
-        dim=hf["d_model"],
         head_dim=hf["d_kv"],
-        n_heads=hf["num_heads"],
-        n_layers=hf["num_layers"],
         n_decoder_layers=get(hf, "num_decoder_layers", default=hf["num_layers"]),
-        ffn_hidden=hf["d_ff"],
         activation=table[(gated, act)],
         norm="rmsnorm",
         norm_eps=float(hf.get("layer_norm_epsilon", 1e-6)),
@@ -54,13 +59,9 @@ def _t5_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         cfg.activation
     ]
     return {
-        "vocab_size": cfg.vocab_size,
-        "d_model": cfg.dim,
+        **sizes_to_hf(cfg, _SIZES),
         "d_kv": cfg.head_dim or cfg.dim // cfg.n_heads,
-        "num_heads": cfg.n_heads,
-        "num_layers": cfg.n_layers,
         "num_decoder_layers": cfg.n_decoder_layers or cfg.n_layers,
-        "d_ff": ffn_hidden(cfg),
         "feed_forward_proj": proj,
         "layer_norm_epsilon": cfg.norm_eps,
         "relative_attention_num_buckets": cfg.position.rel_buckets,

@@ -10,18 +10,15 @@ math path, which keeps the whole matrix). The cost is one more forward of the sc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tessera.model.kernels.common import attention_flops
+from tessera.model.kernels.common import AttentionLayer, AttnContext, attention_flops
 from tessera.model.kernels.sdpa import block_sparse_attention
 from tessera.registry import ATTENTION_TP, KernelSpec, Terms, register, uses_kernel
-
-if TYPE_CHECKING:
-    from tessera.model.attention import Attention, AttnContext
 
 QUERY_BLOCK = 128  # query rows per block: the scores in flight are QUERY_BLOCK x keys per head
 
@@ -62,7 +59,7 @@ def _causal_rows(lo: int, hi: int, q_len: int, kv_len: int, device: torch.device
 
 
 def chunked_attend(
-    layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
+    layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
 ) -> torch.Tensor:
     """The eager kernel's attention, a block of queries at a time, each block checkpointed under autograd."""
     if ctx.blocks is not None:  # a block-sparse plan runs block-sparse whichever softmax kernel is set

@@ -3,23 +3,27 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tessera.model.kernels.common import allowed_mask, attention_flops, eager_memory, repeat_kv
+from tessera.model.kernels.common import (
+    AttentionLayer,
+    AttnContext,
+    allowed_mask,
+    attention_flops,
+    eager_memory,
+    repeat_kv,
+)
 from tessera.model.kernels.sdpa import block_sparse_attention
 from tessera.model.sinks import softmax_with_sink
 from tessera.model.softcap import softcap
 from tessera.registry import ATTENTION_TP, KernelSpec, Terms, register, uses_kernel
 
-if TYPE_CHECKING:
-    from tessera.model.attention import Attention, AttnContext
-
 
 def eager_attend(
-    layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
+    layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
 ) -> torch.Tensor:
     """Dense fp32 scores, the context's bias and mask, softmax, dropout, then the values."""
     sinks = layer.sinks() if getattr(layer, "sinks", None) is not None else None
@@ -59,5 +63,6 @@ SPEC = register(
         terms=Terms(flops=attention_flops, memory=_eager_memory),
         tp_plan=ATTENTION_TP,
         attend=eager_attend,
+        dense_mask=True,
     )
 )

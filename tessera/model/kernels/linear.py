@@ -1,22 +1,24 @@
 """``linear`` (elu + 1) and ``performer`` (FAVOR+ random features): the softmax replaced by a kernel
 feature map, so attention is prefix sums over keys (causal) or one sum (bidirectional). No score
-matrix: no masks, windows, score biases or document masks."""
+matrix: no masks, windows, score biases or document masks.
+
+Under context parallelism (``AttnContext.split``) the causal prefix sums are a recurrence whose state is
+(sum phi(k) v^T, sum phi(k)) with an identity transition: each rank sums its pieces, the sums are combined in
+sequence order (:func:`tessera.model.recurrent.split_scan`) and each piece continues from the sum before it."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tessera.config.checks import require
-from tessera.model.kernels.common import SOFTMAX_TERMS, repeat_kv
+from tessera.model.kernels.common import AttentionLayer, AttnContext, SOFTMAX_TERMS, repeat_kv
+from tessera.model.recurrent import RecurrentSplit, split_scan
 from tessera.registry import ATTENTION_TP, KernelSpec, register, uses_kernel
-
-if TYPE_CHECKING:
-    from tessera.model.attention import Attention, AttnContext
 
 
 class PerformerFeatures(nn.Module):
@@ -40,13 +42,17 @@ class PerformerFeatures(nn.Module):
         with torch.no_grad():
             self.projection.copy_(rows * norms)
 
-    def forward(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        """phi(x) = exp(w.x - |x|^2 / 2) / sqrt(m), with x scaled by d^-1/4 and a cancelling stabilizer."""
+    def forward(self, x: torch.Tensor, is_query: bool, split: RecurrentSplit | None = None) -> torch.Tensor:
+        """phi(x) = exp(w.x - |x|^2 / 2) / sqrt(m), with x scaled by d^-1/4 and a cancelling stabilizer (the keys'
+        over every piece of a ``split`` sequence)."""
         x = x.float() * self.head_dim**-0.25
         proj = x @ self.projection.T
         sq = x.pow(2).sum(-1, keepdim=True) / 2
-        # Subtracting a max per query row, or one max over all keys, cancels in numerator / denominator.
-        stab = proj.amax(dim=-1, keepdim=True) if is_query else proj.amax(dim=(-1, -2), keepdim=True)
+        # Subtracting a max per query row, or one max over all keys, cancels in numerator / denominator (a
+        # constant: no gradient through it).
+        stab = proj.amax(dim=-1, keepdim=True) if is_query else proj.amax(dim=(-1, -2), keepdim=True).detach()
+        if split is not None and not is_query:
+            stab = split.maximum(stab)
         return torch.exp(proj - sq - stab) / math.sqrt(self.n_features) + 1e-6
 
 
@@ -65,8 +71,27 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     return num / den[..., None].clamp_min(1e-12)
 
 
+def split_linear_attention(
+    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, split: RecurrentSplit
+) -> torch.Tensor:
+    """Causal :func:`linear_attention` of a split sequence's local queries and keys: the state (B, H, F, D + 1)
+    is [sum phi(k) v^T | sum phi(k)] (the last value column a one: the denominator), the transition one."""
+    v1 = torch.cat([v.float(), v.new_ones(*v.shape[:-1], 1, dtype=torch.float32)], dim=-1)
+
+    def summarize(p: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.einsum("bhtf,bhtd->bhfd", phi_k[:, :, p], v1[:, :, p])
+        return h.new_ones(*h.shape[:2], 1, 1), h
+
+    def scan(p: slice, entering: torch.Tensor) -> torch.Tensor:
+        kv = torch.einsum("bhtf,bhtd->bhtfd", phi_k[:, :, p], v1[:, :, p]).cumsum(2) + entering[:, :, None]
+        return torch.einsum("bhtf,bhtfd->bhtd", phi_q[:, :, p], kv)
+
+    out = torch.cat(split_scan(split, phi_q.shape[2], summarize, scan, True), dim=2)
+    return out[..., :-1] / out[..., -1].clamp_min(1e-12)[..., None]
+
+
 def linear_attend(
-    layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
+    layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
 ) -> torch.Tensor:
     """phi(q), phi(k) by the layer's feature map (``layer.features``, else elu + 1), then prefix sums."""
     if ctx.mask is not None or ctx.bias is not None:
@@ -75,10 +100,13 @@ def linear_attend(
             "score biases)"
         )
     k, v = repeat_kv(q, k, v)
+    split = ctx.split if ctx.causal else None  # under context parallelism (parallel/context.py)
     if layer.features is not None:
-        phi_q, phi_k = layer.features(q, is_query=True), layer.features(k, is_query=False)
+        phi_q, phi_k = layer.features(q, is_query=True), layer.features(k, is_query=False, split=split)
     else:
         phi_q, phi_k = F.elu(q.float()) + 1, F.elu(k.float()) + 1
+    if split is not None:
+        return split_linear_attention(phi_q, phi_k, v, split).to(q.dtype)
     if layer.weights_observer is not None:  # the implicit weights phi(q).phi(k) / sum_k, exactly as applied
         scores = phi_q @ phi_k.transpose(-2, -1)
         scores = scores.tril(scores.shape[-1] - scores.shape[-2]) if ctx.causal else scores
@@ -106,9 +134,7 @@ def performer_state(cfg: Any, head_dim: int) -> PerformerFeatures:
 
 
 FEATURE = "linear attention kernels (linear, performer)"
-UNSUPPORTED = {
-    "cp": "the kernel's prefix sums over keys are not split across ranks; use sdpa, eager or a sparse kernel",
-}
+UNSUPPORTED: dict[str, str] = {}  # cp: the prefix sums' state is combined over the ranks (split_linear_attention)
 
 LINEAR = register(
     KernelSpec(

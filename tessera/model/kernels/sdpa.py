@@ -3,18 +3,14 @@ windowed pattern's key blocks (masks.block_layout), a score bias folded into the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from tessera.model.kernels.common import SOFTMAX_TERMS, allowed_mask
+from tessera.model.kernels.common import AttentionLayer, AttnContext, SOFTMAX_TERMS, allowed_mask
 from tessera.model.masks import BlockLayout
 from tessera.model.sinks import mask_with_sink, sink_sdpa, with_sink_key
 from tessera.registry import ATTENTION_TP, KernelSpec, register, uses_kernel
-
-if TYPE_CHECKING:
-    from tessera.model.attention import Attention, AttnContext
 
 
 def block_sparse_attention(
@@ -69,7 +65,7 @@ def _key_blocks(x: torch.Tensor, layout: BlockLayout, pad: int) -> torch.Tensor:
 
 
 def sdpa_attend(
-    layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
+    layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, dropout: float
 ) -> torch.Tensor:
     """torch's fused attention under the context's mask, block plan or score bias (and the layer's sinks)."""
     sinks = layer.sinks() if getattr(layer, "sinks", None) is not None else None

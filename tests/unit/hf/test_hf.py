@@ -8,6 +8,7 @@ tokenizer may have any vocabulary size.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -94,6 +95,49 @@ def _qwen3_next(**kw) -> transformers.PreTrainedModel:
     return transformers.Qwen3NextForCausalLM(cfg)
 
 
+def _qwen3_5(moe: bool = False, **kw) -> transformers.PreTrainedModel:
+    """Qwen3.5's text model: Qwen3-Next's layout with four separate Gated DeltaNet input projections; the MoE model
+    renormalizes its top-k in every layer. rope_parameters carry the multimodal sections, as released configs do."""
+    shape = {k: v for k, v in _LLAMA_LIKE.items() if k != "intermediate_size" or not moe}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}
+    args = dict(
+        **{**shape, "num_hidden_layers": 4},
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        rope_parameters={**rope, "mrope_interleaved": True},
+        **kw,
+    )
+    if moe:
+        moe_args = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+        return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**args, **moe_args))
+    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**args))
+
+
+def _nemotron_h(**kw) -> transformers.PreTrainedModel:
+    """Mamba-2 + MLP, a Mamba-2 layer alone, attention + MLP, Mamba-2 + MLP (7 HF layers, 4 tessera layers)."""
+    types = ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp", "linear_attention", "mlp"]
+    cfg = transformers.NemotronHConfig(
+        vocab_size=V,
+        hidden_size=32,
+        layers_block_type=types,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        n_groups=2,
+        chunk_size=8,
+        max_position_embeddings=128,
+        **kw,
+    )
+    return transformers.NemotronHForCausalLM(cfg)
+
+
 def _deepseek(**kw) -> transformers.PreTrainedModel:
     """Latent attention in every layer; dense FFNs unless first_k_dense_replace says otherwise."""
     kw = {"first_k_dense_replace": 2, **kw}
@@ -164,6 +208,44 @@ def _deepseek_v32() -> transformers.PreTrainedModel:
         **_DEEPSEEK_MOE,
     )
     return transformers.DeepseekV32ForCausalLM(cfg)
+
+
+def _gemma3(**kw) -> transformers.PreTrainedModel:
+    """Gemma 3's shape: 5 local layers (4-token windows, RoPE base 1e4) to 1 global (1e6, linear x8), sandwich norms,
+    a query_pre_attn_scalar unlike head_dim."""
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    cfg = transformers.Gemma3TextConfig(
+        **{**_LLAMA_LIKE, "num_hidden_layers": 6},
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        rope_parameters=rope,
+        **kw,
+    )
+    return transformers.Gemma3ForCausalLM(cfg)
+def _gpt_oss() -> transformers.PreTrainedModel:
+    """gpt-oss: a 4-token window then full attention, sinks, biased clamped experts, YaRN with truncate=false
+    (at head_dim 16 the kept fraction changes the frequencies: tests/unit/hf/test_gpt_oss.py)."""
+    cfg = transformers.GptOssConfig(
+        **{**_LLAMA_LIKE, "intermediate_size": 16},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    return transformers.GptOssForCausalLM(cfg)
 
 
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
@@ -249,6 +331,11 @@ HF_MODELS = {
     "jamba": _jamba,
     "qwen3_next": lambda: _qwen3_next(num_experts=0),
     "qwen3_next_moe": lambda: _qwen3_next(**_QWEN_MOE, shared_expert_intermediate_size=24, decoder_sparse_step=2),
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_tied": lambda: _qwen3_5(tie_word_embeddings=True),
+    "qwen3_5_moe": lambda: _qwen3_5(moe=True),
+    "nemotron_h": _nemotron_h,
+    "nemotron_h_bias": lambda: _nemotron_h(mlp_bias=True, use_bias=True),
     "deepseek_v3": lambda: _deepseek(rope_interleave=True, q_lora_rank=16),
     "deepseek_v3_plain_rope": lambda: _deepseek(rope_interleave=False, q_lora_rank=None),
     # DeepSeek's YaRN: mscale = mscale_all_dim (cos/sin magnitude 1) and the softmax scale times mscale(40)^2
@@ -267,6 +354,17 @@ HF_MODELS = {
     "deepseek_v3_moe": lambda: _deepseek(q_lora_rank=16, **_DEEPSEEK_MOE),
     "deepseek_v32": _deepseek_v32,
     "kimi_linear": _kimi_linear,
+    "gemma3": _gemma3,
+    "gemma3_softcap": lambda: _gemma3(final_logit_softcapping=3.0, tie_word_embeddings=False),
+    # 3 sliding layers (4-token windows) to 1 full; norms after each sublayer; QK-norm over all heads
+    "olmo3": lambda: transformers.Olmo3ForCausalLM(
+        transformers.Olmo3Config(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, sliding_window=4)
+    ),
+    # layer 3 without rotary (NoPE)
+    "smollm3": lambda: transformers.SmolLM3ForCausalLM(
+        transformers.SmolLM3Config(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, pad_token_id=0)
+    ),
+    "gpt_oss": _gpt_oss,
     "deepseek_v3_yarn": lambda: _deepseek(
         q_lora_rank=16,
         rope_parameters={
@@ -281,6 +379,11 @@ HF_MODELS = {
         },
     ),
 }
+
+
+# Families an exported config cannot be told apart from by its numbers (Qwen3.5's text model is Qwen3-Next's):
+# the export names them.
+_EXPORT_AS = {"qwen3_5": "qwen3_5_text", "qwen3_5_tied": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -346,8 +449,9 @@ def test_hf_parity_and_roundtrip(family, tmp_path):
     assert ref.std() > 0.1  # the comparison is not between near-constant logits
     _check_generation(family, hf, model, x)
 
-    save_hf(model, tmp_path / "out")
+    save_hf(model, tmp_path / "out", _EXPORT_AS.get(family))
     back = _auto(family).from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(hf)
     assert (_logits(back, x, y, hf=True) - ref).abs().max().item() <= TOL
 
 
@@ -366,6 +470,61 @@ def test_qwen3_next_recipe_exports_to_the_published_size():
         hf = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**hf_config))
         ours = build_model(config.model)
     assert sum(p.numel() for p in hf.parameters()) == count_parameters(ours) == 79_674_391_296
+
+
+@pytest.mark.parametrize(
+    "recipe, family, count",
+    [
+        ("qwen3.5-27b", "qwen3_5_text", 26_895_998_464),
+        ("qwen3.5-35b-a3b", "qwen3_5_moe_text", 34_660_610_688),
+        ("nemotron-h-8b", "nemotron_h", 8_100_852_736),
+    ],
+)
+def test_hybrid_recipes_export_to_the_published_models(recipe, family, count):
+    """The full-size recipes export to the released configs' shapes: HF's model of the exported config (on meta)
+    counts what the released config gives (Qwen3.5-27B's and Qwen3.5-35B-A3B's text_config, Nemotron-H-8B) and
+    what tessera builds; Nemotron-H's 28 tessera blocks are its 52 HF layers."""
+    from pathlib import Path
+
+    from tessera.hf.weights import export_config
+    from tessera.model import count_parameters
+    from tessera.validate import load_config
+
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / f"{recipe}.toml")
+    hf_config, _ = export_config(config.model, family)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_config))
+        ours = build_model(config.model)
+    assert type(hf).__name__ == transformers.AutoConfig.for_model(**hf_config).architectures[0]
+    assert sum(p.numel() for p in hf.parameters()) == count_parameters(ours) == count
+
+
+def test_qwen3_5_released_multimodal_checkpoint_imports_its_text_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration directory (as released: text_config, model.language_model.* weights, a
+    vision tower): tessera reads the text model, whose logits equal the multimodal model's on text (1e-4); export
+    names the text family instead of writing a model without its vision tower."""
+    text = _qwen3_5().config.to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4)
+    tokens = dict(image_token_id=95, video_token_id=96, vision_start_token_id=97, vision_end_token_id=98)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens)
+    hf = _randomize(transformers.Qwen3_5ForConditionalGeneration(cfg), seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    model = tessera.load(tmp_path / "hf")
+    x = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(input_ids=x).logits
+        assert (model(x) - ref).abs().max().item() <= TOL and ref.std() > 0.1
+    with pytest.raises(HFConversionError, match="qwen3_5_text"):
+        save_hf(model, tmp_path / "out", "qwen3_5")
+    # imported and exported without naming a family: the text model comes back as Qwen3.5, not as Qwen3-Next
+    from tessera.hf.convert import hf_export, hf_import
+
+    hf_import(tmp_path / "hf", tmp_path / "run")
+    assert hf_export(tmp_path / "run", tmp_path / "out") == "qwen3_5_text"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is transformers.Qwen3_5ForCausalLM
+    with torch.no_grad():
+        assert (back(x).logits - ref).abs().max().item() <= TOL
 
 
 def test_untied_t5_from_a_transformers_4_checkpoint(tmp_path):
@@ -472,6 +631,59 @@ def test_cli_qwen3_next_state_dims_that_disagree_are_one_line(tmp_path):
     assert res.returncode == 2
     assert "linear_num_value_heads" in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "make, field, value",
+    [
+        (_nemotron_h, "n_groups", 3),  # 8 Mamba heads do not split into 3 B/C groups
+        (_qwen3_5, "layer_types", ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+    ],
+)
+def test_cli_hybrid_state_dims_that_disagree_are_one_line(make, field, value, tmp_path):
+    """An HF config whose state dimensions or layer types tessera cannot build: exit 2, one line naming the field."""
+    make().save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, field: value}))
+    res = run_cli("convert", "hf-import", str(tmp_path / "hf"), str(tmp_path / "run"))
+    assert res.returncode == 2
+    assert field in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "family, change, field",
+    [
+        ("nemotron_h", {"mamba_head_dim": 10}, "mamba_num_heads"),  # 8 x 10 is no multiple of hidden_size 32
+        ("nemotron_h", {"layers_block_type": ["linear_attention", "moe"]}, "layers_block_type[1]"),
+        ("nemotron_h", {"layers_block_type": ["full_attention", "linear_attention"]}, "layers_block_type[0]"),
+        ("nemotron_h", {"layers_block_type": ["mlp", "linear_attention"]}, "layers_block_type[0]"),
+        ("nemotron_h", {"mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
+        ("qwen3_5", {"linear_num_value_heads": 3}, "linear_num_value_heads"),
+        ("qwen3_5", {"attn_output_gate": False}, "attn_output_gate"),
+    ],
+)
+def test_hybrid_configs_tessera_cannot_build_name_the_field(family, change, field):
+    """Each refused option raises one HFConversionError naming the HF field (the CLI prints it, exit 2)."""
+    from tessera.hf.weights import config_from_hf
+
+    hf = HF_MODELS[family]().config.to_dict()
+    with pytest.raises(HFConversionError, match=re.escape(field)):
+        config_from_hf({**hf, **change})
+
+
+def test_nemotron_h_layer_orders_in_every_form_pair_the_same():
+    """Released configs give the order as hybrid_override_pattern (M * - E), older ones with legacy type names:
+    all read as the same tessera blocks."""
+    from tessera.hf.weights import config_from_hf
+
+    hf = HF_MODELS["nemotron_h"]().config.to_dict()
+    types = hf.pop("layers_block_type")
+    legacy = [{"linear_attention": "mamba", "full_attention": "attention"}.get(t, t) for t in types]
+    want, _ = config_from_hf({**hf, "layers_block_type": types})
+    assert want.layer_pattern == "MmAM" and want.n_layers == 4
+    assert config_from_hf({**hf, "hybrid_override_pattern": "M-M*-M-"})[0] == want
+    assert config_from_hf({**hf, "layers_block_type": legacy})[0] == want
 
 
 def test_unsupported_family(tmp_path):

@@ -27,6 +27,10 @@ from tessera.cli import main
             ["model.attention.sliding_window=4096", "model.max_seq_len=256"],
             "model.attention.sliding_window=4096 is larger than the context (model.max_seq_len=256)",
         ),
+        (["model.position.nope_layers=1,9"], "model.position.nope_layers has layer 9, out of range"),
+        (["model.position.nope_layers=1,x"], "is not a list of distinct layer indices"),
+        (["model.attention.softcap=50"], "model.attention.softcap=50.0 needs the scores written out"),
+        (["model.position.local_rope_theta=10000"], "needs model.position.kind='rope', model.attention.sliding_window"),
     ],
 )
 def test_bad_attention_options_are_one_line(overrides, message, capsys, monkeypatch):

@@ -95,11 +95,11 @@ def test_the_clamp_is_gpt_oss_s():
     assert clamped_swiglu(gate, up, 7.0)[0] != 0  # the gate is not clamped below
 
 
-def test_gpt_oss_experts_are_refused_with_expert_parallelism(tiny_config):
+def test_gpt_oss_experts_config_rules(tiny_config):
+    """Accepted with expert parallelism (its parity: tests/integration/test_sinks_parallel.py, ep2); not with GELU."""
     from tessera.config import ConfigError
 
     moe = ["model.moe.experts=4", "model.moe.expert_biases=true", "model.moe.swiglu_limit=7"]
-    with pytest.raises(ConfigError, match="expert-parallel dispatch carries the three projection weights"):
-        tiny_config(*moe, "parallel.ep=2", "parallel.dp_shard=2")
+    assert tiny_config(*moe, "parallel.ep=2", "parallel.dp_shard=2").parallel.ep == 2
     with pytest.raises(ConfigError, match="gpt-oss's SwiGLU experts"):
         tiny_config(*moe, "model.activation=gelu")

@@ -18,6 +18,7 @@ from tessera.model.norm import RMSNorm
 from tessera.model.position import (
     AbsolutePositions,
     RopeScaling,
+    RotaryEmbedding,
     alibi_slopes,
     apply_rope,
     rope_inv_freq,
@@ -178,6 +179,25 @@ def test_rope_scaling_and_partial_rotary():
     out = apply_rope(x, cos, sin)
     assert torch.equal(out[..., 4:], x[..., 4:])
     assert torch.allclose(out[..., :4], apply_rope(x[..., :4], cos, sin))
+
+
+def test_rope_is_hf_rotate_half_to_the_bit():
+    """apply_rope is HF Llama's rotate-half form to the bit (values and gradients, fp32), whatever the tables
+    hold: a faster form of the rotation must keep these bits (the golden curves depend on them)."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(16, 12, 10000.0)
+    tables = [rope(0, 12), (torch.randn(1, 1, 12, 16), torch.randn(1, 1, 12, 16))]
+    for cos, sin in tables:
+        x = torch.randn(2, 12, 3, 16).transpose(1, 2).requires_grad_()  # (B, H, T, D) as attention hands it
+        ref = x.detach().clone().requires_grad_()
+        ours, theirs = apply_rope(x, cos, sin), ref * cos + rotate_half(ref) * sin
+        assert torch.equal(ours, theirs)
+        grad = torch.randn_like(ours)
+        ours.backward(grad)
+        theirs.backward(grad)
+        assert torch.equal(x.grad, ref.grad)
 
 
 def test_absolute_positions():

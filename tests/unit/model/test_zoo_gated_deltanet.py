@@ -20,6 +20,8 @@ from tessera.model.norm import ZeroCenteredRMSNorm
 from tessera.model.recurrent import causal_depthwise_conv
 from tessera.model.position import RotaryEmbedding
 
+from helpers.splits import InOrderSplit
+
 TOL = 1e-5
 _GDN = dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=6, conv=4, chunk=8)
 
@@ -198,29 +200,6 @@ def test_gated_attention_with_partial_rotary_matches_hf():
         _close(p.grad, theirs[name].grad)
 
 
-class _InOrderSplit:
-    """A RecurrentSplit whose pieces are all in this process, in sequence order: what context parallelism
-    computes across ranks, checked against the unsplit scan without a process group."""
-
-    def __init__(self, n: int, drop_state: bool = False, drop_halo: bool = False) -> None:
-        self.n, self.drop_state, self.drop_halo = n, drop_state, drop_halo
-
-    def pieces(self, length: int) -> list[slice]:
-        size = length // self.n
-        return [slice(i * size, (i + 1) * size) for i in range(self.n)]
-
-    def halos(self, tails: torch.Tensor) -> torch.Tensor:
-        before = torch.cat([torch.zeros_like(tails[:, :, :1]), tails[:, :, :-1]], dim=2)
-        return torch.zeros_like(before) if self.drop_halo else before
-
-    def entering_states(self, transitions: torch.Tensor, contributions: torch.Tensor) -> torch.Tensor:
-        state, out = torch.zeros_like(contributions[0]), []
-        for a, h in zip(transitions, contributions):
-            out.append(state)
-            state = a @ state + h
-        return torch.zeros_like(torch.stack(out)) if self.drop_state else torch.stack(out)
-
-
 def test_split_scan_from_chunk_summaries_equals_the_whole_scan():
     """Pieces scanned from zero, combined through their (transition, contribution) summaries, with convolution
     halos: the same outputs and gradients as one scan; dropping the state or the halo breaks it."""
@@ -228,12 +207,12 @@ def test_split_scan_from_chunk_summaries_equals_the_whole_scan():
     x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(6))
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     want = ours(xa)
-    got = ours(xb, split=_InOrderSplit(4))  # pieces of 6: partial chunks of 8 inside each
+    got = ours(xb, split=InOrderSplit(4))  # pieces of 6: partial chunks of 8 inside each
     _close(got, want)
     grad = torch.randn_like(want)
     want.backward(grad)
     got.backward(grad)
     _close(xb.grad, xa.grad)
     with torch.no_grad():
-        assert (ours(x, split=_InOrderSplit(4, drop_state=True)) - want).abs().max() > 1e-3
-        assert (ours(x, split=_InOrderSplit(4, drop_halo=True)) - want).abs().max() > 1e-3
+        assert (ours(x, split=InOrderSplit(4, drop_state=True)) - want).abs().max() > 1e-3
+        assert (ours(x, split=InOrderSplit(4, drop_halo=True)) - want).abs().max() > 1e-3
