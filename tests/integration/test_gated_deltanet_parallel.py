@@ -1,10 +1,10 @@
 """A Qwen3-Next-shaped hybrid (Gated DeltaNet + gated attention with per-head QK-norm, zero-centred norms, partial
 rotary, MoE with a gated shared expert) with a Kimi Delta Attention layer between them (a per-channel decay; its
-low-rank decay and gate projections split and gathered) under tp2 + SP, pipeline stages and cp2 (chunk summaries combined over the
-ranks, convolution halos from the rank before), also with document masks at cp2; the same hybrid with Mamba-2 + elu+1
-attention at tp2 + SP and cp2, and Mamba-2 + softmax attention at cp2 with document masks: each matches its
-single-process run on losses, grad norms and final parameters (fp32, 1e-5 relative, 4 steps), all in one spawned
-world of 2. Layer level, with spread-out weights: tp and SP without it for every recurrent mixer
+low-rank decay and gate projections split and gathered) under tp2 + SP, pipeline stages and cp2 (chunk summaries
+combined over the ranks, convolution halos from the rank before), also with document masks at cp2; the same hybrid
+with Mamba-2 + elu+1 attention at tp2 + SP and cp2, and Mamba-2 + softmax attention at cp2 with document masks: each
+matches its single-process run on losses, grad norms and final parameters (fp32, 1e-5 relative, 4 steps), all in
+one spawned world of 2. Layer level, with spread-out weights: tp and SP without it for every recurrent mixer
 (tests/helpers/dist_tp_blocks.py), cp2 / cp4 with document boundaries inside a rank's slice and on a rank boundary
 (tests/helpers/dist_cp.py)."""
 
@@ -49,7 +49,13 @@ QWEN3_NEXT = [
     # The balance loss of a micro-batch is not that of the batch (pp splits it): the parity is of the model itself.
     "model.moe.aux_loss_coef=0.0",
 ]
-MAMBA = ["model.layer_pattern=MA", "model.mamba.state=8", "model.mamba.head_dim=16", "model.mamba.chunk=8"]
+MAMBA = [
+    "model.n_layers=2",
+    "model.layer_pattern=MA",
+    "model.mamba.state=8",
+    "model.mamba.head_dim=16",
+    "model.mamba.chunk=8",
+]
 MIXERS = {  # model variant -> its overrides (each has its own single-process reference)
     "gdn": [],
     "gdn_docs": ["data.document_mask=true"],
