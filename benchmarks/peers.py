@@ -163,9 +163,13 @@ def _torchtitan_model(args: argparse.Namespace) -> torch.nn.Module:
     cfg = Llama3Model.Config(
         dim=args.dim,
         vocab_size=args.vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=args.vocab, embedding_dim=args.dim, param_init=llama3._EMBEDDING_INIT),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=args.vocab, embedding_dim=args.dim, param_init=llama3._EMBEDDING_INIT
+        ),
         norm=RMSNorm.Config(normalized_shape=args.dim, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(in_features=args.dim, out_features=args.vocab, param_init=llama3._output_linear_init(args.dim)),
+        lm_head=Linear.Config(
+            in_features=args.dim, out_features=args.vocab, param_init=llama3._output_linear_init(args.dim)
+        ),
         layers=layers,
     )
     torch.manual_seed(0)

@@ -187,13 +187,15 @@ def split_gated_delta_rule(
         probe = torch.cat([v[:, :, p], v.new_zeros(*v[:, :, p].shape[:-1], dk)], dim=-1)
         eye = torch.eye(dk, device=v.device, dtype=v.dtype).expand(*v.shape[:2], dk, dk)
         start = torch.cat([v.new_zeros(*v.shape[:2], dk, dv), eye], dim=-1)
-        final = chunk_gated_delta_rule(q[:, :, p], k[:, :, p], probe, g[:, :, p], beta[:, :, p], chunk, start,
-                                       piece_docs(p))[1]
+        final = chunk_gated_delta_rule(
+            q[:, :, p], k[:, :, p], probe, g[:, :, p], beta[:, :, p], chunk, start, piece_docs(p)
+        )[1]
         return final[..., dv:], final[..., :dv]  # [contribution | transition]
 
     def scan(p: slice, entering: torch.Tensor) -> torch.Tensor:
-        return chunk_gated_delta_rule(q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p], beta[:, :, p], chunk, entering,
-                                      piece_docs(p))[0]
+        return chunk_gated_delta_rule(
+            q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p], beta[:, :, p], chunk, entering, piece_docs(p)
+        )[0]
 
     return torch.cat(split_scan(split, q.shape[2], summarize, scan, False, document_ids), dim=2)
 

@@ -217,4 +217,3 @@ def _zero_bias(linear: nn.Module) -> None:
 
     linear.register_forward_pre_hook(zeroed)
     linear.register_forward_hook(restore)
-

@@ -26,7 +26,6 @@ from tessera.layout import cost_balanced_counts
 from tessera.model import build_model
 from tessera.model.blocks import block_containers, muon_parameters
 from tessera.model.ffn import GATED, ffn_hidden_size
-from tessera.model.mla import LatentAttention
 from tessera.parallel.tensor import tp_sharded_modules
 from tessera.train.flops import flops_per_token
 
@@ -132,11 +131,7 @@ def _classify(block: nn.Module, layer: int) -> BlockParams:
     tp, replicated, experts = counts
     moe = getattr(block, "moe", None) is not None
     ffn = moe or getattr(block, "feed_forward", None) is not None
-    if getattr(block, "mamba", None) is not None:
-        mixer = "mamba"
-    else:
-        mixer = "latent" if isinstance(getattr(block, "attention", None), LatentAttention) else "attention"
-    return BlockParams(tp, replicated, experts, moe, mixer, ffn, layer, (matrices[0], matrices[1], matrices[2]))
+    return BlockParams(tp, replicated, experts, moe, block.mixer, ffn, layer, (matrices[0], matrices[1], matrices[2]))
 
 
 def one_period(cfg: ModelConfig) -> ModelConfig:

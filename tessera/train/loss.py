@@ -145,7 +145,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, labels, weights, smoothing: float, chunk: int, dtype, shard: _Shard, twice: bool,
+        ctx,
+        hidden,
+        weight,
+        bias,
+        labels,
+        weights,
+        smoothing: float,
+        chunk: int,
+        dtype,
+        shard: _Shard,
+        twice: bool,
         cap: float = 0.0,
     ):
         needs_grad = any(ctx.needs_input_grad[:3])
@@ -271,6 +281,13 @@ class FusedHeadLoss:
         """The mean loss of ``output(hidden)`` against the labels."""
         smoothing, chunk, twice = self.label_smoothing, self.chunk, self.backward_twice
         return linear_cross_entropy(
-            hidden, output.weight, output.bias, self.labels, self.loss_mask, smoothing, chunk, twice,
+            hidden,
+            output.weight,
+            output.bias,
+            self.labels,
+            self.loss_mask,
+            smoothing,
+            chunk,
+            twice,
             getattr(output, "cap", 0.0),  # a soft-capped head (tessera.model.softcap.SoftcappedHead)
         )

@@ -123,8 +123,14 @@ PIPELINE_AND_DDP = {
     ),
     "cp2_tp2_sp_mamba2_linear": (
         ["parallel.cp=2", "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
-        ["model.layer_pattern=MA", "model.mamba.version=2", "model.mamba.head_dim=16", "model.mamba.groups=2",
-         "model.mamba.chunk=8", "model.attention.kernel=linear"],
+        [
+            "model.layer_pattern=MA",
+            "model.mamba.version=2",
+            "model.mamba.head_dim=16",
+            "model.mamba.groups=2",
+            "model.mamba.chunk=8",
+            "model.attention.kernel=linear",
+        ],
     ),
 }
 

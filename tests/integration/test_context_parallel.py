@@ -181,7 +181,10 @@ def test_zigzag_split_balances_causal_work_and_covers_the_sequence():
         (["parallel.cp=2", "train.seq_len=30"], "divisible by 2 x parallel.cp=4"),
         (["parallel.cp=2", "parallel.cp_method=ring", "model.attention.dropout=0.1"], "without dropout"),
         (["parallel.cp=2", "parallel.tp=4", "model.n_kv_heads=4", "train.seq_len=36"], "tp=4 x parallel.cp=2"),
-        (["parallel.cp=2", "model.attention.kernel=linear", "model.arch=encoder", "model.sentinel_tokens=1"], "causal only"),
+        (
+            ["parallel.cp=2", "model.attention.kernel=linear", "model.arch=encoder", "model.sentinel_tokens=1"],
+            "causal only",
+        ),
         (["parallel.cp=2", "parallel.cp_method=ring", "model.position.kind=alibi"], "adds no score bias"),
         (["parallel.cp=2", "model.moe.experts=4", "model.moe.capacity_factor=1.25"], "token dropping\\) with cp"),
         (["parallel.cp=2", "parallel.cp_method=zigzag"], "parallel.cp_method"),

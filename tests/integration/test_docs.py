@@ -15,6 +15,8 @@ from helpers.doc_commands import fenced_commands, inline_commands
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
 def _commands() -> list[tuple[str, str]]:
     found = []
     for page in PAGES:

@@ -177,8 +177,11 @@ def test_a_killed_agent_leaves_the_job_to_torchrun_on_the_node_left(tiny_config,
     agents = []
     try:
         for log in logs:  # each agent in its own session: killing one kills its worker too, as a lost node
-            agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+            agents.append(
+                subprocess.Popen(
+                    cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
             _wait_for_listener(host, port, agents[0])  # the first agent hosts the rendezvous store
         deadline = time.time() + 400
         while not any(int(c.name.removeprefix("step_")) >= 4 for c in list_checkpoints(run)) and time.time() < deadline:

@@ -173,8 +173,15 @@ def test_a_group_dying_inside_a_step_makes_the_survivor_redo_it_over_the_same_sa
             argv = replica_overrides([], str(run), group, 2, lighthouse.address())
             env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_FAULTS": faults}
             log = (tmp_path / f"group{group}.log").open("w")
-            groups.append(subprocess.Popen([sys.executable, "-m", "tessera", "train", str(recipe), *argv], cwd=REPO,
-                                           env=env, stdout=log, stderr=subprocess.STDOUT))
+            groups.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tessera", "train", str(recipe), *argv],
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         assert groups[0].wait(timeout=600) == 0, (tmp_path / "group0.log").read_text()[-5000:]
         assert groups[1].wait(timeout=60) == -signal.SIGKILL
     finally:
@@ -196,7 +203,10 @@ def test_a_group_dying_inside_a_step_makes_the_survivor_redo_it_over_the_same_sa
 @pytest.mark.parametrize(
     "args,fragment",
     [
-        (["--ft-replicas", "4", "train.batch_size=6"], "train.batch_size=6 cannot be dealt over parallel.ft.replicas=4"),
+        (
+            ["--ft-replicas", "4", "train.batch_size=6"],
+            "train.batch_size=6 cannot be dealt over parallel.ft.replicas=4",
+        ),
         (["--ft-replicas", "2", "parallel.tp=2", "parallel.sequence_parallel=false"], "with tp"),
         (["--ft-replicas", "2", "parallel.dp_shard=2"], "with fsdp"),
         (["--ft-replicas", "2", "--ft-lighthouse", "nowhere"], "--ft-lighthouse='nowhere' is not a lighthouse address"),

@@ -114,8 +114,13 @@ def test_key_heads_not_divisible_by_tp_is_one_clear_error(tiny_config):
 
 def test_mamba2_groups_not_divisible_by_tp_is_one_clear_error(tiny_config):
     with pytest.raises(ConfigError, match=r"Mamba-2 under parallel.tp=2 needs whole heads .*model.mamba.groups=1"):
-        tiny_config("parallel.tp=2", "parallel.dp_shard=1", "model.layer_pattern=MA", "model.mamba.version=2",
-                    "model.mamba.head_dim=16")
+        tiny_config(
+            "parallel.tp=2",
+            "parallel.dp_shard=1",
+            "model.layer_pattern=MA",
+            "model.mamba.version=2",
+            "model.mamba.head_dim=16",
+        )
 
 
 def test_chunk_not_dividing_the_local_piece_is_one_clear_error(tiny_config):

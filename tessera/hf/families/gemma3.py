@@ -15,9 +15,7 @@ FAMILY = "gemma3_text"
 
 def _layer_types(hf: dict[str, Any]) -> list[str]:
     n, period = hf["num_hidden_layers"], int(hf.get("sliding_window_pattern") or 6)
-    return hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)
-    ]
+    return hf.get("layer_types") or ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
 
 
 def _refuse(hf: dict[str, Any]) -> None:

@@ -39,6 +39,4 @@ def smollm3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-FAMILIES = {
-    FAMILY: Family(FAMILY, "SmolLM3ForCausalLM", smollm3_from_hf, smollm3_to_hf, llama_rules, ("rotary_emb",))
-}
+FAMILIES = {FAMILY: Family(FAMILY, "SmolLM3ForCausalLM", smollm3_from_hf, smollm3_to_hf, llama_rules, ("rotary_emb",))}

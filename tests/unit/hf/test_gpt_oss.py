@@ -23,7 +23,9 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 @pytest.mark.parametrize("truncate", [False, True])
-@pytest.mark.parametrize(("head_dim", "theta", "factor", "original"), [(64, 150000.0, 32.0, 4096), (16, 150000.0, 4.0, 32)])
+@pytest.mark.parametrize(
+    ("head_dim", "theta", "factor", "original"), [(64, 150000.0, 32.0, 4096), (16, 150000.0, 4.0, 32)]
+)
 def test_yarn_frequencies_equal_transformers(truncate, head_dim, theta, factor, original):
     """tessera's YaRN inverse frequencies and cos/sin magnitude equal HF's ``_compute_yarn_parameters``
     (gpt-oss's published parameters and the tiny test model's), with and without truncation."""

@@ -111,7 +111,9 @@ def _qwen3_5(moe: bool = False, **kw) -> transformers.PreTrainedModel:
         **kw,
     )
     if moe:
-        moe_args = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+        moe_args = dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24
+        )
         return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**args, **moe_args))
     return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**args))
 
@@ -226,6 +228,8 @@ def _gemma3(**kw) -> transformers.PreTrainedModel:
         **kw,
     )
     return transformers.Gemma3ForCausalLM(cfg)
+
+
 def _gpt_oss() -> transformers.PreTrainedModel:
     """gpt-oss: a 4-token window then full attention, sinks, biased clamped experts, YaRN with truncate=false
     (at head_dim 16 the kept fraction changes the frequencies: tests/unit/hf/test_gpt_oss.py)."""

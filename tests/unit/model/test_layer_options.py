@@ -21,8 +21,13 @@ from tessera.model.kernels.eager import eager_attend
 TOL = 1e-4
 V = 61
 _SMALL = dict(
-    vocab_size=V, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=64, pad_token_id=0,
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
 )
 _GEMMA_ROPE = {
     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
@@ -31,12 +36,18 @@ _GEMMA_ROPE = {
 MODELS = {
     "gemma3_text": lambda: transformers.Gemma3ForCausalLM(
         transformers.Gemma3TextConfig(
-            **_SMALL, num_hidden_layers=6, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
-            rope_parameters=_GEMMA_ROPE, final_logit_softcapping=3.0,
+            **_SMALL,
+            num_hidden_layers=6,
+            head_dim=16,
+            sliding_window=4,
+            query_pre_attn_scalar=24,
+            rope_parameters=_GEMMA_ROPE,
+            final_logit_softcapping=3.0,
         )
     ),
-    "olmo3": lambda: transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**_SMALL, num_hidden_layers=4,
-                                                                           sliding_window=4)),
+    "olmo3": lambda: transformers.Olmo3ForCausalLM(
+        transformers.Olmo3Config(**_SMALL, num_hidden_layers=4, sliding_window=4)
+    ),
     "smollm3": lambda: transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**_SMALL, num_hidden_layers=4)),
 }
 
@@ -94,8 +105,9 @@ def test_attention_softcap_matches_gemma2_eager_attention():
     ours = torch.autograd.grad((got * torch.arange(8.0)).sum(), (q, k, v))
     for a, b in zip(ours, grads):
         assert (a - b).abs().max().item() <= TOL
-    uncapped = eager_attend(types.SimpleNamespace(**{**vars(layer), "softcap": 0.0}), q, k, v,
-                            AttnContext(mask=causal[None, None]), 0.0).transpose(1, 2)
+    uncapped = eager_attend(
+        types.SimpleNamespace(**{**vars(layer), "softcap": 0.0}), q, k, v, AttnContext(mask=causal[None, None]), 0.0
+    ).transpose(1, 2)
     assert (uncapped - want).abs().max().item() > 1e-2  # the cap matters at these scores
 
 

@@ -86,8 +86,16 @@ def test_time_step_floor_matches_nemotron_h_mamba2_mixer():
 def test_mamba_layer_alone_has_no_ffn_and_matches_two_nemotron_h_blocks():
     """Pattern "Mm": a Mamba-2 + FFN block, then a Mamba-2 block alone = NemotronH's M, -, M layers."""
     cfg = model_config(
-        vocab_size=64, dim=32, n_layers=2, n_heads=4, layer_pattern="Mm", activation="relu2", ffn_hidden=48,
-        norm_eps=1e-5, position={"kind": "none"}, mamba={**_MAMBA, "ffn": True},
+        vocab_size=64,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        layer_pattern="Mm",
+        activation="relu2",
+        ffn_hidden=48,
+        norm_eps=1e-5,
+        position={"kind": "none"},
+        mamba={**_MAMBA, "ffn": True},
     )
     ours = build_model(cfg).eval()
     assert ours.layers["0"].feed_forward is not None and ours.layers["1"].feed_forward is None
