@@ -193,11 +193,9 @@ def _check_tensor_parallel(config: JobConfig) -> None:
         f"model.n_kv_heads={kv} is not divisible by parallel.tp={p.tp}; use tp <= n_kv_heads that divides it",
     )
     _check_layer_heads(m, p.tp)
-    _require(
-        "D" not in m.layer_pattern or m.gdn.key_heads % p.tp == 0,
-        f"model.gdn.key_heads={m.gdn.key_heads} is not divisible by parallel.tp={p.tp} (each rank holds whole "
-        "Gated DeltaNet key-head groups); pick a tp that divides it",
-    )
+    for letter, name, section, heads in _DELTA_RULE_MIXERS:
+        if letter in m.layer_pattern:
+            _check_delta_rule_tp(config, name, section, heads)
     if "M" in m.layer_pattern:
         _check_mamba_tp(m, p)
     _require(
@@ -250,8 +248,9 @@ def _check_context_parallel(config: JobConfig) -> None:
         f"parallel.cp_method='ring' adds no score bias, but model.position.kind='{m.position.kind}'; use "
         "parallel.cp_method=allgather (the bias spans the gathered keys) or rope/learned positions",
     )
-    if "D" in m.layer_pattern:
-        _check_gated_deltanet_cp(config)
+    for letter, name, section, _ in _DELTA_RULE_MIXERS:
+        if letter in m.layer_pattern:
+            _check_delta_rule_cp(config, name, section)
     piece = t.seq_len // (2 * p.cp)
     _require(
         "M" not in m.layer_pattern or piece >= m.mamba.conv - 1,
@@ -265,14 +264,36 @@ def _check_context_parallel(config: JobConfig) -> None:
     )
 
 
-def _check_gated_deltanet_cp(config: JobConfig) -> None:
-    """A Gated DeltaNet under cp scans each rank's two chunks (seq_len / 2cp tokens) in whole scan chunks."""
-    p, g, t = config.parallel, config.model.gdn, config.train
+# The delta-rule mixers: their layer_pattern letter, name, [model.<section>] and the heads a tp rank holds whole.
+_DELTA_RULE_MIXERS = (("D", "Gated DeltaNet", "gdn", "key_heads"), ("K", "Kimi Delta Attention", "kda", "heads"))
+
+
+def _check_delta_rule_tp(config: JobConfig, name: str, section: str, heads: str) -> None:
+    """Whole heads (GDN: key-head groups) per tp rank; KDA's low-rank decay and gate projections (dim -> head_dim)
+    split too."""
+    p, sub = config.parallel, getattr(config.model, section)
+    count = getattr(sub, heads)
+    _require(
+        count % p.tp == 0,
+        f"model.{section}.{heads}={count} is not divisible by parallel.tp={p.tp} (each rank holds whole "
+        f"{name} {'key-head groups' if section == 'gdn' else 'heads'}); pick a tp that divides it",
+    )
+    if section == "kda":
+        _require(
+            sub.head_dim % p.tp == 0,
+            f"model.kda.head_dim={sub.head_dim} is not divisible by parallel.tp={p.tp} (the decay and gate "
+            "projections' low-rank halves are split over the ranks); pick a tp that divides it",
+        )
+
+
+def _check_delta_rule_cp(config: JobConfig, name: str, section: str) -> None:
+    """A delta-rule mixer under cp scans each rank's two chunks (seq_len / 2cp tokens) in whole scan chunks."""
+    p, g, t = config.parallel, getattr(config.model, section), config.train
     piece = t.seq_len // (2 * p.cp)
     _require(
         piece % g.chunk == 0 and piece >= g.conv - 1,
-        f"model.gdn.chunk={g.chunk} does not divide the local sequence piece train.seq_len / (2 x parallel.cp) = "
-        f"{piece} (Gated DeltaNet under context parallelism); pick a chunk that divides {piece}",
+        f"model.{section}.chunk={g.chunk} does not divide the local sequence piece train.seq_len / (2 x parallel.cp) "
+        f"= {piece} ({name} under context parallelism); pick a chunk that divides {piece}",
     )
 
 

@@ -122,6 +122,17 @@ class GatedDeltaNetConfig:
 
 
 @dataclass
+class KimiDeltaConfig:
+    """[model.kda]: Kimi Delta Attention (Kimi Linear): the delta rule with a decay per key channel, in the "K"
+    layers of model.layer_pattern."""
+
+    heads: int = 4  # heads, each with a (head_dim x head_dim) state (linear_attn_config.num_heads)
+    head_dim: int = 32  # channels per q/k/v head; also the rank of the decay and gate projections (head_dim)
+    conv: int = 4  # width of the causal depthwise convolution on q, k, v (short_conv_kernel_size)
+    chunk: int = 64  # the training form's chunk length (memory vs. parallelism; not the numbers)
+
+
+@dataclass
 class MLAConfig:
     """[model.mla]: multi-head latent attention (DeepSeek-V2/V3) in place of standard attention.
 
@@ -135,6 +146,7 @@ class MLAConfig:
     nope_head_dim: int = 128  # qk_nope_head_dim: the unrotated part of each query/key head
     v_head_dim: int = 128  # v_head_dim: the width of each value head
     mscale: float = 0.0  # yarn mscale_all_dim: the softmax scale times (0.1 * mscale * ln(factor) + 1)^2
+    norm_eps: float = 0.0  # epsilon of the latent RMSNorms (kv_a, q_a); 0 = model.norm_eps (Kimi Linear: 1e-6)
 
 
 @dataclass
@@ -190,7 +202,8 @@ class ModelConfig:
     mean_span_length: float = 3.0  # span_corruption: mean noise-span length
     sentinel_tokens: int = 0  # ids reserved at the top of the vocab for [MASK] / T5 sentinels
     # A = attention ([model.attention], latent if [model.mla] is on), G = global attention (A without the
-    # sliding window), M = Mamba ([model.mamba]), D = Gated DeltaNet ([model.gdn]); "" = all A.
+    # sliding window), M = Mamba ([model.mamba]), D = Gated DeltaNet ([model.gdn]), K = Kimi Delta Attention
+    # ([model.kda]); "" = all A.
     layer_pattern: str = ""  # each layer's mixer, one letter per layer, repeated to n_layers (Jamba: "MMMMAMMM")
     mtp_depth: int = 0  # multi-token prediction modules (DeepSeek-V3): module k also predicts token i + 1 + k
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -200,6 +213,7 @@ class ModelConfig:
     mla: MLAConfig = field(default_factory=MLAConfig)
     dsa: DSAConfig = field(default_factory=DSAConfig)
     gdn: GatedDeltaNetConfig = field(default_factory=GatedDeltaNetConfig)
+    kda: KimiDeltaConfig = field(default_factory=KimiDeltaConfig)
 
 
 def layer_heads(m: ModelConfig) -> list[int]:

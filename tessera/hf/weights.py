@@ -260,12 +260,13 @@ def _canonical(cfg: ModelConfig) -> dict[str, Any]:
     values["layer_pattern"] = kinds
     values.update(_resolved_rope(cfg))
     values["moe.ffn_hidden"] = cfg.moe.ffn_hidden or values["ffn_hidden"]
+    values["mla.norm_eps"] = cfg.mla.norm_eps or cfg.norm_eps
     if "moe.shared_ffn_hidden" in values:  # issue 13's key: 0 means shared_experts x the expert width
         shared = values["moe.shared_ffn_hidden"] or values["moe.ffn_hidden"] * cfg.moe.shared_experts
         values["moe.shared_ffn_hidden"] = shared
     if set(kinds) & {"M", "m"} and not cfg.mamba.dt_rank:
         values["mamba.dt_rank"] = math.ceil(cfg.dim / 16)
-    drop = set(_TRAINING_ONLY) | {"bias", "mamba.chunk", "gdn.chunk"} | _unused(cfg, kinds)
+    drop = set(_TRAINING_ONLY) | {"bias", "mamba.chunk", "gdn.chunk", "kda.chunk"} | _unused(cfg, kinds)
     drop |= {f"attention.{k}" for k in ("block_size", "random_blocks", "performer_features", "global_tokens")}
     prefixes = tuple(k for k in drop if k.endswith("."))
     return {k: v for k, v in values.items() if k not in drop and not k.startswith(prefixes)}
@@ -288,12 +289,14 @@ def _unused(cfg: ModelConfig, kinds: str) -> set[str]:
         drop.add("position.rope_original_max_len")
     if pos.kind != "t5_bias":
         drop |= {"position.rel_buckets", "position.rel_max_distance"}
-    if not set(kinds) - {"M", "m", "D"}:  # no attention layer at all
+    if not set(kinds) - {"M", "m", "D", "K"}:  # no attention layer at all
         drop |= {"n_heads", "n_kv_heads", "head_dim", "attention.", "position.", "mla."}
     if not set(kinds) & {"M", "m"}:
         drop.add("mamba.")
     if "D" not in kinds:
         drop.add("gdn.")
+    if "K" not in kinds:
+        drop.add("kda.")
     mamba2_only = {"mamba.head_dim", "mamba.groups", "mamba.dt_min"}
     drop |= mamba2_only if cfg.mamba.version == 1 else {"mamba.dt_rank", "mamba.dt_norm"}
     if not cfg.mla.kv_rank:
@@ -327,6 +330,8 @@ def detect_family(cfg: ModelConfig) -> str:
         return "t5"
     if "D" in kinds:
         return "qwen3_next"
+    if "K" in kinds:
+        return "kimi_linear"
     if "m" in kinds or "M" in kinds and cfg.activation == "relu2":
         return "nemotron_h"
     if "M" in kinds:

@@ -57,6 +57,41 @@ def _chunk_masks(docs: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
     return chunk_document_masks(ids, before)
 
 
+def _per_channel(g: torch.Tensor) -> torch.Tensor:
+    """A log decay per head (B, H, T) as (B, H, T, 1); a per-channel one (B, H, T, Dk) as it is."""
+    return g[..., None] if g.dim() == 3 else g
+
+
+def _masked_exp(exponent: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """exp(exponent) where ``keep``, 0 elsewhere (no overflow or NaN gradient from the entries left out)."""
+    return torch.where(keep, exponent, float("-inf")).exp()
+
+
+def decayed_products(a: torch.Tensor, b: torch.Tensor, cum: torch.Tensor, sub: int = 16) -> torch.Tensor:
+    """P[..., i, j] = sum_d a_id b_jd exp(cum_id - cum_jd) for j <= i, else 0: a, b (..., L, D), ``cum`` the
+    non-increasing cumulative log decay (..., L, 1) (one per head) or (..., L, D) (one per key channel).
+
+    A per-channel decay does not factor out of the product; rather than the (L, L, D) tensor of every pair, the
+    chunk is cut into blocks of ``sub``: pairs inside a block use their own decays (sub, sub, D), pairs across
+    blocks pass through the row block's first position r (exp(cum_i - cum_r) exp(cum_r - cum_j), both <= 1)."""
+    length = a.shape[-2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=a.device).tril()
+    if cum.shape[-1] == 1:
+        c = cum[..., 0]
+        return (a @ b.transpose(-1, -2)) * (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    s = sub if length % sub == 0 else length
+    n = length // s
+    a, b, cum = (t.unflatten(-2, (n, s)) for t in (a, b, cum))  # (..., n, s, D)
+    inner = _masked_exp(cum[..., :, None, :] - cum[..., None, :, :], causal[:s, :s, None])
+    diagonal = (a[..., :, None, :] * b[..., None, :, :] * inner).sum(-1)  # (..., n, s, s)
+    ref = cum[..., :1, :]  # each block's first position
+    earlier = torch.ones(n, n, dtype=torch.bool, device=a.device).tril(-1)[:, :, None, None]
+    b_ref = b[..., None, :, :, :] * _masked_exp(ref[..., :, None, :, :] - cum[..., None, :, :, :], earlier)
+    across = torch.einsum("...Iid,...IJjd->...IiJj", a * (cum - ref).exp(), b_ref)  # (..., n, s, n, s)
+    eye = torch.eye(n, dtype=a.dtype, device=a.device)[:, None, :, None]
+    return (across + diagonal[..., :, :, None, :] * eye).flatten(-4, -3).flatten(-2, -1)
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -69,40 +104,39 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over whole chunks (float32).
 
-    q, k (B, H, T, Dk) normalized and scaled; v (B, H, T, Dv); g (log decay) and beta (B, H, T);
-    ``state`` (B, H, Dk, Dv) the entering state (zero when None). Returns the outputs (B, H, T, Dv)
-    and the final state.
+    q, k (B, H, T, Dk) normalized and scaled; v (B, H, T, Dv); beta (B, H, T); g the log decay, one per head
+    (B, H, T) (Gated DeltaNet) or one per key channel (B, H, T, Dk) (Kimi Delta Attention); ``state``
+    (B, H, Dk, Dv) the entering state (zero when None). Returns the outputs (B, H, T, Dv) and the final state.
     """
     batch, heads, length, dk = k.shape
     pad = (-length) % chunk
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    g = _per_channel(g)
+    q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
     n = (length + pad) // chunk
-    q, k, v = (t.reshape(batch, heads, n, chunk, -1) for t in (q, k, v))
-    g, beta = g.reshape(batch, heads, n, chunk), beta.reshape(batch, heads, n, chunk)
-    cum = g.cumsum(-1)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    reads = writes = carries = None
+    q, k, v, g = (t.reshape(batch, heads, n, chunk, -1) for t in (q, k, v, g))
+    beta = F.pad(beta, (0, pad)).reshape(batch, heads, n, chunk, 1)
+    cum = g.cumsum(-2)
+    read_decay, write_decay, chunk_decay = cum.exp(), (cum[..., -1:, :] - cum).exp(), cum[..., -1, :].exp()
+    same = None
     if document_ids is not None:
         docs = F.pad(document_ids, (0, pad), mode="replicate") if pad else document_ids
         same, reads, writes, carries = _chunk_masks(docs, chunk)
-        decay = decay * same
-    read_decay = cum.exp() if reads is None else cum.exp() * reads
-    write_decay = (cum[..., -1:] - cum).exp() if writes is None else (cum[..., -1:] - cum).exp() * writes
-    chunk_decay = cum[..., -1].exp() if carries is None else cum[..., -1].exp() * carries
-    k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly lower part is read
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * read_decay[..., None], upper=False, unitriangular=True)
-    attn = (q @ k.transpose(-1, -2)) * decay
-    q_read, k_write = q * read_decay[..., None], k * write_decay[..., None]
+        read_decay, write_decay = read_decay * reads[..., None], write_decay * writes[..., None]
+        chunk_decay = chunk_decay * carries[..., None]
+    k_beta = k * beta
+    system = decayed_products(k_beta, k, cum)  # only its strictly lower part is read
+    attn = decayed_products(q, k, cum)
+    if same is not None:
+        system, attn = system * same, attn * same
+    u = torch.linalg.solve_triangular(system, v * beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * read_decay, upper=False, unitriangular=True)
+    q_read, k_write = q * read_decay, k * write_decay
     s = state.float() if state is not None else q.new_zeros(batch, heads, dk, v.shape[-1])
     outputs = []
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ s  # what the state does not yet predict
         outputs.append(q_read[:, :, i] @ s + attn[:, :, i] @ v_new)
-        s = s * chunk_decay[:, :, i, None, None] + k_write[:, :, i].transpose(-1, -2) @ v_new
+        s = s * chunk_decay[:, :, i, :, None] + k_write[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(outputs, dim=2).reshape(batch, heads, n * chunk, -1)[:, :, :length]
     return out, s
 
@@ -120,9 +154,10 @@ def recurrent_gated_delta_rule(
     batch, heads, length, dk = k.shape
     s = state.float() if state is not None else q.new_zeros(batch, heads, dk, v.shape[-1])
     continues = continues_document(document_ids) if document_ids is not None else None
+    g = _per_channel(g)
     outputs = []
     for t in range(length):
-        keep = g[:, :, t].exp()[..., None, None]
+        keep = g[:, :, t].exp()[..., None]  # (B, H, 1 or Dk, 1): the decay of each key row of the state
         if document_ids is not None:
             keep = keep * continues[:, t, None, None, None]
         s = s * keep
@@ -133,11 +168,8 @@ def recurrent_gated_delta_rule(
 
 
 def split_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    gates: tuple[torch.Tensor, torch.Tensor],
     chunk: int,
     split: RecurrentSplit,
     document_ids: torch.Tensor | None = None,
@@ -145,6 +177,7 @@ def split_gated_delta_rule(
     """The gated delta rule over a split sequence (:func:`~tessera.model.recurrent.split_scan`): a local piece's
     summary is its scan from a zero state and from the identity (one pass: the value columns evolve
     independently), the transition and contribution of S_end = A S_in + H."""
+    (q, k, v), (g, beta) = qkv, gates
     dk, dv = k.shape[-1], v.shape[-1]
 
     def piece_docs(p: slice) -> torch.Tensor | None:
@@ -168,10 +201,12 @@ def split_gated_delta_rule(
 
 
 class GatedOutputNorm(nn.Module):
-    """RMSNorm of each head's output, then times ``silu(z)`` (norm before gate, HF ``Qwen3NextRMSNormGated``)."""
+    """RMSNorm of each head's output, then times ``act(z)`` (norm before gate): ``silu`` as HF's
+    ``Qwen3NextRMSNormGated``, ``sigmoid`` as ``KimiLinearRMSNormGated``."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, gate: str = "silu") -> None:
         super().__init__()
+        self.gate = gate  # "silu" (Qwen3-Next) or "sigmoid" (Kimi Linear)
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
@@ -183,21 +218,116 @@ class GatedOutputNorm(nn.Module):
         """Normalized ``y`` (..., dim) gated by ``z``, in ``y``'s dtype."""
         h = y.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * h.to(y.dtype)) * F.silu(z.float())).to(y.dtype)
+        gate = F.silu(z.float()) if self.gate == "silu" else torch.sigmoid(z.float())
+        return ((self.weight * h.to(y.dtype)) * gate).to(y.dtype)
 
 
-class GatedDeltaNet(RecurrentMixer):
-    """The Gated DeltaNet token mixer of ``[model.gdn]``: (B, T, dim) -> (B, T, dim).
+class DeltaRuleMixer(RecurrentMixer):
+    """What the delta-rule mixers (Gated DeltaNet, Kimi Delta Attention) share: q, k and v through one causal
+    depthwise convolution (+ SiLU), L2-normalized q and k (q scaled by key_head_dim^-1/2), the delta rule in its
+    chunked, recurrent (decoding from a :class:`MambaCache`) or split (context parallel) form.
 
-    Head counts follow the projections' widths, so a tensor-parallel shard that holds whole key-head
-    groups needs no bookkeeping.
+    A subclass sets ``key_head_dim``, ``value_head_dim``, ``chunk``, ``group`` (value heads per key head),
+    ``state_heads`` and ``conv_dim``, and says what the convolution's weight is (``conv_weight``), how x becomes q,
+    k, v (``_project``), the log decay and the write strength (``_gates``) and the output (``_output``). Head
+    counts follow the projections' widths, so a tensor-parallel shard that holds whole heads needs no bookkeeping.
     """
+
+    title: str  # what the compatibility table and the layer-pattern letters call it
+    key_head_dim: int
+    value_head_dim: int
+    chunk: int
+    group: int
+    state_heads: int
+    conv_dim: int
+
+    def conv_weight(self) -> torch.Tensor:
+        """The depthwise convolution's weight (conv_dim, 1, width) over the channels [q | k | v]."""
+        raise NotImplementedError
+
+    def new_cache(self, batch: int, device: torch.device) -> MambaCache:
+        """An empty decoding state: the last ``conv - 1`` inputs of the convolution and each value head's state."""
+        shape = (self.state_heads, self.key_head_dim, self.value_head_dim)
+        return MambaCache(batch, self.conv_dim, self.conv_weight().shape[-1], shape, device)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
+        """(B, T, dim) -> q, k (B, T, key width), v (B, T, value width) and what the gates and output read."""
+        raise NotImplementedError
+
+    def _gates(self, x: torch.Tensor, extras: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log decay (B, H, T) or (B, H, T, Dk) and the write strength beta (B, H, T), float32."""
+        raise NotImplementedError
+
+    def _output(self, y: torch.Tensor, extras: object) -> torch.Tensor:
+        """The rule's output (B, T, H, Dv) -> the mixer's (B, T, dim)."""
+        raise NotImplementedError
+
+    def _conv(
+        self,
+        mixed: torch.Tensor,
+        cache: MambaCache | None,
+        start: int,
+        document_ids: Docs,
+        split: RecurrentSplit | None,
+    ) -> torch.Tensor:
+        """silu(causal conv) of (B, C, T); with a cache, continue from its window (restarted at ``start`` = 0)."""
+        weight = self.conv_weight()
+        if split is not None:
+            return F.silu(split_causal_conv(mixed, weight, split, document_ids))
+        if cache is None:
+            return F.silu(causal_depthwise_conv(mixed, weight, document_ids))
+        if start == 0:
+            cache.conv.zero_()
+            cache.ssm.zero_()
+        full = torch.cat([cache.conv.to(mixed.dtype), mixed], dim=-1)
+        cache.conv.copy_(full[..., full.shape[-1] - cache.conv.shape[-1] :])
+        return F.silu(F.conv1d(full, weight, groups=mixed.shape[1]))
+
+    def mix(self, x: torch.Tensor, cache: MambaCache | None, start: int, docs: Docs, split: RecurrentSplit | None):
+        """See :meth:`~tessera.model.recurrent.RecurrentMixer.forward`."""
+        batch, length, _ = x.shape
+        q, k, v, extras = self._project(x)
+        widths = [q.shape[-1], k.shape[-1], v.shape[-1]]
+        mixed = self._conv(torch.cat([q, k, v], dim=-1).transpose(1, 2), cache, start, docs, split)
+        q, k, v = mixed.transpose(1, 2).float().split(widths, dim=-1)
+        q, k = (l2_normalize(t.view(batch, length, -1, self.key_head_dim)) for t in (q, k))
+        q = q * self.key_head_dim**-0.5
+        q, k = (t.repeat_interleave(self.group, dim=2).transpose(1, 2) for t in (q, k))
+        v = v.view(batch, length, -1, self.value_head_dim).transpose(1, 2)
+        y = self._scan((q, k, v), self._gates(x, extras), cache, docs, split)
+        return self._output(y.transpose(1, 2).to(x.dtype), extras)
+
+    def _scan(
+        self,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        gates: tuple[torch.Tensor, torch.Tensor],
+        cache: MambaCache | None,
+        document_ids: Docs,
+        split: RecurrentSplit | None,
+    ) -> torch.Tensor:
+        q, k, v = qkv
+        if split is not None:
+            return split_gated_delta_rule(qkv, gates, self.chunk, split, document_ids)
+        h0 = cache.ssm if cache is not None else None
+        if cache is not None and q.shape[2] == 1:
+            y, h = recurrent_gated_delta_rule(q, k, v, *gates, h0)
+        else:
+            y, h = chunk_gated_delta_rule(q, k, v, *gates, self.chunk, h0, document_ids)
+        if cache is not None:
+            cache.ssm.copy_(h)
+        return y
+
+
+class GatedDeltaNet(DeltaRuleMixer):
+    """The Gated DeltaNet token mixer of ``[model.gdn]``: (B, T, dim) -> (B, T, dim)."""
+
+    title = "Gated DeltaNet"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         g = cfg.gdn
         self.key_head_dim, self.value_head_dim, self.chunk = g.key_head_dim, g.value_head_dim, g.chunk
-        self.group = g.value_heads // g.key_heads  # value heads per key head
+        self.group, self.state_heads = g.value_heads // g.key_heads, g.value_heads
         key_dim, value_dim = g.key_heads * g.key_head_dim, g.value_heads * g.value_head_dim
         self.conv_dim = 2 * key_dim + value_dim
         self.in_proj_qkvz = nn.Linear(cfg.dim, 2 * key_dim + 2 * value_dim, bias=False)
@@ -210,74 +340,35 @@ class GatedDeltaNet(RecurrentMixer):
         self.out_proj = nn.Linear(value_dim, cfg.dim, bias=False)
         self.reset_parameters()
 
+    def conv_weight(self) -> torch.Tensor:
+        """One convolution over [q | k | v] (HF's ``conv1d``)."""
+        return self.conv1d.weight
+
     def reset_parameters(self) -> None:
         """A ~ U(0.01, 16) (log-stored), dt_bias = 1 (HF's initialization)."""
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
             self.dt_bias.fill_(1.0)
 
-    def new_cache(self, batch: int, device: torch.device) -> MambaCache:
-        """An empty decoding state: the last ``conv - 1`` inputs of the convolution and each value head's state."""
-        heads = self.dt_bias.shape[0]
-        shape = (heads, self.key_head_dim, self.value_head_dim)
-        return MambaCache(batch, self.conv_dim, self.conv1d.kernel_size[0], shape, device)
-
-    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """HF's per-key-head layout -> q, k (B, T, Hk, Dk), v, z (B, T, Hv, Dv), b, a (B, T, Hv)."""
-        batch, length = qkvz.shape[:2]
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
+        """HF's per-key-head layout of the fused projections -> q, k, v and (z (B, T, Hv, Dv), b, a (B, T, Hv))."""
+        batch, length = x.shape[:2]
         dk, dv, r = self.key_head_dim, self.value_head_dim, self.group
-        qkvz = qkvz.view(batch, length, -1, 2 * dk + 2 * r * dv)
+        qkvz = self.in_proj_qkvz(x).view(batch, length, -1, 2 * dk + 2 * r * dv)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = ba.view(batch, length, -1, 2 * r).split([r, r], dim=-1)
-        v, z = v.reshape(batch, length, -1, dv), z.reshape(batch, length, -1, dv)
-        return q, k, v, z, b.reshape(batch, length, -1), a.reshape(batch, length, -1)
+        b, a = self.in_proj_ba(x).view(batch, length, -1, 2 * r).split([r, r], dim=-1)
+        z = z.reshape(batch, length, -1, dv)
+        return q.flatten(2), k.flatten(2), v.flatten(2), (z, b.reshape(batch, length, -1), a.reshape(batch, length, -1))
 
-    def _conv(
-        self,
-        mixed: torch.Tensor,
-        cache: MambaCache | None,
-        start: int,
-        document_ids: torch.Tensor | None,
-        split: RecurrentSplit | None = None,
-    ) -> torch.Tensor:
-        """silu(causal conv) of (B, C, T); with a cache, continue from its window (restarted at ``start`` = 0)."""
-        if split is not None:
-            return F.silu(split_causal_conv(mixed, self.conv1d.weight, split, document_ids))
-        if cache is None:
-            return F.silu(causal_depthwise_conv(mixed, self.conv1d.weight, document_ids))
-        if start == 0:
-            cache.conv.zero_()
-            cache.ssm.zero_()
-        full = torch.cat([cache.conv.to(mixed.dtype), mixed], dim=-1)
-        cache.conv.copy_(full[..., full.shape[-1] - cache.conv.shape[-1] :])
-        return F.silu(F.conv1d(full, self.conv1d.weight, groups=self.conv_dim))
+    def _gates(self, x: torch.Tensor, extras: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """One log decay per head ``-exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, (B, Hv, T)."""
+        _, b, a = extras
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g.transpose(1, 2), b.float().sigmoid().transpose(1, 2)
 
-    def mix(self, x: torch.Tensor, cache: MambaCache | None, start: int, docs: Docs, split: RecurrentSplit | None):
-        """See :meth:`~tessera.model.recurrent.RecurrentMixer.forward`."""
-        document_ids = docs
-        batch, length, _ = x.shape
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
-        mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)
-        mixed = self._conv(mixed, cache, start, document_ids, split).transpose(1, 2)
-        key_dim = q.shape[2] * self.key_head_dim
-        q, k, v = mixed.float().split([key_dim, key_dim, v.shape[2] * self.value_head_dim], dim=-1)
-        q, k = (l2_normalize(t.view(batch, length, -1, self.key_head_dim)) for t in (q, k))
-        q = q * self.key_head_dim**-0.5
-        q, k = (t.repeat_interleave(self.group, dim=2).transpose(1, 2) for t in (q, k))
-        v = v.view(batch, length, -1, self.value_head_dim).transpose(1, 2)
-        beta = b.float().sigmoid().transpose(1, 2)
-        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
-        h0 = cache.ssm if cache is not None else None
-        if split is not None:
-            y, h = split_gated_delta_rule(q, k, v, g, beta, self.chunk, split, document_ids), None
-        elif cache is not None and length == 1:
-            y, h = recurrent_gated_delta_rule(q, k, v, g, beta, h0)
-        else:
-            y, h = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk, h0, document_ids)
-        if cache is not None:
-            cache.ssm.copy_(h)
-        y = self.norm(y.transpose(1, 2).to(x.dtype), z)
-        return self.out_proj(y.reshape(batch, length, -1))
+    def _output(self, y: torch.Tensor, extras: object) -> torch.Tensor:
+        """Each head normalized and gated by ``silu(z)``, then ``out_proj``."""
+        return self.out_proj(self.norm(y, extras[0]).flatten(2))
 
 
 def check_gated_deltanet(m: ModelConfig) -> None:
@@ -292,41 +383,73 @@ def check_gated_deltanet(m: ModelConfig) -> None:
     )
 
 
-def _flops(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token of one layer beyond its projections (which are in 6 * N): the chunked form's
-    within-chunk products (q.k and k.k scores, two triangular solves, the score-value product) and the state
-    read and write, x3 for forward + backward."""
-    g = cfg.gdn
-    chunk, dk, dv = min(g.chunk, seq_len), g.key_head_dim, g.value_head_dim
+def delta_rule_flops(heads: int, dk: int, dv: int, chunk: int) -> float:
+    """Training FLOPs per token of one delta-rule layer beyond its projections (which are in 6 * N): the chunked
+    form's within-chunk products (q.k and k.k scores, two triangular solves, the score-value product) and the
+    state read and write, x3 for forward + backward."""
     per_head = 2 * chunk * (2 * dk + 2 * dv + dk) + 2 * 3 * dk * dv
-    return 3.0 * g.value_heads * per_head
+    return 3.0 * heads * per_head
 
 
-def _forward(module: nn.Module, h: torch.Tensor, ctx: object, cache: MambaCache | None, start: int) -> torch.Tensor:
+def _flops(cfg: ModelConfig, seq_len: int) -> float:
+    g = cfg.gdn
+    return delta_rule_flops(g.value_heads, g.key_head_dim, g.value_head_dim, min(g.chunk, seq_len))
+
+
+def recurrent_forward(
+    module: nn.Module, h: torch.Tensor, ctx: object, cache: MambaCache | None, start: int
+) -> torch.Tensor:
+    """A delta-rule mixer's registered forward: the packed documents and sequence split of the block's context."""
     return module(h, cache, start, getattr(ctx, "document_ids", None), getattr(ctx, "split", None))
 
 
-def _new_cache(module: nn.Module, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> MambaCache:
+def new_state_cache(
+    module: nn.Module, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
+) -> MambaCache:
+    """A delta-rule mixer's registered cache: fixed-size, whatever ``max_len``."""
     return module.new_cache(batch, device)
 
 
-GATED_DELTANET = registry.register(
-    registry.MixerSpec(
-        name="gated_deltanet",
-        feature="Gated DeltaNet layers",
-        keys=("model.layer_pattern", "model.gdn"),
-        uses=lambda m: "D" in m.layer_pattern,
-        unsupported={},  # cp: each rank scans its chunks from zero; summaries combine (parallel/context.py)
-        checks=(check_gated_deltanet,),
-        terms=registry.Terms(flops=_flops, memory=registry.TRACED),
-        # Whole key-head groups per rank; the per-channel convolution, decay and time-step parameters between
-        # them are sliced per rank by tessera/parallel/recurrent.py.
-        tp_plan={"in_proj_qkvz": "colwise", "in_proj_ba": "colwise", "out_proj": "rowwise"},
-        letters={"D": "Gated DeltaNet"},
-        attr="gdn",
-        recurrent=True,
-        build=lambda cfg, layer_id: GatedDeltaNet(cfg),
-        forward=_forward,
-        new_cache=_new_cache,
+def register_delta_rule_mixer(
+    name: str,
+    letter: str,
+    section: str,
+    mixer: type[DeltaRuleMixer],
+    checks: tuple,
+    flops: object,
+    tp_plan: dict[str, str],
+) -> registry.MixerSpec:
+    """Register a delta-rule mixer: the ``model.layer_pattern`` letter it serves, built from ``[model.<section>]``
+    and sitting at the block's ``<section>`` attribute. Every layout works: under cp each rank scans its chunks
+    from zero and the chunk summaries combine (parallel/context.py); under tp whole heads per rank, the
+    per-channel convolution, decay and time-step parameters between the projections sliced per rank by
+    tessera/parallel/recurrent.py."""
+    return registry.register(
+        registry.MixerSpec(
+            name=name,
+            feature=f"{mixer.title} layers",
+            keys=("model.layer_pattern", f"model.{section}"),
+            uses=lambda m: letter in m.layer_pattern,
+            unsupported={},
+            checks=checks,
+            terms=registry.Terms(flops=flops, memory=registry.TRACED),
+            tp_plan=tp_plan,
+            letters={letter: mixer.title},
+            attr=section,
+            recurrent=True,
+            build=lambda cfg, layer_id: mixer(cfg),
+            forward=recurrent_forward,
+            new_cache=new_state_cache,
+        )
     )
+
+
+GATED_DELTANET = register_delta_rule_mixer(
+    "gated_deltanet",
+    "D",
+    "gdn",
+    GatedDeltaNet,
+    (check_gated_deltanet,),
+    _flops,
+    {"in_proj_qkvz": "colwise", "in_proj_ba": "colwise", "out_proj": "rowwise"},
 )

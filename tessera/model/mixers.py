@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tessera import registry
 from tessera.config import ModelConfig
-from tessera.model import attention, dsa, gated_deltanet, mamba, mamba_alone, mla  # noqa: F401  (the registry line)
+from tessera.model import attention, dsa, gated_deltanet, kimi_delta, mamba, mamba_alone, mla  # noqa: F401  (the registry line)
 
 
 def layer_kind(cfg: ModelConfig, layer_id: int) -> str:

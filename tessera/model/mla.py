@@ -63,14 +63,14 @@ class LatentAttention(nn.Module):
         bias = cfg.attention.qkv_bias
         if mla.q_rank:
             self.q_a_proj = nn.Linear(cfg.dim, mla.q_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(mla.q_rank, cfg.norm_eps)
+            self.q_a_layernorm = RMSNorm(mla.q_rank, mla.norm_eps or cfg.norm_eps)
             self.q_b_proj = nn.Linear(mla.q_rank, self.n_heads * qk_dim, bias=False)
             self.q_proj = None
         else:
             self.q_proj = nn.Linear(cfg.dim, self.n_heads * qk_dim, bias=False)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         self.kv_a_proj_with_mqa = nn.Linear(cfg.dim, self.kv_rank + self.rope, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, mla.norm_eps or cfg.norm_eps)
         self.kv_b_proj = nn.Linear(self.kv_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.dim, bias=cfg.bias or cfg.attention.o_bias)
         self.dropout = cfg.attention.dropout
@@ -89,8 +89,9 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = self._queries(x).split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_rope = apply_rope(q_rope, ctx.cos, ctx.sin)
-        k_rope = apply_rope(k_rope[:, None], ctx.cos, ctx.sin)[:, 0]  # one rotated key for all heads
+        if ctx.cos is not None:  # position.kind = "none": NoPE latent attention (Kimi Linear), nothing rotates
+            q_rope = apply_rope(q_rope, ctx.cos, ctx.sin)
+            k_rope = apply_rope(k_rope[:, None], ctx.cos, ctx.sin)[:, 0]  # one rotated key for all heads
         if cache is not None:
             latent, k_rope = cache.update(latent, k_rope, start)
         kv = self.kv_b_proj(latent).view(b, latent.shape[1], -1, self.nope + self.v_dim).transpose(1, 2)
@@ -122,10 +123,11 @@ def check_mla(m: ModelConfig) -> None:
     """[model.mla]: its widths, and RoPE with a dense softmax kernel (the decoupled rotary key part)."""
     mla = m.mla
     require_all("model.mla", mla, ("rope_head_dim", "v_head_dim"), positive=True)
-    require_all("model.mla", mla, ("q_rank", "nope_head_dim", "mscale"), positive=False)
+    require_all("model.mla", mla, ("q_rank", "nope_head_dim", "mscale", "norm_eps"), positive=False)
     require(
-        m.position.kind == "rope" and m.attention.kernel in ("sdpa", "eager"),
-        "model.mla needs model.position.kind='rope' and model.attention.kernel sdpa or eager",
+        m.position.kind in ("rope", "none") and m.attention.kernel in ("sdpa", "eager"),
+        "model.mla needs model.position.kind 'rope' (or 'none': no positions, Kimi Linear) and model.attention.kernel "
+        "sdpa or eager",
     )
 
 

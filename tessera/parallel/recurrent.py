@@ -1,11 +1,12 @@
-"""Tensor parallelism inside the recurrent mixers (Gated DeltaNet, Mamba, Mamba-2): whole heads or channels per
-tp rank, each rank scanning its own.
+"""Tensor parallelism inside the recurrent mixers (Gated DeltaNet, Kimi Delta Attention, Mamba, Mamba-2): whole
+heads or channels per tp rank, each rank scanning its own.
 
-**Gated DeltaNet.** The fused input projections are column-parallel and the output projection row-parallel (the
-plan in tensor.py): HF's per-key-head layout gives each rank whole key-head groups. What sits in between is small
-and per channel or per head: the depthwise convolution's weight (channels laid out [q | k | v], so a rank's
-channels are three separate ranges), the per-head ``A_log`` and ``dt_bias``, and the output norm's gain shared by
-all heads.
+**Gated DeltaNet, Kimi Delta Attention.** The input projections are column-parallel and the output projection
+row-parallel (the plan registered with the mixer): HF's per-key-head layout gives each rank whole GDN key-head
+groups, KDA's separate q, k, v projections whole heads. What sits in between is small and per channel or per head:
+the depthwise convolution's weight (GDN's channels laid out [q | k | v], so a rank's channels are three separate
+ranges; KDA's three convolutions one range each), the per-head ``A_log`` and the per-head (GDN) or per-channel
+(KDA) ``dt_bias``, and the output norm's gain shared by all heads.
 
 **Mamba, Mamba-2.** HF's fused input projection is laid out by role ([x | z], or [z | x | B | C | dt]), not by
 head, so a contiguous column shard would hand one rank all of x and the other all of z. Every parameter of the
@@ -31,6 +32,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from tessera.model.gated_deltanet import GatedDeltaNet
+from tessera.model.kimi_delta import KimiDeltaAttention
 
 Slices = dict[str, tuple[int, torch.Tensor]]  # parameter name -> (dim, indices along it) of this rank's slice
 
@@ -91,13 +95,30 @@ def _gdn_slices(gdn: nn.Module, rank: int, size: int) -> Slices:
     return {"conv1d.weight": (0, conv), "dt_bias": (0, per_head), "A_log": (0, per_head)}
 
 
-class GatedDeltaNetHeads(ParallelStyle):
-    """This rank's slice of the mixer's convolution, decay and time-step parameters in every forward
+def _kimi_delta_slices(kda: nn.Module, rank: int, size: int) -> Slices:
+    """Kimi Delta Attention's: its three convolutions and dt_bias per channel (heads x head_dim), A_log
+    (1, 1, H, 1) per head."""
+    width, heads = kda.dt_bias.shape[0] // size, kda.A_log.shape[2] // size
+    channels = _ranges((rank * width, width))
+    convs = {f"{c}_conv1d.weight": (0, channels) for c in "qkv"}
+    return {**convs, "dt_bias": (0, channels), "A_log": (2, _ranges((rank * heads, heads)))}
+
+
+# Each delta-rule mixer: its rank's slices and the output norm's gain that all heads share.
+_DELTA_RULE_SLICES = {
+    GatedDeltaNet: (_gdn_slices, "norm.weight"),
+    KimiDeltaAttention: (_kimi_delta_slices, "o_norm.weight"),
+}
+
+
+class DeltaRuleHeads(ParallelStyle):
+    """This rank's slice of a delta-rule mixer's convolution, decay and time-step parameters in every forward
     (see the module docstring); apply after the plan has sharded the projections."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        slices = _gdn_slices(module, device_mesh.get_local_rank(), device_mesh.size())
-        sum_grads_over(module, [*slices, "norm.weight"], device_mesh)
+        slicer, shared = _DELTA_RULE_SLICES[type(module)]
+        slices = slicer(module, device_mesh.get_local_rank(), device_mesh.size())
+        sum_grads_over(module, [*slices, shared], device_mesh)
         slice_parameters(module, slices)
         return module
 

@@ -35,7 +35,8 @@ from tessera.model.ffn import DENSE
 from tessera.parallel.head_params import HeadSharded
 from tessera.model.mla import LatentAttention
 from tessera.parallel.tensor_attention import all_heads_norm_plan, latent_attention_plan
-from tessera.parallel.recurrent import GatedDeltaNetHeads, MambaChannels
+from tessera.model.gated_deltanet import DeltaRuleMixer
+from tessera.parallel.recurrent import DeltaRuleHeads, MambaChannels
 
 
 class ReplicateInput(ParallelStyle):
@@ -132,6 +133,7 @@ def _styles(prefix: str, tp_plan: dict[str, str] | None, sp: bool, module: nn.Mo
     out = Shard(1) if sp else Replicate()
     make = {
         "colwise": ColwiseParallel,
+        "colwise_gathered": lambda: ColwiseParallel(output_layouts=Replicate()),  # a low-rank half, then gathered
         "rowwise": lambda: RowwiseParallel(output_layouts=out, use_local_output=not sp),
     }
     return {f"{prefix}.{name}": make[style]() for name, style in (tp_plan or {}).items() if hasattr(module, name)}
@@ -271,8 +273,9 @@ def _stack_plan(stack: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
 def _replicated_partial_grads(block: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
     """The recurrent mixers' parameters sliced per rank (tessera/parallel/recurrent.py): gradients summed over the
     tp ranks. (Per-head QK-norm gains are Replicate DTensors through :func:`_qk_norm_plan`; DTensor sums theirs.)"""
-    if getattr(block, "gdn", None) is not None:
-        parallelize_module(block.gdn, tp_mesh, GatedDeltaNetHeads())
+    mixer = getattr(block, block.mixer_spec.attr, None)
+    if isinstance(mixer, DeltaRuleMixer):
+        parallelize_module(mixer, tp_mesh, DeltaRuleHeads())
     if getattr(block, "mamba", None) is not None:
         parallelize_module(block.mamba, tp_mesh, MambaChannels(sp))
 

@@ -10,11 +10,11 @@ Two counts of every term:
 
 - ``executed``: what the kernels tessera runs compute, the count ``torch.utils.flop_counter``
   reports: a dense or masked sdpa scores every (query, key) pair (the CPU kernel and the math path
-  skip nothing), the block-sparse windowed kernels only their blocks, the convolution its (left-padded)
-  output;
+  skip nothing), the block-sparse windowed kernels only their blocks, a chunked delta rule its padded
+  chunks, the convolution its (left-padded) output;
 - ``model``: the useful work, for MFU: causal attention over the keys each query may see
-  (T (T + 1) / 2 pairs, a sliding window ``min(i + 1, w)``, Longformer/BigBird their pattern), the
-  convolution over the sequence's own positions.
+  (T (T + 1) / 2 pairs, a sliding window ``min(i + 1, w)``, Longformer/BigBird their pattern); the
+  causal convolutions are padded on the left only, so both counts are one output per position.
 
 Training is forward + backward = 3 x forward (backward computes the input and the weight gradient of
 every product; FlashAttention's backward also recomputes the scores, +0.5 x the attention forward,
@@ -40,6 +40,7 @@ from tessera.data.objectives import span_count
 from tessera.model import build_model
 from tessera.model.attention import LINEAR_KERNELS, Attention
 from tessera.model.blocks import block_containers
+from tessera.model.gated_deltanet import DeltaRuleMixer
 from tessera.model.mamba import Mamba2Mixer, MambaMixer
 from tessera.model.masks import MaskSpec, allowed
 from tessera.model.mla import LatentAttention
@@ -100,7 +101,8 @@ def _linear_term(name: str) -> str:
     first = name.split(".")[0]
     if first == "moe":
         return "moe_shared" if ".shared" in name else "moe_router"
-    return {"attention": "attention_proj", "cross_attention": "attention_proj", "mamba": "mamba_proj"}.get(first, "ffn")
+    projections = {"attention": "attention_proj", "cross_attention": "attention_proj", "mamba": "mamba_proj"}
+    return {**projections, "gdn": "delta_proj", "kda": "delta_proj"}.get(first, "ffn")
 
 
 def _allowed_pairs(spec: MaskSpec, length: int, rows: int = 1024) -> float:
@@ -181,6 +183,28 @@ def _mamba(count: FlopCount, mixer: nn.Module, length: int) -> float:
     return conv_executed
 
 
+def _delta_rule(count: FlopCount, mixer: DeltaRuleMixer, length: int) -> float:
+    """A delta-rule layer (Gated DeltaNet, Kimi Delta Attention): its convolution and the products of the chunked
+    form (:func:`~tessera.model.gated_deltanet.chunk_gated_delta_rule`), per chunk of L and state head: the k.k and
+    q.k pair products (2 L^2 Dk each, per-channel decays included) and the state's four (2 L Dk Dv each: the
+    correction w S, the read q S, the score-value product, the write). The first chunk reads the zero state (no
+    gradient), the last chunk's write makes the final state (none in training). The triangular solves are no
+    product torch counts, but their backward's gradient of the system is (2 L^2 (Dk + Dv)): returned, as it is
+    backward-only work that a checkpointed block's recompute does not repeat."""
+    count.add("delta_conv", 2.0 * mixer.conv_weight().numel() * length)
+    chunk, heads, dk, dv = mixer.chunk, mixer.state_heads, mixer.key_head_dim, mixer.value_head_dim
+    n = math.ceil(length / chunk)
+    product = 2.0 * heads * chunk * dk * dv
+    count.add("delta_pairs", 2 * 2.0 * heads * n * chunk * chunk * dk)
+    count.add("delta_state", product * (4 * n - 3))
+    count.add("delta_state_initial", 2 * product)
+    count.add("delta_state_final", product)
+    solve = 2.0 * heads * n * chunk * chunk * (dk + dv)
+    count.add("delta_solve_backward", solve)
+    count.backward.update(delta_state_initial=1.0, delta_state_final=0.0, delta_solve_backward=0.0)
+    return solve
+
+
 def _block(count: FlopCount, block: nn.Module, masking: tuple, lengths: tuple[int, int], top_k: int) -> float:
     """Add one block's forward terms; returns its executed forward FLOPs."""
     before = sum(count.executed.values())
@@ -195,11 +219,13 @@ def _block(count: FlopCount, block: nn.Module, masking: tuple, lengths: tuple[in
             count.add("moe_experts", 2.0 * per_expert * top_k * q_len)
     if block.mamba is not None:
         _mamba(count, block.mamba, q_len)
+    mixer = getattr(block, block.mixer_spec.attr)
+    backward_only = _delta_rule(count, mixer, q_len) if isinstance(mixer, DeltaRuleMixer) else 0.0
     if block.attention is not None:
         _attention(count, block.attention, masking, q_len, q_len)
     if block.cross_attention is not None:
         _attention(count, block.cross_attention, None, q_len, memory)
-    return sum(count.executed.values()) - before
+    return sum(count.executed.values()) - before - backward_only
 
 
 def _stack_lengths(model: nn.Module, lengths: Lengths) -> list[tuple[nn.Module, int]]:

@@ -1,9 +1,10 @@
 """A Qwen3-Next-shaped hybrid (Gated DeltaNet + gated attention with per-head QK-norm, zero-centred norms, partial
-rotary, MoE with a gated shared expert) under tp2 + SP, pipeline stages and cp2 (chunk summaries combined over the
-ranks, convolution halos from the rank before), also with document masks at cp2; the same hybrid with Mamba-2 + elu+1
-attention at tp2 + SP and cp2, and Mamba-2 + softmax attention at cp2 with document masks: each matches its
-single-process run on losses, grad norms and final parameters (fp32, 1e-5 relative, 4 steps), all in one spawned
-world of 2. Layer level, with spread-out weights: tp and SP without it for every recurrent mixer
+rotary, MoE with a gated shared expert) with a Kimi Delta Attention layer between them (a per-channel decay; its
+low-rank decay and gate projections split and gathered) under tp2 + SP, pipeline stages and cp2 (chunk summaries
+combined over the ranks, convolution halos from the rank before), also with document masks at cp2; the same hybrid
+with Mamba-2 + elu+1 attention at tp2 + SP and cp2, and Mamba-2 + softmax attention at cp2 with document masks: each
+matches its single-process run on losses, grad norms and final parameters (fp32, 1e-5 relative, 4 steps), all in
+one spawned world of 2. Layer level, with spread-out weights: tp and SP without it for every recurrent mixer
 (tests/helpers/dist_tp_blocks.py), cp2 / cp4 with document boundaries inside a rank's slice and on a rank boundary
 (tests/helpers/dist_cp.py)."""
 
@@ -26,8 +27,8 @@ QWEN3_NEXT = [
     "optim.schedule=constant",
     "train.eval_every=0",
     "checkpoint.enabled=false",
-    "model.n_layers=2",
-    "model.layer_pattern=DA",
+    "model.n_layers=3",
+    "model.layer_pattern=DKA",
     "model.head_dim=16",
     "model.norm=zero_centered_rmsnorm",
     "model.attention.qk_norm=true",
@@ -38,6 +39,9 @@ QWEN3_NEXT = [
     "model.gdn.key_head_dim=16",
     "model.gdn.value_head_dim=16",
     "model.gdn.chunk=8",
+    "model.kda.heads=2",
+    "model.kda.head_dim=16",
+    "model.kda.chunk=8",
     "model.moe.experts=4",
     "model.moe.ffn_hidden=32",
     "model.moe.shared_experts=1",
@@ -45,7 +49,13 @@ QWEN3_NEXT = [
     # The balance loss of a micro-batch is not that of the batch (pp splits it): the parity is of the model itself.
     "model.moe.aux_loss_coef=0.0",
 ]
-MAMBA = ["model.layer_pattern=MA", "model.mamba.state=8", "model.mamba.head_dim=16", "model.mamba.chunk=8"]
+MAMBA = [
+    "model.n_layers=2",
+    "model.layer_pattern=MA",
+    "model.mamba.state=8",
+    "model.mamba.head_dim=16",
+    "model.mamba.chunk=8",
+]
 MIXERS = {  # model variant -> its overrides (each has its own single-process reference)
     "gdn": [],
     "gdn_docs": ["data.document_mask=true"],
@@ -116,6 +126,16 @@ def test_mamba2_groups_not_divisible_by_tp_is_one_clear_error(tiny_config):
 def test_chunk_not_dividing_the_local_piece_is_one_clear_error(tiny_config):
     with pytest.raises(ConfigError, match=r"model.gdn.chunk=16 does not divide the local sequence piece .* = 8"):
         tiny_config("parallel.cp=2", "parallel.dp_shard=1", "model.layer_pattern=DA", "model.gdn.chunk=16")
+
+
+def test_kda_heads_not_divisible_by_tp_is_one_clear_error(tiny_config):
+    with pytest.raises(ConfigError, match=r"model.kda.heads=3 is not divisible by parallel.tp=2"):
+        tiny_config("parallel.tp=2", "parallel.dp_shard=1", "model.layer_pattern=KA", "model.kda.heads=3")
+
+
+def test_kda_chunk_not_dividing_the_local_piece_is_one_clear_error(tiny_config):
+    with pytest.raises(ConfigError, match=r"model.kda.chunk=16 does not divide the local sequence piece .* = 8"):
+        tiny_config("parallel.cp=2", "parallel.dp_shard=1", "model.layer_pattern=KA", "model.kda.chunk=16")
 
 
 def test_mamba_conv_wider_than_the_local_piece_is_one_clear_error(tiny_config):

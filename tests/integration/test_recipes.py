@@ -48,6 +48,8 @@ PUBLISHED = {
     "deepseek-moe-16b": 16_375_728_128,
     # Qwen3-Next-80B-A3B; HF's Qwen3NextForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
     "qwen3-next-80b-a3b": 79_674_391_296,
+    # Kimi-Linear-48B-A3B; HF's KimiLinearForCausalLM of the published config counts the same (tests/unit/hf/test_hf.py)
+    "kimi-linear-48b-a3b": 49_122_675_072,
     # HF Gemma3ForCausalLM of the published text_config values on meta (the vision tower apart)
     "gemma-3-4b": 3_880_263_168,
     "gemma-3-12b": 11_766_034_176,
@@ -81,6 +83,7 @@ def test_every_family_has_a_tiny_recipe():
     assert set(TINY) >= {
         *("llama", "mistral", "qwen2", "gpt2", "mixtral", "bert", "t5"),
         *("mamba", "mamba2", "jamba", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "qwen3_next"),
+        "kimi_linear",
         "gpt_oss",
         "nemotron_h",
     }

@@ -8,7 +8,7 @@ args, raising :class:`HFConversionError` for any option tessera cannot reproduce
 
 from __future__ import annotations
 
-from tessera.hf.families import bert, deepseek, deepseek_v32, gpt2, llama, mamba, moe, qwen3_next, t5
+from tessera.hf.families import bert, deepseek, deepseek_v32, gpt2, kimi_linear, llama, mamba, moe, qwen3_next, t5
 from tessera.hf.families import gemma3, gpt_oss, olmo3, smollm3
 from tessera.hf.families import nemotron_h, qwen3_5
 from tessera.hf.families.common import Family, HFConversionError, Rule
@@ -23,6 +23,7 @@ FAMILIES: dict[str, Family] = {
     **deepseek.FAMILIES,
     **deepseek_v32.FAMILIES,
     **qwen3_next.FAMILIES,
+    **kimi_linear.FAMILIES,
     **gemma3.FAMILIES,
     **olmo3.FAMILIES,
     **smollm3.FAMILIES,

@@ -105,6 +105,19 @@ def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def mla_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The latent-attention keys of an HF config (DeepSeek-V3, Kimi Linear)."""
+    mla = cfg.mla
+    return {
+        "attention_bias": cfg.attention.qkv_bias,
+        "kv_lora_rank": mla.kv_rank,
+        "q_lora_rank": mla.q_rank or None,
+        "qk_rope_head_dim": mla.rope_head_dim,
+        "qk_nope_head_dim": mla.nope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+    }
+
+
 def _deepseek_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     mla, rope = cfg.mla, rope_to_hf(cfg)
     if mla.mscale and rope["rope_scaling"]:
@@ -113,12 +126,7 @@ def _deepseek_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {
         **decoder_to_hf(cfg),
         "num_key_value_heads": cfg.n_heads,  # latent attention: every head has its keys and values
-        "attention_bias": cfg.attention.qkv_bias,
-        "kv_lora_rank": mla.kv_rank,
-        "q_lora_rank": mla.q_rank or None,
-        "qk_rope_head_dim": mla.rope_head_dim,
-        "qk_nope_head_dim": mla.nope_head_dim,
-        "v_head_dim": mla.v_head_dim,
+        **mla_to_hf(cfg),
         "rope_interleave": False,  # tessera rotates halves; interleaved checkpoints are de-interleaved on import
         "num_nextn_predict_layers": cfg.mtp_depth,  # DeepSeek-V3's MTP modules, stored as layers n_layers + k
         **_moe_to_hf(cfg),

@@ -160,6 +160,35 @@ def _deepseek(**kw) -> transformers.PreTrainedModel:
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
+def _kimi_linear() -> transformers.PreTrainedModel:
+    """Kimi Delta Attention in layers 0, 1 and 3, NoPE latent attention in layer 2; a dense FFN in layer 0, then
+    group-limited sigmoid MoE with a shared expert."""
+    cfg = transformers.KimiLinearConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        linear_num_heads=2,
+        linear_head_dim=8,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return transformers.KimiLinearForCausalLM(cfg)
+
+
 def _deepseek_v32() -> transformers.PreTrainedModel:
     """DeepSeek Sparse Attention: each query attends to the 8 keys (of up to 28) its lightning indexer picks."""
     cfg = transformers.DeepseekV32Config(
@@ -328,6 +357,7 @@ HF_MODELS = {
     ),
     "deepseek_v3_moe": lambda: _deepseek(q_lora_rank=16, **_DEEPSEEK_MOE),
     "deepseek_v32": _deepseek_v32,
+    "kimi_linear": _kimi_linear,
     "gemma3": _gemma3,
     "gemma3_softcap": lambda: _gemma3(final_logit_softcapping=3.0, tie_word_embeddings=False),
     # 3 sliding layers (4-token windows) to 1 full; norms after each sublayer; QK-norm over all heads
@@ -713,3 +743,71 @@ def test_small_vocabularies_are_refused_only_where_a_tokenizer_is_trained(tmp_pa
     validate_model(model_config(vocab_size=V, dim=32, n_layers=1, n_heads=4))  # a model may have any vocabulary
     with pytest.raises(DataError, match="at least 260"):
         train_tokenizer([Document("d", "def f(x):\n    return x\n")], "tiny", V, tmp_path)
+
+
+# Kimi-Linear-48B-A3B's config.json (moonshotai/Kimi-Linear-48B-A3B-Instruct): the values that decide the size.
+_KIMI_LINEAR_48B = {
+    "model_type": "kimi_linear",
+    "vocab_size": 163840,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "moe_intermediate_size": 1024,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_experts": 256,
+    "num_experts_per_token": 8,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.446,
+    "tie_word_embeddings": False,
+    "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+        "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+        "num_heads": 32,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+    },
+}
+
+
+def test_kimi_linear_recipe_is_the_published_config_and_size():
+    """The published config imports to the full-size recipe's model, and the recipe's exported config builds (on
+    meta) an HF model with as many parameters as ours."""
+    from pathlib import Path
+
+    from tessera.hf.weights import config_from_hf, export_config
+    from tessera.model import count_parameters
+    from tessera.validate import load_config
+
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / "kimi-linear-48b-a3b.toml")
+    imported, _ = config_from_hf(dict(_KIMI_LINEAR_48B))
+    for key in ("layer_pattern", "kda", "mla", "dim", "n_heads", "ffn_hidden", "vocab_size", "position"):
+        assert getattr(imported, key) == getattr(config.model, key), key
+    assert (imported.moe.experts, imported.moe.top_k, imported.moe.ffn_hidden) == (256, 8, 1024)
+    hf_config, family = export_config(config.model)
+    assert family == "kimi_linear"
+    with torch.device("meta"):
+        hf = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**hf_config))
+        published = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**_KIMI_LINEAR_48B))
+        ours = build_model(config.model)
+    counts = [sum(p.numel() for p in m.parameters()) for m in (hf, published)]
+    assert counts == [count_parameters(ours)] * 2 == [49_122_675_072] * 2
+
+
+@pytest.mark.parametrize("key, value", [("linear_head_dim", 16), ("linear_num_heads", 0)])
+def test_cli_kimi_linear_state_dims_that_disagree_are_one_line(tmp_path, key, value):
+    """A Kimi Linear config whose KDA state dims disagree with its weights (head_dim 16 over weights of 8) or are
+    impossible (no heads): exit 2, one line naming the key or the tensor."""
+    _kimi_linear().save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, key: value}))
+    res = run_cli("convert", "hf-import", str(tmp_path / "hf"), str(tmp_path / "run"))
+    assert res.returncode == 2
+    assert (key if value == 0 else "kda.") in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -96,8 +96,6 @@ NOT_COUNTED = {
     "biased loop; neither is a term yet (counted 5.387e7 vs 1.155e8)",
     "deepseek_v32": "DeepSeek-V3.2's sparse attention indexer (landed on main after the count; its scoring "
     "products and top-k key selection are not terms yet: counted 2.066e8 vs 1.989e8)",
-    "qwen3_next": "Qwen3-Next's gated DeltaNet mixer (landed on main after the count; its chunked delta-rule "
-    "products are not a term yet: counted 1.972e8 vs 2.133e8)",
 }
 
 
