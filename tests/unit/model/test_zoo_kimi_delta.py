@@ -35,7 +35,11 @@ def _ours_from(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _pair(seed: int = 0) -> tuple[torch.nn.Module, KimiDeltaAttention]:
     """HF's layer with spread-out random weights and ours loaded from its state dict."""
     hfc = transformers.KimiLinearConfig(
-        hidden_size=32, linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
+        hidden_size=32,
+        linear_num_heads=3,
+        linear_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
         rms_norm_eps=1e-6,
     )
     hf = hf_kimi.KimiLinearDeltaAttention(hfc, 0)
