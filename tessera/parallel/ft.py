@@ -15,6 +15,7 @@ the same samples and the same gradient as the full run, at ``replicas / n`` time
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
@@ -49,6 +50,10 @@ def check_fault_tolerance(p: ParallelConfig, t: TrainConfig) -> None:
     """The [parallel.ft] rules (the layouts torchft refuses are in the compatibility table)."""
     if p.fault_tolerance == "none":
         return
+    require(
+        importlib.util.find_spec("torchft") is not None,
+        "parallel.fault_tolerance='torchft' needs torchft, which the base install leaves out: pip install -e '.[ft]'",
+    )
     ft = p.ft
     require(ft.replicas >= 1, f"parallel.ft.replicas must be >= 1, got {ft.replicas}")
     require(
