@@ -9,6 +9,7 @@ fails CI. Each command's wall time is printed; the first failure stops the run w
 from __future__ import annotations
 
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ def readme_commands() -> list[str]:
 def main(argv: list[str]) -> int:
     """Run each command from the repository root; exit 1 at the first that fails."""
     commands = readme_commands()
+    fresh_runs = not (REPO / "runs").exists()  # the smoke run writes runs/smoke; tests assume a clean checkout
     if len(commands) < 5 or commands[0] != "tessera train configs/smoke.toml":
         print(f"readme_commands: expected the smoke run first and 5+ commands, found {commands}", file=sys.stderr)
         return 1
@@ -40,6 +42,8 @@ def main(argv: list[str]) -> int:
         if done.returncode:
             print(done.stdout[-4000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
             return 1
+    if fresh_runs and "--dry-run" not in argv:
+        shutil.rmtree(REPO / "runs", ignore_errors=True)
     return 0
 
 

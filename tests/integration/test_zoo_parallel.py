@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from tessera.config import ConfigError
 from tessera.validate import load_config
 from tessera.train.trainer import train
 
@@ -45,8 +44,3 @@ def test_hybrid_layouts_match_single_process(tmp_path, cache_dir):
     torchrun(2, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps(LAYOUTS))
     for name in LAYOUTS:
         assert assert_runs_match(tmp_path / name, reference) == 4  # losses, grad norms, final parameters
-
-
-def test_tensor_parallel_is_refused_for_mamba(tiny_config):
-    with pytest.raises(ConfigError, match="Mamba layers with tp"):
-        tiny_config("parallel.tp=2", "parallel.dp_shard=1", "model.layer_pattern=MA")
