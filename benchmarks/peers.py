@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from throughput import _tessera_overrides as tessera_overrides  # the same shape keys (benchmarks/ is on the path)
 
 Step = Callable[[], None]
 Builder = Callable[[argparse.Namespace, Path], "Contender"]
@@ -91,22 +92,6 @@ def _autocast(dtype: str | None) -> contextlib.AbstractContextManager:
 
 def _full_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def tessera_overrides(args: argparse.Namespace) -> list[str]:
-    """The shape as tessera config overrides."""
-    return [
-        f"model.vocab_size={args.vocab}",
-        f"model.dim={args.dim}",
-        f"model.n_layers={args.layers}",
-        f"model.n_heads={args.heads}",
-        f"model.n_kv_heads={args.kv_heads}",
-        f"model.ffn_hidden={args.ffn}",
-        f"model.max_seq_len={args.seq}",
-        "model.norm_eps=1e-5",
-        f"train.seq_len={args.seq}",
-        "model.tie_embeddings=false",
-    ]
 
 
 def _tessera_model(args: argparse.Namespace) -> torch.nn.Module:
