@@ -7,19 +7,23 @@ one spins up a thread per core and they fight) and slow on a busy machine. tesse
 2. else ``OMP_NUM_THREADS`` when it is set (an explicit choice; torchrun sets it to 1 when it
    starts several processes and it is unset, and ``tessera launch`` sets it to the share below);
 3. else the cores this process may use (``os.sched_getaffinity`` and the cgroup CPU quota)
-   divided by the processes on this node (``LOCAL_WORLD_SIZE``), at least 1; but one thread when
-   the machine is already busier than its cores at start (1-minute load above cores + 0.5): threads
-   that wait for a core at every parallel region cost more than they give (measured in issue 37: the
-   smoke job took 1,025 s with 2 threads and 180 s with 1 at load 3-7 on 2 cores).
+   divided by the processes on this node (``LOCAL_WORLD_SIZE``), at least 1, **minus the cores
+   other work keeps busy right now** (sampled from ``/proc/stat`` over a quarter second at start;
+   the 1-minute load average where there is no ``/proc``): a thread that has to wait for a core
+   at every parallel region stalls all the others at the region's barrier.
+   ``benchmarks/threads.py`` measured the smoke job on 2 cores (docs/getting-started.md): with
+   one other busy process, 2 threads took 2.3-5.4x the time of 1 (two runs); with two, 4.7-6.0x;
+   idle, 1 thread took 1.8x the time of 2. The rule picks the faster choice at every load measured.
 
-The choice is printed in the training banner, with a hint when the machine's load says other
-processes are using the same cores.
+The choice is printed in the training banner, with a hint when ``train.threads`` asks for more
+threads than the machine has free cores.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,26 +75,61 @@ def choose_threads(configured: int, local_processes: int, environ: dict[str, str
         return ThreadChoice(int(omp), "OMP_NUM_THREADS")
     cores, procs = usable_cores(), max(1, local_processes)
     per_process = max(1, cores // procs)
-    load = machine_load_if_busy()
-    if load is not None and per_process > 1:  # issue 37: smoke job 1,025 s at 2 threads, 180 s at 1 (load 3-7)
-        return ThreadChoice(1, f"auto: machine busy, load {load:.1f} on {cores} core{'s' if cores != 1 else ''}")
-    return ThreadChoice(
-        per_process, f"auto: {cores} core{'s' if cores != 1 else ''} / {procs} process{'es' if procs != 1 else ''}"
-    )
+    if per_process == 1:
+        return ThreadChoice(1, f"auto: {_cores(cores)} / {procs} process{'es' if procs != 1 else ''}")
+    busy = other_work()
+    free = max(1, min(per_process, math.floor((cores - busy) / procs + 0.25)))
+    if free < per_process:
+        return ThreadChoice(free, f"auto: {busy:.1f} of {_cores(cores)} busy with other work")
+    return ThreadChoice(per_process, f"auto: {_cores(cores)} / {procs} process{'es' if procs != 1 else ''}")
 
 
-def machine_load_if_busy() -> float | None:
-    """The 1-minute load average when more work is runnable than there are usable cores, else None."""
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return load if load > usable_cores() + 0.5 else None
+def _cores(n: int) -> str:
+    return f"{n} core{'s' if n != 1 else ''}"
+
+
+def _cpu_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(busy, total) CPU time of the whole machine in clock ticks, or None without ``/proc/stat``."""
+    try:
+        fields = [int(x) for x in stat.read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+def other_work(window: float = 0.25) -> float:
+    """Cores' worth of work other processes run right now: the machine's busy CPU time over ``window``
+    seconds less this process's own, in cores (the 1-minute load average where ``/proc/stat`` is absent)."""
+    before, own = _cpu_jiffies(), time.process_time()
+    if before is None:
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    time.sleep(window)
+    after, own = _cpu_jiffies(), time.process_time() - own
+    if after is None or after[1] <= before[1]:
+        return 0.0
+    machine_cores = os.cpu_count() or 1
+    busy = (after[0] - before[0]) / (after[1] - before[1]) * machine_cores
+    return max(0.0, busy - own / window)
+
+
+def machine_busy(peers: int = 0) -> float | None:
+    """Cores' worth of other work beyond ``peers`` cores (this job's other local processes) when it is at least
+    half a core (a probe or a thread would feel it), else None."""
+    busy = other_work() - peers
+    return busy if busy >= 0.5 else None
 
 
 def busy_hint(threads: int) -> str:
-    """A hint when the machine is busier than its cores (empty otherwise, and for one thread)."""
-    load = machine_load_if_busy()
-    if threads <= 1 or load is None:
+    """A hint when more threads were asked for than the machine has free cores (empty otherwise)."""
+    if threads <= 1:
         return ""
-    return f"machine busy (load {load:.1f} on {usable_cores()} cores): if steps are slow, try train.threads=1"
+    busy = machine_busy()
+    if busy is None or usable_cores() - busy >= threads - 0.25:
+        return ""
+    cores = _cores(usable_cores())
+    return f"machine busy ({busy:.1f} of {cores} running other work): if steps are slow, try train.threads=1"
 
 
 def apply_threads(configured: int, local_processes: int) -> ThreadChoice:

@@ -18,7 +18,7 @@ import torch
 
 from tessera.config import ModelConfig
 from tessera.train.flop_count import count_config, per_token
-from tessera.threads import machine_load_if_busy
+from tessera.threads import machine_busy
 
 # Dense bf16 tensor-core peaks (FLOP/s) of common accelerators, by a substring of the device name.
 GPU_PEAK_BF16 = {
@@ -91,10 +91,11 @@ def cached_cpu_peak_flops(cache_dir: Path | None, local_processes: int = 1) -> t
     cache = _read_cache(path) if path is not None else {}
     if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
         return float(cache[key]), f"cached in {path}"
+    busy = machine_busy(peers=local_processes - 1)  # before the probe, beside the peers probing with it
     peak = measure_cpu_peak_flops()
-    busy = machine_load_if_busy()
     if path is None or busy is not None:
-        return peak, "measured" + (f" on a busy machine (load {busy:.1f}), not cached" if busy is not None else "")
+        busy_note = f" on a busy machine ({busy:.1f} cores of other work), not cached" if busy is not None else ""
+        return peak, "measured" + busy_note
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps({**cache, key: peak}, indent=1))
