@@ -140,7 +140,18 @@ class ParallelHybrid(nn.Module):
         return ssm + attn * self.attention_out
 
 
-HYBRID_MULTIPLIERS = ("attention_in", "attention_out", "key", "ssm_in", "ssm_out", "ssm_z", "ssm_x", "ssm_b", "ssm_c", "ssm_dt")
+HYBRID_MULTIPLIERS = (
+    "attention_in",
+    "attention_out",
+    "key",
+    "ssm_in",
+    "ssm_out",
+    "ssm_z",
+    "ssm_x",
+    "ssm_b",
+    "ssm_c",
+    "ssm_dt",
+)
 
 
 def check_hybrid(m: ModelConfig) -> None:
