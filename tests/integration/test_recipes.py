@@ -65,6 +65,8 @@ PUBLISHED = {
     "qwen3.5-35b-a3b": 34_660_610_688,
     # Nemotron-H-8B-Base-8K; HF's NemotronHForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
     "nemotron-h-8b": 8_100_852_736,
+    # Falcon-H1-7B-Base; HF's FalconH1ForCausalLM of the exported config counts the same (tests/unit/hf/test_falcon_h1.py)
+    "falcon-h1-7b": 7_585_648_736,
 }
 
 

@@ -284,3 +284,21 @@ _HYBRID = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, layer_pattern="H")
 def test_hybrid_config_errors_name_the_key(overrides, field):
     with pytest.raises(ConfigError, match=re.escape(field)):
         validate_model(model_config(**_HYBRID, **overrides))
+
+
+def test_falcon_h1_7b_recipe_exports_to_the_published_size():
+    """The full-size recipe's exported config builds (on meta) an HF FalconH1ForCausalLM with as many parameters as
+    tessera's model of the recipe: 7,585,648,736 (Falcon-H1-7B-Base's 7.59B)."""
+    from pathlib import Path
+
+    from tessera.hf.weights import export_config
+    from tessera.model import count_parameters
+    from tessera.validate import load_config
+
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / "falcon-h1-7b.toml")
+    hf_config, family = export_config(config.model)
+    assert family == "falcon_h1" and hf_config["mamba_d_ssm"] == 3072 and hf_config["mamba_rms_norm"]
+    with torch.device("meta"):
+        hf = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**hf_config))
+        ours = build_model(config.model)
+    assert sum(p.numel() for p in hf.parameters()) == count_parameters(ours) == 7_585_648_736
