@@ -88,6 +88,7 @@ def test_every_family_has_a_tiny_recipe():
         "kimi_linear",
         "gpt_oss",
         "nemotron_h",
+        "falcon_h1",
     }
 
 
