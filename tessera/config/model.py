@@ -133,6 +133,37 @@ class KimiDeltaConfig:
 
 
 @dataclass
+class HybridConfig:
+    """[model.hybrid]: the parallel hybrid mixer of the "H" layers of model.layer_pattern (Falcon-H1): attention
+    ([model.attention], the model's heads) and Mamba-2 ([model.mamba]) side by side on the same normed input, their
+    outputs scaled and summed. The multipliers are Falcon-H1's muP factors (HF's names in brackets)."""
+
+    mamba_inner: int = 0  # the Mamba-2 inner width (mamba_d_ssm); 0 = model.mamba.expand * dim
+    gated_norm: bool = False  # the Mamba-2 output's gated RMSNorm (mamba_rms_norm); false = y * silu(z) alone
+    norm_before_gate: bool = True  # gated_norm: norm(y) * silu(z) (true) or norm(y * silu(z)) (mamba_norm_before_gate)
+    attention_in: float = 1.0  # the attention input times this (attention_in_multiplier)
+    attention_out: float = 1.0  # the attention output times this (attention_out_multiplier)
+    key: float = 1.0  # the keys times this, before RoPE (key_multiplier)
+    ssm_in: float = 1.0  # the Mamba input times this (ssm_in_multiplier)
+    ssm_out: float = 1.0  # the Mamba output times this (ssm_out_multiplier)
+    ssm_z: float = 1.0  # the gate z of in_proj's output times this (ssm_multipliers[0])
+    ssm_x: float = 1.0  # the SSM input x times this (ssm_multipliers[1])
+    ssm_b: float = 1.0  # B times this (ssm_multipliers[2])
+    ssm_c: float = 1.0  # C times this (ssm_multipliers[3])
+    ssm_dt: float = 1.0  # the time step's pre-activation times this (ssm_multipliers[4])
+
+
+@dataclass
+class MupConfig:
+    """[model.mup]: muP multipliers outside the mixers (Falcon-H1's; 1.0 = off)."""
+
+    embedding: float = 1.0  # token embeddings times this (embedding_multiplier)
+    head: float = 1.0  # the logits times this, applied to the final norm's output (lm_head_multiplier)
+    ffn_gate: float = 1.0  # a gated FFN's gate projection times this before the activation (mlp_multipliers[0])
+    ffn_down: float = 1.0  # the FFN's output times this (mlp_multipliers[1])
+
+
+@dataclass
 class MLAConfig:
     """[model.mla]: multi-head latent attention (DeepSeek-V2/V3) in place of standard attention.
 
@@ -203,7 +234,7 @@ class ModelConfig:
     sentinel_tokens: int = 0  # ids reserved at the top of the vocab for [MASK] / T5 sentinels
     # A = attention ([model.attention], latent if [model.mla] is on), G = global attention (A without the
     # sliding window), M = Mamba ([model.mamba]), D = Gated DeltaNet ([model.gdn]), K = Kimi Delta Attention
-    # ([model.kda]); "" = all A.
+    # ([model.kda]), H = attention and Mamba-2 in parallel ([model.hybrid], Falcon-H1); "" = all A.
     layer_pattern: str = ""  # each layer's mixer, one letter per layer, repeated to n_layers (Jamba: "MMMMAMMM")
     mtp_depth: int = 0  # multi-token prediction modules (DeepSeek-V3): module k also predicts token i + 1 + k
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -214,6 +245,8 @@ class ModelConfig:
     dsa: DSAConfig = field(default_factory=DSAConfig)
     gdn: GatedDeltaNetConfig = field(default_factory=GatedDeltaNetConfig)
     kda: KimiDeltaConfig = field(default_factory=KimiDeltaConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+    mup: MupConfig = field(default_factory=MupConfig)
 
 
 def layer_heads(m: ModelConfig) -> list[int]:

@@ -328,6 +328,8 @@ def detect_family(cfg: ModelConfig) -> str:
         return "bert"
     if cfg.arch == "encoder_decoder":
         return "t5"
+    if "H" in kinds:
+        return "falcon_h1"
     if "D" in kinds:
         return "qwen3_next"
     if "K" in kinds:

@@ -60,7 +60,8 @@ class TransformerBlock(nn.Module):
         if has_ffn and self.moe is None:
             hidden = ffn_hidden_size(cfg.dim, cfg.activation, cfg.ffn_hidden, cfg.ffn_multiplier, cfg.multiple_of)
             bias = cfg.bias or cfg.ffn_bias
-            self.feed_forward = FeedForward(cfg.dim, hidden, cfg.activation, bias=bias, dropout=cfg.dropout)
+            multipliers = (cfg.mup.ffn_gate, cfg.mup.ffn_down)  # muP (Falcon-H1); 1.0 = off
+            self.feed_forward = FeedForward(cfg.dim, hidden, cfg.activation, bias, cfg.dropout, multipliers)
         self.jitter = cfg.moe.jitter
         self.dropout = nn.Dropout(cfg.dropout)
 

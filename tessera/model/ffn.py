@@ -35,8 +35,18 @@ def ffn_hidden_size(dim: int, activation: str, hidden: int = 0, multiplier: floa
 class FeedForward(nn.Module):
     """down(act(gate(x)) * up(x)) when gated, else down(act(up(x)))."""
 
-    def __init__(self, dim: int, hidden: int, activation: str, bias: bool = False, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        activation: str,
+        bias: bool = False,
+        dropout: float = 0.0,
+        multipliers: tuple[float, float] = (1.0, 1.0),
+    ) -> None:
         super().__init__()
+        # muP factors (model.mup.ffn_gate, ffn_down; Falcon-H1): the gate before its activation, the output.
+        self.gate_multiplier, self.down_multiplier = multipliers
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
         self.act = ACTIVATIONS[activation]
@@ -49,10 +59,12 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             x = autocast_input(x)  # read by two projections: cast once
-            h = self.act(self.gate_proj(x)) * self.up_proj(x)
+            gate = self.gate_proj(x)
+            h = self.act(gate * self.gate_multiplier if self.gate_multiplier != 1.0 else gate) * self.up_proj(x)
         else:
             h = self.act(self.up_proj(x))
-        return self.down_proj(self.dropout(h))
+        out = self.down_proj(self.dropout(h))
+        return out * self.down_multiplier if self.down_multiplier != 1.0 else out
 
 
 def hidden_bytes(hidden: int, gated: bool, compute: int) -> float:

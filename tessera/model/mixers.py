@@ -11,6 +11,7 @@ from __future__ import annotations
 from tessera import registry
 from tessera.config import ModelConfig
 from tessera.model import attention, dsa, gated_deltanet, kimi_delta, mamba, mamba_alone, mla  # noqa: F401  (the registry line)
+from tessera.model import parallel_hybrid  # noqa: F401  (the registry line, continued)
 
 
 def layer_kind(cfg: ModelConfig, layer_id: int) -> str:

@@ -20,6 +20,7 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.config.checks import require
+from tessera.model.mup import MultipliedEmbedding
 from tessera.registry import register_options
 
 
@@ -56,6 +57,8 @@ def token_embedding(cfg: ModelConfig) -> nn.Embedding:
     """A decoder's token embedding: scaled by sqrt(dim) under ``model.embed_scale``."""
     if cfg.embed_scale:
         return ScaledEmbedding(cfg.vocab_size, cfg.dim, cfg.dim**0.5)
+    if cfg.mup.embedding != 1.0:  # muP (Falcon-H1's embedding_multiplier): the factor as given, unrounded
+        return MultipliedEmbedding(cfg.vocab_size, cfg.dim, cfg.mup.embedding)
     return nn.Embedding(cfg.vocab_size, cfg.dim)
 
 

@@ -66,6 +66,8 @@ PUBLISHED = {
     "qwen3.5-35b-a3b": 34_660_610_688,
     # Nemotron-H-8B-Base-8K; HF's NemotronHForCausalLM of the exported config counts the same (tests/unit/hf/test_hf.py)
     "nemotron-h-8b": 8_100_852_736,
+    # Falcon-H1-7B-Base; HF's FalconH1ForCausalLM of the exported config counts the same (tests/unit/hf/test_falcon_h1.py)
+    "falcon-h1-7b": 7_585_648_736,
 }
 
 
@@ -87,6 +89,7 @@ def test_every_family_has_a_tiny_recipe():
         "kimi_linear",
         "gpt_oss",
         "nemotron_h",
+        "falcon_h1",
     }
 
 
