@@ -2,8 +2,8 @@
 the logits, and each FFN's gate and output. Like the parallel hybrid's own (tessera/model/parallel_hybrid.py) they
 are never folded into the weights: under muP they scale the gradients as well.
 
-The logits' factor is applied to the final norm's output (the same logits: the head has no bias), so the fused
-head + loss, which reads the head's weight, sees it too.
+The logits' factor is applied to the final norm's output, on the last pipeline stage only (the same logits: the
+head has no bias), so the fused head + loss, which reads the head's weight, sees it too.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ def check_mup(m: Any) -> None:
     if not mup_used(m):
         return
     require(m.arch == "decoder", f"[model.mup] multipliers are for decoders, not model.arch='{m.arch}'")
+    require(
+        m.mup.head == 1.0 or m.norm_position != "post",
+        "model.mup.head scales the final norm's output, which model.norm_position='post' has none of; use 'pre'",
+    )
     require(
         not m.embed_scale or m.mup.embedding == 1.0,
         "model.mup.embedding and model.embed_scale both scale the embeddings; keep one",

@@ -223,7 +223,9 @@ class Stack(nn.Module):
         for i, (name, layer) in enumerate(self.layers.items()):
             layer_ctx = layer_context(int(name), layer.kind, contexts, local, self.nope_layers, shared)
             h = layer(h, layer_ctx, caches[i] if caches is not None else None, start, memory)
-        h = self.norm(h) if self.norm is not None else h
+        if self.norm is None:  # post-norm, or a pipeline stage before the last
+            return h
+        h = self.norm(h)
         return h * self.cfg.mup.head if self.cfg.mup.head != 1.0 else h  # muP's logit factor (see model/mup.py)
 
     def _check_padding(

@@ -279,6 +279,10 @@ _HYBRID = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, layer_pattern="H")
         ({"mamba": {"version": 1}}, "model.mamba.version"),
         ({"mamba": {"version": 2, "head_dim": 8}, "hybrid": {"key": math.inf}}, "model.hybrid.key"),
         ({"mamba": {"version": 2, "head_dim": 8}, "mup": {"head": 0.0}}, "model.mup.head"),
+        (
+            {"mamba": {"version": 2, "head_dim": 8}, "mup": {"head": 0.5}, "norm_position": "post"},
+            "model.mup.head scales the final norm's output, which model.norm_position='post'",
+        ),
     ],
 )
 def test_hybrid_config_errors_name_the_key(overrides, field):
