@@ -192,12 +192,12 @@ def _new_cache(module: ParallelHybrid, batch: int, max_len: int, dtype, device) 
     return HybridCache(module.attention, module.mamba, batch, max_len, dtype, device)
 
 
-# tp: tessera/parallel/tensor.py slices a Mamba mixer per rank only at a block's ``mamba`` (and its in_proj carries
-# per-segment multipliers here); cp: not proven for the two halves together yet (each half alone runs under cp).
+# tp: tessera/parallel/tensor.py slices a Mamba mixer per rank only at a block's own ``mamba``, and this in_proj's
+# per-segment multipliers assume the whole width. cp: each half takes its own split (the Mamba scan through
+# ctx.split, the attention through ctx.attend); tests/integration/test_falcon_h1_parallel.py measures it.
 HYBRID_UNSUPPORTED = {
     "tp": "the parallel hybrid's Mamba-2 half has no tensor-parallel slicing yet (parallel/recurrent.py slices a "
-    "block's own 'mamba' only); run Falcon-H1-style 'H' layers with dp_shard/FSDP, or without tp",
-    "cp": "the parallel hybrid under context parallelism has no parity test yet; run 'H' layers without cp",
+    "block's own 'mamba' only); run Falcon-H1-style 'H' layers with dp_shard/FSDP, cp or pp, without tp",
 }
 
 HYBRID = registry.register(

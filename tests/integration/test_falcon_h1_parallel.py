@@ -1,6 +1,7 @@
-"""The parallel hybrid (Falcon-H1's 'H' layers, non-default multipliers) under FSDP and pipeline stages (the muP
-logit factor on the last stage only) matches the single-process run on losses, grad norms and final parameter
-norms (fp32, 1e-5 relative, 4 steps). Tensor and context parallelism are refused for 'H' layers
+"""The parallel hybrid (Falcon-H1's 'H' layers, non-default multipliers) under context parallelism (cp2, with and
+without document masks: the Mamba half's split scan and convolution halo beside the attention's split), FSDP and
+pipeline stages (the muP logit factor on the last stage only) matches the single-process run on losses, grad norms and final parameter
+norms (fp32, 1e-5 relative, 4 steps). Tensor parallelism is refused for 'H' layers
 (tessera/model/parallel_hybrid.py)."""
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ FALCON_H1 = [
     "model.mup.head=0.5",
 ]
 LAYOUTS = {
+    "cp2": ["parallel.cp=2", "parallel.dp_shard=1"],
+    "cp2_docs": ["parallel.cp=2", "parallel.dp_shard=1", "data.document_mask=true"],
     "fsdp": ["parallel.dp_shard=2"],
     "pp": ["parallel.pp=2", "parallel.dp_shard=1"],
 }
@@ -48,6 +51,8 @@ LAYOUTS = {
 def test_falcon_h1_layouts_match_single_process(tmp_path, cache_dir):
     recipe = write_tiny_recipe(tmp_path / "falcon_h1.toml", cache_dir, *FALCON_H1)
     reference = train(load_config(recipe, [f"train.run_dir={tmp_path}/single"])).run_dir
+    documents = train(load_config(recipe, [f"train.run_dir={tmp_path}/single_docs", "data.document_mask=true"]))
     torchrun(2, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps(LAYOUTS))
     for name in LAYOUTS:
-        assert assert_runs_match(tmp_path / name, reference) == 4, name  # losses, grad norms, final parameters
+        single = documents.run_dir if name.endswith("_docs") else reference
+        assert assert_runs_match(tmp_path / name, single) == 4, name  # losses, grad norms, final parameters
