@@ -42,6 +42,7 @@ from tessera.model.attention import LINEAR_KERNELS, Attention
 from tessera.model.blocks import block_containers
 from tessera.model.gated_deltanet import DeltaRuleMixer
 from tessera.model.mamba import Mamba2Mixer, MambaMixer
+from tessera.model.parallel_hybrid import ParallelHybrid
 from tessera.model.masks import MaskSpec, allowed
 from tessera.model.mla import LatentAttention
 from tessera.model.moe import Experts
@@ -223,6 +224,9 @@ def _block(count: FlopCount, block: nn.Module, masking: tuple, lengths: tuple[in
     backward_only = _delta_rule(count, mixer, q_len) if isinstance(mixer, DeltaRuleMixer) else 0.0
     if block.attention is not None:
         _attention(count, block.attention, masking, q_len, q_len)
+    if isinstance(mixer, ParallelHybrid):  # Falcon-H1's H layer: both halves on the same tokens
+        _mamba(count, mixer.mamba, q_len)
+        _attention(count, mixer.attention, masking, q_len, q_len)
     if block.cross_attention is not None:
         _attention(count, block.cross_attention, None, q_len, memory)
     return sum(count.executed.values()) - before - backward_only

@@ -83,7 +83,8 @@ def assert_runs_match(
     (AdamW hides a wrong gradient scale from the loss, not from the grad norm) and, at the end, the
     per-tensor norm of the parameters (the square root of the summaries' sums of squares: a relative error
     in the weights' units, where the sum of squares doubles it; zero-initialised norm weights and biases,
-    made only of AdamW's sign-like updates, reach 1.2e-5 on the sum of squares under tp2 on an AMX CPU).
+    made only of AdamW's sign-like updates, reach 1.2e-5 on the sum of squares under tp2 on an AMX CPU). The floor of 1e-6 on a norm is the
+    old 1e-12 on a sum of squares: a parameter without a gradient (a BERT key bias) is rounding noise.
     Returns how many steps were compared."""
     import json
 
@@ -97,7 +98,7 @@ def assert_runs_match(
         assert mine.keys() == ref.keys(), sorted(set(mine) ^ set(ref))
         for name, value in ref.items():
             norm, ref_norm = math.sqrt(mine[name]), math.sqrt(value)
-            assert abs(norm - ref_norm) <= rtol * ref_norm + 1e-12, f"param {name}: norm {norm} vs {ref_norm}"
+            assert abs(norm - ref_norm) <= rtol * ref_norm + 1e-6, f"param {name}: norm {norm} vs {ref_norm}"
     return len(got)
 
 
