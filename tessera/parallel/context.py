@@ -129,10 +129,10 @@ class ContextParallel:
         """(B, T_local, ...) -> (B, T, ...) in sequence order: all-gathered along dim 1 (differentiable: the
         backward reduce-scatters, so each rank's slice gets the gradient every rank's queries sent it), then the
         zigzag undone. An encoder-decoder's decoder cross-attends to all of its encoder's positions this way."""
-        every = funcol.wait_tensor(funcol.all_gather_tensor_autograd(x.movedim(1, 0).contiguous(), 0, self.group))
+        every = funcol.wait_tensor(funcol.all_gather_single_autograd(x.contiguous(), 1, self.group))
         length = x.shape[1] * self.size
         order = torch.cat([zigzag_index(length, self.size, r, x.device) for r in range(self.size)]).argsort()
-        return every.index_select(0, order).movedim(0, 1)
+        return every.index_select(1, order)
 
     # Recurrent mixers (tessera.model.recurrent.RecurrentSplit): this rank holds sequence chunks ``rank`` and
     # ``2 cp - 1 - rank``; a scan visits the 2 cp chunks in order, so the pieces' halos and entering states come

@@ -5,7 +5,8 @@ after span corruption drew each sequence's noise); the encoder attends bidirecti
 with T5's relative bias over global positions; the decoder's cross-attention reads the encoder memory of every
 rank (all-gathered along the sequence, zigzag undone; the backward reduce-scatters its gradient). Whole training
 runs at cp = 2 match one process in loss and grad norm per step and in the final parameter norms (fp32, 1e-5):
-the all-gather method with T5's bias, and the ring method (which takes no score bias) with RoPE (at lr 1e-3, see :data:`ROPE`).
+the all-gather method with T5's bias, the ring method (which takes no score bias) with RoPE, and pp = 2 x cp = 2
+(the memory slices cross the encoder | decoder stage boundary; the last two at lr 1e-3, see :data:`LR3`).
 """
 
 from __future__ import annotations
@@ -33,14 +34,22 @@ BASE = [
     "train.sample_tokens=0",
     "checkpoint.enabled=false",
 ]
-# The ring merges its blocks by an online log-sum-exp in fp32, rounding unlike the kernel's one softmax: at the
-# recipe's lr 1e-2 AdamW grows that 1e-7 to 2e-5 in the grad norm by step 3 (1e-7 throughout at lr 1e-3).
-ROPE = ["model.position.kind=rope", "optim.lr=1e-3"]
+# At the recipe's lr 1e-2 AdamW grows fp32 rounding differences of 1e-7 in steps 1-2 to 1e-5 by step 3 where the
+# sums run in another order: the ring's online log-sum-exp merge (2e-5) and pp2 x cp2's two micro-batches (1.4e-5);
+# at lr 1e-3 both stay at 1e-7. The all-gather method keeps the recipe's lr (1.8e-6).
+LR3 = ["optim.lr=1e-3"]
+ROPE = ["model.position.kind=rope", *LR3]
 CP2 = ["parallel.cp=2", "parallel.dp_shard=1"]
-# name -> (layout, feature overrides shared with its one-process reference)
-VARIANTS = {
-    "cp2": (CP2, []),
-    "cp2_ring_rope": ([*CP2, "parallel.cp_method=ring"], ROPE),
+# world size -> name -> (layout, feature overrides shared with its one-process reference)
+WORLDS = {
+    2: {
+        "cp2": (CP2, []),
+        "cp2_ring_rope": ([*CP2, "parallel.cp_method=ring"], ROPE),
+    },
+    4: {
+        # encoder | decoder stages: each cp rank's memory slice crosses the stage boundary, the decoder gathers it
+        "pp2_cp2": ([*CP2, "parallel.pp=2", "parallel.microbatches=2"], LR3),
+    },
 }
 
 
@@ -55,11 +64,14 @@ def test_encoder_decoder_trains_under_context_parallelism(tmp_path, cache_dir):
     recipe = tmp_path / "t5.toml"
     recipe.write_text(load_config(T5_RECIPE, [*BASE, f"data.cache_dir={cache_dir}"]).to_toml())
     refs = {}
-    for _, features in VARIANTS.values():
-        if tuple(features) not in refs:
-            run_dir = f"train.run_dir={tmp_path}/ref{len(refs)}"
-            refs[tuple(features)] = train(load_config(recipe, [*features, run_dir])).run_dir
-    runs = {name: [*layout, *features] for name, (layout, features) in VARIANTS.items()}
-    torchrun(2, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps(runs))
-    for name, (_, features) in VARIANTS.items():
-        assert assert_runs_match(tmp_path / name, refs[tuple(features)]) == STEPS, name
+    for variants in WORLDS.values():
+        for _, features in variants.values():
+            if tuple(features) not in refs:
+                run_dir = f"train.run_dir={tmp_path}/ref{len(refs)}"
+                refs[tuple(features)] = train(load_config(recipe, [*features, run_dir])).run_dir
+    for world, variants in WORLDS.items():
+        runs = {name: [*layout, *features] for name, (layout, features) in variants.items()}
+        torchrun(world, "tests/helpers/dist_variants.py", str(recipe), str(tmp_path), json.dumps(runs))
+    for variants in WORLDS.values():
+        for name, (_, features) in variants.items():
+            assert assert_runs_match(tmp_path / name, refs[tuple(features)]) == STEPS, name
