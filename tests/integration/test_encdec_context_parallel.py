@@ -4,7 +4,7 @@ Each rank holds the zigzag slice of the encoder's sequence and of the decoder's 
 after span corruption drew each sequence's noise); the encoder attends bidirectionally over the split sequence
 with T5's relative bias over global positions; the decoder's cross-attention reads the encoder memory of every
 rank (all-gathered along the sequence, zigzag undone; the backward reduce-scatters its gradient). Whole training
-runs at cp = 2 match one process in loss and grad norm per step and in the final parameter norms (fp32, 1e-5):
+runs at cp = 2 match one process in loss and grad norm per step, final parameter norms and validation loss (fp32, 1e-5):
 the all-gather method with T5's bias, the ring method (which takes no score bias) with RoPE, and pp = 2 x cp = 2
 (the memory slices cross the encoder | decoder stage boundary; the last two at lr 1e-3, see :data:`LR3`).
 """
@@ -19,7 +19,7 @@ from tessera.config import ConfigError
 from tessera.validate import load_config
 from tessera.train.trainer import train
 
-from helpers.runs import assert_runs_match, torchrun
+from helpers.runs import assert_losses_close, assert_runs_match, torchrun
 
 T5_RECIPE = "configs/tiny/t5.toml"
 STEPS = 5
@@ -75,3 +75,9 @@ def test_encoder_decoder_trains_under_context_parallelism(tmp_path, cache_dir):
     for variants in WORLDS.values():
         for name, (_, features) in variants.items():
             assert assert_runs_match(tmp_path / name, refs[tuple(features)]) == STEPS, name
+            assert_losses_close(_val_losses(tmp_path / name), _val_losses(refs[tuple(features)]), what="val loss")
+
+
+def _val_losses(run_dir) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r]
