@@ -5,7 +5,7 @@ after span corruption drew each sequence's noise); the encoder attends bidirecti
 with T5's relative bias over global positions; the decoder's cross-attention reads the encoder memory of every
 rank (all-gathered along the sequence, zigzag undone; the backward reduce-scatters its gradient). Whole training
 runs at cp = 2 and 4 match one process in loss and grad norm per step, final parameter norms and validation loss (fp32, 1e-5):
-the all-gather method with T5's bias, the ring method (which takes no score bias) with RoPE, and pp = 2 x cp = 2
+the all-gather method with T5's bias (also with MoE layers), the ring method (which takes no score bias) with RoPE, and pp = 2 x cp = 2
 (the memory slices cross the encoder | decoder stage boundary; the last two at lr 1e-3, see :data:`LR3`).
 """
 
@@ -39,12 +39,15 @@ BASE = [
 # at lr 1e-3 both stay at 1e-7. The all-gather method keeps the recipe's lr (cp2 and cp4: under 8e-7).
 LR3 = ["optim.lr=1e-3"]
 ROPE = ["model.position.kind=rope", *LR3]
+# MoE in both stacks (top-2, aux and z losses): each layer's expert counts are summed over the cp ranks' slices.
+MOE = ["model.moe.experts=4", "model.moe.ffn_hidden=64", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=0.01"]
 CP2 = ["parallel.cp=2", "parallel.dp_shard=1"]
 # world size -> name -> (layout, feature overrides shared with its one-process reference)
 WORLDS = {
     2: {
         "cp2": (CP2, []),
         "cp2_ring_rope": ([*CP2, "parallel.cp_method=ring"], ROPE),
+        "cp2_moe": (CP2, MOE),
     },
     4: {
         "cp4": (["parallel.cp=4", "parallel.dp_shard=1"], []),
