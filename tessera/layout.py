@@ -233,8 +233,8 @@ def _check_context_parallel(config: JobConfig) -> None:
     p, m, t = config.parallel, config.model, config.train
     if p.cp == 1:
         return
-    _require(
-        t.seq_len % (2 * p.cp) == 0,
+    _require(  # an encoder-decoder splits its encoder and decoder sequences (tessera.data.rules)
+        t.seq_len % (2 * p.cp) == 0 or m.arch == "encoder_decoder",
         f"train.seq_len={t.seq_len} is not divisible by 2 x parallel.cp={2 * p.cp} (context parallelism cuts each "
         f"sequence into 2*cp equal chunks, two per rank); make seq_len a multiple of {2 * p.cp}",
     )

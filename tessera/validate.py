@@ -30,6 +30,7 @@ def validate(config: JobConfig) -> None:
     for section in SECTIONS:
         require_finite(section, getattr(config, section))
     data_rules.check_objective(config.model, config.train)
+    data_rules.check_objective_split(config.model, config.train, config.parallel.cp)
     train_rules.check_train(config.train, config.model)
     train_rules.check_optim(config.optim, config.train)
     train_rules.check_qk_clip(config.optim, config.model)

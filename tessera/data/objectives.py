@@ -25,6 +25,14 @@ def span_count(length: int, density: float, mean_span: float) -> int:
     return max(round(noise / mean_span), 1)
 
 
+def span_lengths(length: int, density: float, mean_span: float) -> tuple[int, int]:
+    """(encoder, decoder) lengths of T5 span corruption of ``length`` tokens: the kept tokens plus one
+    sentinel per span, and one sentinel per span plus the noise tokens."""
+    noise = min(max(round(length * density), 1), length - 1)
+    spans = span_count(length, density, mean_span)
+    return length - noise + spans, noise + spans
+
+
 class _Batch(Protocol):
     tokens: torch.Tensor
     loss_mask: torch.Tensor | None

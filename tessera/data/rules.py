@@ -7,7 +7,7 @@ import re
 from tessera.config import DataConfig, ModelConfig, TrainConfig, resolved_objective
 from tessera.config.checks import require
 from tessera.data.mixture import parse_blend_schedule
-from tessera.data.objectives import span_count
+from tessera.data.objectives import span_count, span_lengths
 from tessera.data.sources import DataError
 from tessera.errors import ConfigError
 
@@ -30,6 +30,26 @@ def check_objective(m: ModelConfig, t: TrainConfig) -> None:
     require(
         m.vocab_size > m.sentinel_tokens,
         f"model.sentinel_tokens={m.sentinel_tokens} leaves no ids of model.vocab_size={m.vocab_size} for the tokenizer",
+    )
+
+
+def check_objective_split(m: ModelConfig, t: TrainConfig, cp: int) -> None:
+    """Under context parallelism span corruption's encoder and decoder sequences each cut into 2 x cp equal
+    chunks (their lengths follow from train.seq_len, model.mask_prob and model.mean_span_length)."""
+    if cp == 1 or resolved_objective(m) != "span_corruption":
+        return
+    density, span = m.mask_prob, m.mean_span_length
+    fits = lambda n: all(x % (2 * cp) == 0 for x in span_lengths(n + 1, density, span))  # noqa: E731
+    if fits(t.seq_len):
+        return
+    enc, dec = span_lengths(t.seq_len + 1, density, span)
+    near = [n for n in range(max(t.seq_len - 64 * cp, 2), t.seq_len + 64 * cp) if fits(n)]
+    near = sorted(near, key=lambda n: abs(n - t.seq_len))[:3]
+    hint = f"e.g. train.seq_len={' or '.join(map(str, sorted(near)))}" if near else "change train.seq_len"
+    raise ConfigError(
+        f"model.objective='span_corruption' with train.seq_len={t.seq_len} gives encoder sequences of {enc} and "
+        f"decoder sequences of {dec} tokens; parallel.cp={cp} cuts each into 2 x cp={2 * cp} equal chunks, so both "
+        f"must be multiples of {2 * cp}: {hint}, or parallel.cp=1"
     )
 
 

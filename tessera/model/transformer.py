@@ -203,6 +203,8 @@ class Stack(nn.Module):
         ``left_pad`` (B,) counts each row's padding positions at the start (see :meth:`padded`).
         """
         b, t, _ = h.shape
+        if memory is not None and self.sequence_split is not None:  # cross-attention reads every encoder position
+            memory = self.sequence_split.whole_sequence(memory)
         if left_pad is not None:
             positions = self._check_padding(left_pad, start, t, positions, caches)
         if positions is None and self.sequence_split is not None:
@@ -537,7 +539,4 @@ def _option(name: str, feature: str, key: str, uses: Callable[[ModelConfig], boo
 
 _option("tied_embeddings", "tied embeddings", "model.tie_embeddings", lambda m: m.tie_embeddings, {})
 _option("encoder", "encoder (masked LM)", "model.arch", lambda m: m.arch == "encoder", {})
-_ENCDEC_CP = (
-    "context parallelism is validated end to end for decoders; an encoder-decoder's cross-attention memory is not split"
-)
-_option("encoder_decoder", "encoder-decoder", "model.arch", lambda m: m.arch == "encoder_decoder", {"cp": _ENCDEC_CP})
+_option("encoder_decoder", "encoder-decoder", "model.arch", lambda m: m.arch == "encoder_decoder", {})

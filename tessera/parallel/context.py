@@ -125,6 +125,15 @@ class ContextParallel:
 
         return attend
 
+    def whole_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T_local, ...) -> (B, T, ...) in sequence order: all-gathered along dim 1 (differentiable: the
+        backward reduce-scatters, so each rank's slice gets the gradient every rank's queries sent it), then the
+        zigzag undone. An encoder-decoder's decoder cross-attends to all of its encoder's positions this way."""
+        every = funcol.wait_tensor(funcol.all_gather_single_autograd(x.contiguous(), 1, self.group))
+        length = x.shape[1] * self.size
+        order = torch.cat([zigzag_index(length, self.size, r, x.device) for r in range(self.size)]).argsort()
+        return every.index_select(1, order)
+
     # Recurrent mixers (tessera.model.recurrent.RecurrentSplit): this rank holds sequence chunks ``rank`` and
     # ``2 cp - 1 - rank``; a scan visits the 2 cp chunks in order, so the pieces' halos and entering states come
     # from the ranks holding the chunks before them (all-gathered, differentiable: gradients reach those ranks).
@@ -334,11 +343,16 @@ def shard_batch(
     loss_mask: torch.Tensor | None,
     cp_mesh: DeviceMesh,
 ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor, torch.Tensor | None]:
-    """This rank's zigzag slice (along the sequence, dim 1) of a batch's inputs, labels and masks."""
-    index = zigzag_index(labels.shape[1], cp_mesh.size(), cp_mesh.get_local_rank(), labels.device)
+    """This rank's zigzag slice (along the sequence, dim 1) of a batch's inputs, labels and masks; each tensor is
+    cut along its own length (an encoder-decoder's encoder inputs are longer than its decoder inputs)."""
+    size, rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
     def cut(x: Any) -> Any:
-        return x[:, index] if isinstance(x, torch.Tensor) and x.dim() >= 2 else x
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return x
+        if x.shape[1] % (2 * size):  # the config checks rule this out (train.seq_len, span-corruption lengths)
+            raise ValueError(f"a sequence of {x.shape[1]} tokens does not cut into 2 x cp={2 * size} equal chunks")
+        return x[:, zigzag_index(x.shape[1], size, rank, x.device)]
 
     return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}, cut(labels), cut(loss_mask)
 

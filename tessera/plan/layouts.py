@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tessera.config import JobConfig
+from tessera.data.rules import check_objective_split
 from tessera.errors import ConfigError
 from tessera.layout import (
     COST_SPLIT,
@@ -223,12 +224,13 @@ def layout_problem(config: JobConfig, layout: Layout, world: int) -> str:
     job = apply_layout(config, layout)
     try:
         check_layout(job, world)
+        check_objective_split(job.model, job.train, layout.cp)  # span corruption's two lengths under cp
     except ConfigError as err:
         return str(err)
     experts = config.model.moe.experts
     if layout.ep > 1 and (not experts or experts % layout.ep or layout.shard % layout.ep):
         return f"parallel.ep={layout.ep} must divide model.moe.experts={experts} and dp_shard*cp={layout.shard}"
-    if layout.cp > 1 and config.train.seq_len % (2 * layout.cp):
+    if layout.cp > 1 and config.train.seq_len % (2 * layout.cp) and config.model.arch != "encoder_decoder":
         return f"train.seq_len={config.train.seq_len} must divide into 2 x cp={2 * layout.cp} chunks"
     return ""
 

@@ -78,6 +78,11 @@ class SequenceSplit(Protocol):
         per-batch metadata (document ids) once here, for all layers."""
         ...
 
+    def whole_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T_local, ...) -> (B, T, ...): every rank's tokens in sequence order (an encoder-decoder's
+        cross-attention memory); the gradient of each rank's slice comes back to it."""
+        ...
+
 
 def allowed_mask(ctx: AttnContext, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
     """The context's boolean mask, materializing the implicit causal one when needed."""

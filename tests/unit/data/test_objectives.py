@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessera.config import model_config
-from tessera.data.objectives import span_count
+from tessera.data.objectives import span_count, span_lengths
 from tessera.data.objectives import IGNORE, Objective, causal_lm, masked_lm, span_corruption
 
 
@@ -94,3 +94,11 @@ def test_masks_are_drawn_per_sequence_so_a_data_parallel_split_changes_nothing(a
     assert torch.equal(whole[2], torch.cat([h[2] for h in halves]))
     other = Objective(model_config(arch=arch, vocab_size=520, sentinel_tokens=8), seed=4)
     assert not torch.equal(other(_Batch(tokens))[2], whole[2])  # the seed still matters
+
+
+@pytest.mark.parametrize("length", [17, 33, 62, 65])
+def test_span_lengths_are_the_shapes_span_corruption_makes(length):
+    tokens = torch.arange(2 * length).view(2, length)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    enc, dec, labels = span_corruption(tokens, 520, 0.15, 3.0, gens)
+    assert (enc.shape[1], dec.shape[1]) == span_lengths(length, 0.15, 3.0) and labels.shape == dec.shape

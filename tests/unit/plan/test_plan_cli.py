@@ -136,6 +136,9 @@ def test_enumeration_follows_the_compatibility_matrix(monkeypatch):
 
     t5 = load_config("configs/tiny/t5.toml", ["train.batch_size=8"])
     assert any(lay.pp > 1 for lay in candidate_layouts(t5, 4, 8))  # issue 15: encoder-decoder pipelines
+    assert not any(lay.cp > 1 for lay in candidate_layouts(t5, 4, 8))  # span lengths 58 and 13 do not cut in 4
+    t5_61 = load_config("configs/tiny/t5.toml", ["train.batch_size=8", "train.seq_len=61"])  # 56 and 12
+    assert any(lay.cp > 1 for lay in candidate_layouts(t5_61, 4, 8))  # encoder-decoders under cp: issue 32
     refuse("option", "encoder_decoder", "pp")
     layouts = list(candidate_layouts(t5, 4, 8))
     assert all(lay.pp == 1 for lay in layouts) and any(lay.tp > 1 for lay in layouts)
