@@ -39,6 +39,7 @@ class MaskSpec:
     block_size: int = 16
     random_blocks: int = 1
     max_len: int = 2048
+    chunk: int = 0  # > 0: queries see only keys of their own fixed chunk (Llama 4, tessera/model/attention_chunks.py)
 
     @property
     def pattern(self) -> Pattern | None:
@@ -105,6 +106,8 @@ def _pattern(spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor |
         return pattern.allowed(spec, q, k)
     if spec.window > 0:
         return near(q, k, spec.window)
+    if spec.chunk > 0:
+        return torch.div(q, spec.chunk, rounding_mode="floor") == torch.div(k, spec.chunk, rounding_mode="floor")
     return None
 
 
@@ -146,7 +149,7 @@ def attention_mask(
     the last ones), queries the last ``q_len`` of them.
     """
     # No mask: full self-attention, one decoding step (the last query sees every key), or non-causal.
-    if not spec.windowed and document_ids is None and (q_len in (kv_len, 1) or not spec.causal):
+    if not spec.windowed and not spec.chunk and document_ids is None and (q_len in (kv_len, 1) or not spec.causal):
         return None
     k = torch.arange(kv_start, kv_start + kv_len, device=device)
     q = k[kv_len - q_len :]

@@ -169,8 +169,10 @@ def _validate_mixers(m: ModelConfig) -> None:
     )
     kernel = registry.get("attention_kernel", m.attention.kernel)
     require(
-        "G" not in pattern or (m.attention.sliding_window > 0 and kernel.scores and not kernel.pattern),
-        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and a softmax kernel "
+        "G" not in pattern
+        or ((m.attention.sliding_window > 0 or m.attention.chunk_size > 0) and kernel.scores and not kernel.pattern),
+        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 (or chunk_size > 0) "
+        "and a softmax kernel "
         "without its own pattern (sdpa, eager, chunked)",
     )
     run_checks(m, "mixer")
