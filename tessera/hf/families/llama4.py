@@ -140,7 +140,7 @@ def llama4_rules(cfg: ModelConfig, family: str) -> list[Rule]:
     return rules
 
 
-def _pair_order(rows: int, head: int, inverse: bool) -> torch.Tensor:
+def rope_pair_order(rows: int, head: int, inverse: bool) -> torch.Tensor:
     """Row order taking each ``head``-row block from interleaved pairs (x0, x1), (x2, x3), ... to halves
     (x0, x2, ...), (x1, x3, ...); ``inverse``: back."""
     block = torch.arange(head).view(head // 2, 2).t().reshape(-1)  # halves position j <- pair row block[j]
@@ -155,7 +155,7 @@ def _rope_rows(cfg: ModelConfig, tensors: dict[str, torch.Tensor], inverse: bool
         parts = name.split(".")
         if len(parts) > 4 and parts[1] == "layers" and parts[4] in ("q_proj", "k_proj") and int(parts[2]) not in nope:
             t = tensors[name]
-            tensors[name] = t[_pair_order(t.shape[0], head, inverse)]
+            tensors[name] = t[rope_pair_order(t.shape[0], head, inverse)]
 
 
 def _prepare(hf: dict[str, Any], cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

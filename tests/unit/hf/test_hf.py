@@ -252,6 +252,24 @@ def _gpt_oss() -> transformers.PreTrainedModel:
     return transformers.GptOssForCausalLM(cfg)
 
 
+def _llama4(**kw) -> transformers.PreTrainedModel:
+    """Llama 4 text: layer 3 NoPE (global, temperature-tuned from position 3 on), the others RoPE (llama3 scaling)
+    in 8-token chunks with the QK L2 norm; 20 greedy tokens from 8 cross three chunk boundaries."""
+    cfg = transformers.Llama4TextConfig(
+        **{**_LLAMA_LIKE, "num_hidden_layers": 4, "intermediate_size": 16},
+        intermediate_size_mlp=48,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        attention_chunk_size=8,
+        floor_scale=4,
+        attn_scale=0.5,
+        rope_parameters=_LLAMA3_ROPE,
+        **kw,
+    )
+    return transformers.Llama4ForCausalLM(cfg)
+
+
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 # DeepSeek-V3 routing: sigmoid scores, 2 groups of which the best 1 is searched, scaled weights, a shared expert
 _DEEPSEEK_MOE = dict(
@@ -369,6 +387,8 @@ HF_MODELS = {
         transformers.SmolLM3Config(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, pad_token_id=0)
     ),
     "gpt_oss": _gpt_oss,
+    "llama4": _llama4,  # Scout's layout: MoE in every layer
+    "llama4_maverick": lambda: _llama4(interleave_moe_layer_step=2, use_qk_norm=False, attention_bias=True),
     "deepseek_v3_yarn": lambda: _deepseek(
         q_lora_rank=16,
         rope_parameters={
