@@ -124,8 +124,8 @@ def _validate_position(m: ModelConfig) -> None:
         f"model.position.rope_scaling_factor must be >= 1, got {pos.rope_scaling_factor}",
     )
     require(
-        pos.rope_scaling != "llama3" or 0 < pos.rope_low_freq_factor < pos.rope_high_freq_factor,
-        "model.position.rope_low_freq_factor must be positive and below model.position.rope_high_freq_factor, got "
+        pos.rope_scaling != "llama3" or 0 < pos.rope_low_freq_factor <= pos.rope_high_freq_factor,
+        "model.position.rope_low_freq_factor must be positive and at most model.position.rope_high_freq_factor, got "
         f"{pos.rope_low_freq_factor} and {pos.rope_high_freq_factor}",
     )
     require(

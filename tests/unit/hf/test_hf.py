@@ -252,6 +252,9 @@ def _gpt_oss() -> transformers.PreTrainedModel:
     return transformers.GptOssForCausalLM(cfg)
 
 
+_SCOUT_ROPE = {**_LLAMA3_ROPE, "rope_theta": 500000.0, "factor": 16.0, "high_freq_factor": 1.0}  # no blended band
+
+
 def _llama4(**kw) -> transformers.PreTrainedModel:
     """Llama 4 text: layer 3 NoPE (global, temperature-tuned from position 3 on), the others RoPE (llama3 scaling)
     in 8-token chunks with the QK L2 norm; 20 greedy tokens from 8 cross three chunk boundaries."""
@@ -264,8 +267,7 @@ def _llama4(**kw) -> transformers.PreTrainedModel:
         attention_chunk_size=8,
         floor_scale=4,
         attn_scale=0.5,
-        rope_parameters=_LLAMA3_ROPE,
-        **kw,
+        **{"rope_parameters": _SCOUT_ROPE, **kw},
     )
     return transformers.Llama4ForCausalLM(cfg)
 
@@ -388,7 +390,9 @@ HF_MODELS = {
     ),
     "gpt_oss": _gpt_oss,
     "llama4": _llama4,  # Scout's layout: MoE in every layer
-    "llama4_maverick": lambda: _llama4(interleave_moe_layer_step=2, use_qk_norm=False, attention_bias=True),
+    "llama4_maverick": lambda: _llama4(
+        interleave_moe_layer_step=2, use_qk_norm=False, attention_bias=True, rope_parameters=_LLAMA3_ROPE
+    ),
     "deepseek_v3_yarn": lambda: _deepseek(
         q_lora_rank=16,
         rope_parameters={
