@@ -625,20 +625,22 @@ def test_export_reads_the_same_with_transformers_4_rules(family, tmp_path):
     assert (_logits(back, x, y, hf=True) - _logits(hf, x, y, hf=True)).abs().max().item() <= TOL
 
 
-def test_cli_import_export_small_vocab(tmp_path):
-    hf = _randomize(HF_MODELS["qwen2"](), seed=4)
+@pytest.mark.parametrize("family", ["qwen2", "llama4"])
+def test_cli_import_export_small_vocab(family, tmp_path):
+    hf = _randomize(HF_MODELS[family](), seed=4)
     hf.save_pretrained(tmp_path / "hf")
     res = run_cli("convert", "hf-import", str(tmp_path / "hf"), str(tmp_path / "run"))
     assert res.returncode == 0, res.stderr
     res = run_cli("convert", "hf-export", str(tmp_path / "run"), str(tmp_path / "out"))
     assert res.returncode == 0, res.stderr
-    assert "qwen2" in res.stdout
+    exported = {"llama4": "llama4_text"}.get(family, family)
+    assert exported in res.stdout
     x = torch.randint(0, V, (1, 16))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert (back(x).logits - hf(x).logits).abs().max().item() <= TOL
         assert (tessera.load(tmp_path / "run")(x) - hf(x).logits).abs().max().item() <= TOL
-    assert "Imported from the HF qwen2 checkpoint" in (tmp_path / "out" / "README.md").read_text()
+    assert f"Imported from the HF {exported} checkpoint" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_cli_unsupported_option_is_a_clear_error(tmp_path):
