@@ -15,13 +15,10 @@ from typing import Any
 from tessera import registry
 from tessera.config.checks import require
 
+# tp2 (+SP) and pp2 match one process (tests/integration/test_llama4_parallel.py): the mask is per position.
 _LAYOUTS = {
     "cp": "context parallelism's ring attention has no chunk boundaries yet; run model.attention.chunk_size "
     "without parallel.cp",
-    "tp": "chunked attention is not proven under tensor parallelism yet; run model.attention.chunk_size with "
-    "parallel.tp=1",
-    "pp": "chunked attention is not proven under pipeline parallelism yet; run model.attention.chunk_size with "
-    "parallel.pp=1",
 }
 
 
