@@ -7,17 +7,19 @@ the NoPE layers (``attention.temperature_*``), and MoE layers every ``interleave
 routing that scales the expert input, ``moe.scale_input``, plus an ungated shared expert; dense layers are
 ``intermediate_size_mlp`` wide, experts ``intermediate_size``). HF rotates interleaved channel pairs (complex
 RoPE); tessera rotates halves, so each RoPE layer's q/k rows are de-interleaved on import and interleaved back on
-export. The experts' ``gate_up_proj`` holds gate then up (the ``halves`` rule).
+export. The experts' ``gate_up_proj`` holds gate then up (the ``halves`` rule). The released multimodal
+checkpoints (``model_type = "llama4"``) import their text model; they export as ``llama4_text``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from tessera.config import ModelConfig
-from tessera.hf.families.common import Family, Rule, copy, ends_rules, fail, ffn_hidden
+from tessera.hf.families.common import Family, HFConversionError, Rule, copy, ends_rules, fail, ffn_hidden
 from tessera.hf.families.llama import dense_ffn_rules, llama_from_hf, llama_layer_rules, llama_to_hf
 from tessera.model.layer_patterns import nope_layers
 from tessera.model.moe import is_moe_layer
@@ -152,7 +154,7 @@ def _rope_rows(cfg: ModelConfig, tensors: dict[str, torch.Tensor], inverse: bool
     """Reorder the q/k projection rows (weights, biases) of every RoPE layer in place."""
     head, nope = cfg.head_dim or cfg.dim // cfg.n_heads, nope_layers(cfg)
     for name in list(tensors):
-        parts = name.split(".")
+        parts = name.removeprefix(_LANGUAGE).split(".")
         if len(parts) > 4 and parts[1] == "layers" and parts[4] in ("q_proj", "k_proj") and int(parts[2]) not in nope:
             t = tensors[name]
             tensors[name] = t[rope_pair_order(t.shape[0], head, inverse)]
@@ -166,8 +168,39 @@ def _finish(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
     _rope_rows(cfg, tensors, inverse=True)
 
 
+# The released checkpoints (Llama4ForConditionalGeneration, model_type "llama4"): the text model's tensors under
+# this prefix, its config as text_config; the vision tower and projector are not read.
+_LANGUAGE = "language_model."
+_VISION = ("vision_model.", "multi_modal_projector.")
+
+
+def _composite_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(hf.get("text_config"), dict):
+        fail("text_config", hf.get("text_config"), "llama4", "a released Llama 4 config has its text model there")
+    text = {"tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)), **hf["text_config"]}
+    return llama4_from_hf(text)
+
+
+def _composite_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    raise HFConversionError("tessera holds Llama 4's text model only (no vision tower): export it as llama4_text")
+
+
+def _composite_rules(cfg: ModelConfig, family: str) -> list[Rule]:
+    """The text model's rules with HF's names under ``language_model.``."""
+    return [dataclasses.replace(r, theirs=tuple(_LANGUAGE + t for t in r.theirs)) for r in llama4_rules(cfg, family)]
+
+
 FAMILIES = {
     FAMILY: Family(
         FAMILY, "Llama4ForCausalLM", llama4_from_hf, llama4_to_hf, llama4_rules, ("rotary_emb",), _prepare, _finish
-    )
+    ),
+    "llama4": Family(
+        "llama4",
+        "Llama4ForConditionalGeneration",
+        _composite_from_hf,
+        _composite_to_hf,
+        _composite_rules,
+        ("rotary_emb", *_VISION),
+        _prepare,
+    ),
 }

@@ -118,3 +118,43 @@ def test_a_chunk_as_long_as_the_context_is_full_attention():
     """attention_chunk_size >= max_position_embeddings: one chunk holds everything, imported as plain causal."""
     cfg, _ = config_from_hf({**SCOUT_TEXT, "max_position_embeddings": 8192, "rope_scaling": None})
     assert cfg.attention.chunk_size == 0 and cfg.layer_pattern == ""
+
+
+def test_released_multimodal_checkpoint_imports_its_text_model(tmp_path):
+    """A Llama4ForConditionalGeneration directory (as released: text_config, language_model.* tensors, a vision
+    tower): tessera reads the text model, whose logits equal its HF language model's (1e-4); it exports as
+    llama4_text, which HF reads back to the same logits; exporting it as the composite family is one line."""
+    import tessera
+    from tessera.hf.convert import hf_export, hf_import
+    from tessera.hf.weights import save_hf
+
+    text = dict(
+        vocab_size=99, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128, num_local_experts=4,
+        num_experts_per_tok=1, attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vision_output_dim=32,
+        image_size=28, patch_size=14, projector_input_dim=32, projector_output_dim=32,
+    )  # fmt: skip
+    tokens = dict(image_token_index=98, boi_token_index=96, eoi_token_index=97)
+    hf = transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=text, vision_config=vision, **tokens)
+    )
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    hf.eval().save_pretrained(tmp_path / "hf")
+    x = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf.language_model(input_ids=x).logits  # transformers 5.24's composite forward fails on text alone
+        assert (tessera.load(tmp_path / "hf")(x) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.1
+    with pytest.raises(HFConversionError, match="export it as llama4_text"):
+        save_hf(tessera.load(tmp_path / "hf"), tmp_path / "composite", "llama4")
+    hf_import(tmp_path / "hf", tmp_path / "run")
+    assert hf_export(tmp_path / "run", tmp_path / "out") == "llama4_text"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is transformers.Llama4ForCausalLM
+    with torch.no_grad():
+        assert (back(x).logits - ref).abs().max().item() <= 1e-4
