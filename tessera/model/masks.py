@@ -148,8 +148,10 @@ def attention_mask(
     Keys are positions ``kv_start .. kv_start + kv_len - 1`` (a sliding-window cache keeps only
     the last ones), queries the last ``q_len`` of them.
     """
-    # No mask: full self-attention, one decoding step (the last query sees every key), or non-causal.
-    if not spec.windowed and not spec.chunk and document_ids is None and (q_len in (kv_len, 1) or not spec.causal):
+    # No mask: full self-attention, one decoding step (the last query sees every key), or non-causal; chunks
+    # matter only once the keys cross a chunk boundary (a training sequence within one chunk is plain causal).
+    chunked = spec.chunk > 0 and kv_start + kv_len > spec.chunk
+    if not spec.windowed and not chunked and document_ids is None and (q_len in (kv_len, 1) or not spec.causal):
         return None
     k = torch.arange(kv_start, kv_start + kv_len, device=device)
     q = k[kv_len - q_len :]

@@ -126,6 +126,23 @@ def test_chunk_mask_is_hfs_at_every_position():
     assert torch.equal(attention_mask(MaskSpec(chunk=CHUNK), 1, T, torch.device("cpu"))[0, 0, 0], want[-1])
 
 
+def test_a_sequence_within_one_chunk_needs_no_mask():
+    """Up to the first boundary chunks change nothing: plain causal attention (sdpa's fast path), no mask tensor."""
+    cpu = torch.device("cpu")
+    assert attention_mask(MaskSpec(chunk=CHUNK), CHUNK, CHUNK, cpu) is None
+    assert attention_mask(MaskSpec(chunk=CHUNK), 1, CHUNK, cpu) is None
+    assert attention_mask(MaskSpec(chunk=CHUNK), 1, CHUNK + 1, cpu) is not None
+
+
+def test_left_padded_generation_is_refused():
+    """HF counts chunks from each row's first real token: tessera refuses left-padded batches in one line."""
+    from tessera.model import build_model, generate
+
+    model = build_model(read_config("configs/tiny/llama4.toml").model).eval()
+    with pytest.raises(ValueError, match="left padding with chunked attention"):
+        generate(model, [[5, 6, 7], [8, 9]], 2, temperature=0)
+
+
 _BASE = dict(dim=32, n_heads=4, n_layers=4, max_seq_len=64, layer_pattern="AAAG")
 
 
