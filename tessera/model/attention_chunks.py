@@ -4,8 +4,9 @@ Llama 4's RoPE layers attend causally within fixed chunks of ``chunk_size`` posi
 ``c * chunk_size .. (c + 1) * chunk_size - 1``) and never across a chunk boundary; its NoPE layers attend
 globally. In tessera the chunked layers are the 'A' letters of ``model.layer_pattern``, the global ones
 the 'G' letters (Llama 4 Scout: "AAAG" with ``position.nope_layers`` on every 'G'). The mask itself is one
-rule of :func:`tessera.model.masks.allowed` (``MaskSpec.chunk``); decoding keeps full KV caches (a query
-at the start of a chunk sees only itself, whatever came before).
+rule of :func:`tessera.model.masks.allowed` (``MaskSpec.chunk``); whole sequences run the sliding windows'
+block-sparse plan with a chunk-wide window (O(length x chunk)); decoding keeps full KV caches (a query at the
+start of a chunk sees only itself, whatever came before).
 """
 
 from __future__ import annotations

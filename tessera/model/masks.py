@@ -84,8 +84,8 @@ def near(q: torch.Tensor, k: torch.Tensor, reach: int) -> torch.Tensor:
 
 
 def window_block(spec: MaskSpec) -> int:
-    """The block edge of a sliding window's block-sparse plan."""
-    return min(spec.window, _WINDOW_BLOCK)
+    """The block edge of a sliding window's (or chunks') block-sparse plan."""
+    return min(spec.window or spec.chunk, _WINDOW_BLOCK)
 
 
 def neighbour_slots(spec: MaskSpec, reach: int, n_blocks: int, device: torch.device) -> torch.Tensor:
@@ -95,8 +95,9 @@ def neighbour_slots(spec: MaskSpec, reach: int, n_blocks: int, device: torch.dev
 
 
 def window_slots(spec: MaskSpec, block: int, n_blocks: int, device: torch.device) -> torch.Tensor:
-    """The key blocks a sliding window of ``spec.window`` keys reaches from each query block."""
-    return neighbour_slots(spec, -(-(spec.window - 1) // block), n_blocks, device)
+    """The key blocks a sliding window of ``spec.window`` keys reaches from each query block; with chunks, a
+    chunk-wide window back (it holds the query's chunk: :func:`allowed` then drops the earlier chunks' keys)."""
+    return neighbour_slots(spec, -(-((spec.window or spec.chunk) - 1) // block), n_blocks, device)
 
 
 def _pattern(spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -234,8 +235,8 @@ def block_layout(
     spec: MaskSpec, length: int, device: torch.device, document_ids: torch.Tensor | None = None
 ) -> BlockLayout | None:
     """The block-sparse plan of ``spec``'s pattern over ``length`` tokens, or None when the pattern
-    is dense (no window) or its blocks would score as many keys as dense attention."""
-    if not spec.windowed:
+    is dense (no window or chunks) or its blocks would score as many keys as dense attention."""
+    if not spec.windowed and not spec.chunk:
         return None
     n_global = min(spec.n_global, length)
     block = spec.pattern.block(spec) if spec.pattern is not None else window_block(spec)
