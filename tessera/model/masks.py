@@ -94,10 +94,17 @@ def neighbour_slots(spec: MaskSpec, reach: int, n_blocks: int, device: torch.dev
     return torch.arange(n_blocks, device=device)[:, None] + offsets
 
 
+def _reach(spec: MaskSpec, block: int) -> int:
+    """Key blocks back a query block needs: a window's width, or its chunk's start (a whole number of blocks back
+    when blocks tile the chunks, else a chunk-wide window, whose earlier chunks' keys :func:`allowed` drops)."""
+    if spec.window or spec.chunk % block:
+        return -(-((spec.window or spec.chunk) - 1) // block)
+    return spec.chunk // block - 1
+
+
 def window_slots(spec: MaskSpec, block: int, n_blocks: int, device: torch.device) -> torch.Tensor:
-    """The key blocks a sliding window of ``spec.window`` keys reaches from each query block; with chunks, a
-    chunk-wide window back (it holds the query's chunk: :func:`allowed` then drops the earlier chunks' keys)."""
-    return neighbour_slots(spec, -(-((spec.window or spec.chunk) - 1) // block), n_blocks, device)
+    """The key blocks a sliding window of ``spec.window`` keys (or a chunk) reaches from each query block."""
+    return neighbour_slots(spec, _reach(spec, block), n_blocks, device)
 
 
 def _pattern(spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ from tessera.hf.families.llama4 import rope_pair_order
 from tessera.hf.weights import config_from_hf
 from tessera.layout import check_layout
 from tessera.model.attention import MIXER, AttnContext
-from tessera.model.masks import MaskSpec, attention_mask
+from tessera.model.masks import MaskSpec, attention_mask, block_layout
 from tessera.model.position import RotaryEmbedding, rope_scaling_of
 from tessera.validate import validate_model
 
@@ -124,6 +124,23 @@ def test_chunk_mask_is_hfs_at_every_position():
     got = attention_mask(MaskSpec(chunk=CHUNK), T, T, torch.device("cpu"))[0, 0]
     assert torch.equal(got, want)
     assert torch.equal(attention_mask(MaskSpec(chunk=CHUNK), 1, T, torch.device("cpu"))[0, 0, 0], want[-1])
+
+
+@pytest.mark.parametrize(("chunk", "length"), [(8, 40), (256, 600), (200, 520)])
+def test_block_sparse_plan_is_the_dense_chunk_mask(chunk, length):
+    """The block-sparse plan of whole sequences allows exactly the dense mask's keys (blocks tiling the chunks,
+    and not), and scores fewer keys than dense attention."""
+    spec = MaskSpec(chunk=chunk)
+    plan = block_layout(spec, length, torch.device("cpu"))
+    assert plan is not None and plan.keys_per_query < length
+    blocks, size = plan.n_blocks, plan.block
+    q = torch.arange(blocks * size).view(blocks, size, 1)
+    k = (plan.key_blocks[:, :, None] * size + torch.arange(size)).view(blocks, 1, -1).expand(-1, size, -1)
+    seen = torch.zeros(blocks * size, blocks * size + size, dtype=torch.bool)
+    rows = q.expand_as(k)[plan.mask[0]]
+    seen[rows, k[plan.mask[0]]] = True
+    want = attention_mask(spec, length, length, torch.device("cpu"))[0, 0]
+    assert torch.equal(seen[:length, :length], want)
 
 
 def test_a_sequence_within_one_chunk_needs_no_mask():
