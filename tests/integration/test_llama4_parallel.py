@@ -1,7 +1,7 @@
 """Llama 4's attention options (chunked attention across the TP/SP shards, the QK L2 norm on the RoPE layer,
-temperature tuning on the NoPE layer) with its input-scaled top-1 MoE and shared expert, under tp2 (+SP) and pp2
-(the RoPE layer on one stage, the NoPE layer on the other): losses, grad norms and final parameters equal the
-single-process run (fp32, 1e-5 relative, 3 steps), both layouts in one spawned 2-process world."""
+temperature tuning on the NoPE layer) with its input-scaled top-1 MoE and shared expert, under tp2 (+SP), pp2
+(the RoPE layer on one stage, the NoPE layer on the other) and ep2: losses, grad norms and final parameters equal the
+single-process run (fp32, 1e-5 relative, 3 steps), all layouts in one spawned 2-process world."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ LLAMA4 = [
 LAYOUTS = {
     "tp2_sp": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"],
     "pp2": ["parallel.pp=2", "parallel.dp_shard=1"],
+    "ep2": ["parallel.ep=2", "parallel.dp_shard=2"],  # the input-scaled rows all-to-all'd to their experts
 }
 
 
