@@ -28,6 +28,12 @@ class AttentionConfig:
     sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss attention sinks)
     heads_per_layer: str = ""  # query heads per layer, e.g. "4,2,4,2" (pruned models); "" = n_heads in every layer
     output_gate: bool = False  # gated attention (Qwen3-Next): the output times sigmoid(a per-head gate from q_proj)
+    # Llama 4 (docs/layer-patterns.md): chunked 'A' layers, L2-normed q/k on RoPE layers, tuned NoPE temperatures.
+    chunk_size: int = 0  # > 0: 'A' layers attend causally within fixed chunks of this many positions (Llama 4)
+    qk_l2_norm: bool = False  # weightless RMS norm of each head's q and k on the RoPE layers (Llama 4 use_qk_norm)
+    temperature_tuning: bool = False  # NoPE layers: q *= log(floor((pos + 1) / floor) + 1) * scale + 1 (Llama 4)
+    temperature_floor: int = 8192  # temperature tuning: positions per step of the log (HF floor_scale)
+    temperature_scale: float = 0.1  # temperature tuning: the log's weight (HF attn_scale)
 
 
 @dataclass

@@ -345,6 +345,8 @@ def detect_family(cfg: ModelConfig) -> str:
     layered = {"sandwich": "gemma3_text", "reordered": "olmo3"}.get(cfg.norm_position)
     if layered and not cfg.moe.experts:
         return layered
+    if cfg.moe.scale_input or cfg.attention.chunk_size or cfg.attention.qk_l2_norm:
+        return "llama4_text"
     if cfg.position.nope_layers:
         return "smollm3"
     if cfg.moe.experts:

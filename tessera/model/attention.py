@@ -31,6 +31,7 @@ from tessera.model.kernels.common import allowed_mask as _allowed  # noqa: F401 
 from tessera.model.kernels.linear import PerformerFeatures, linear_attention  # noqa: F401  (re-exported)
 from tessera.model.kernels.sdpa import block_sparse_attention  # noqa: F401  (re-exported)
 from tessera.model.norm import RMSNorm, ZeroCenteredRMSNorm
+from tessera.model.irope import l2_norm, layer_options, temperature
 from tessera.model.position import apply_rope
 from tessera.model.sinks import AttentionSinks
 
@@ -125,6 +126,10 @@ class Attention(nn.Module):
         self.features = state(cfg, self.head_dim) if state is not None else None
         # gpt-oss: a learned logit per head in every softmax's denominator (see tessera.model.sinks).
         self.sinks = AttentionSinks(self.n_heads) if cfg.attention.sinks else None
+        # Llama 4, per layer (tessera.model.irope): the weightless QK L2 norm's eps (0: off) on RoPE layers and the
+        # NoPE layers' temperature tuning (floor, scale); set by layer_options when the stack builds its layers.
+        self.qk_l2_eps = 0.0
+        self.temperature: tuple[int, float] | None = None
         # Set only while a tool inspects attention (eager kernel): called with each forward's weights.
         self.weights_observer: Callable[[torch.Tensor], None] | None = None
         # Set only while QK-clip (tessera/train/qk_clip.py) watches the logits: called with q, k and the context.
@@ -159,6 +164,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.cos is not None and not self.cross:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        if self.qk_l2_eps:
+            q, k = l2_norm(q, self.qk_l2_eps), l2_norm(k, self.qk_l2_eps)
+        if self.temperature is not None:
+            q = (q * temperature(start, t, *self.temperature, q.device)).to(q.dtype)
         if self.qk_observer is not None:
             self.qk_observer(q, k, ctx)
         if cache is not None:
@@ -198,7 +207,9 @@ def kernel_flops(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def _build(cfg: ModelConfig, layer_id: int) -> Attention:
-    return scaled_by_layer(Attention(layer_attention_config(cfg, layer_id)), cfg, layer_id)
+    return layer_options(
+        scaled_by_layer(Attention(layer_attention_config(cfg, layer_id)), cfg, layer_id), cfg, layer_id
+    )
 
 
 def _forward(module: Attention, h: torch.Tensor, ctx: AttnContext, cache: KVCache | None, start: int) -> torch.Tensor:

@@ -5,5 +5,5 @@ rules and the planner import this, then read :mod:`tessera.registry`.
 
 from __future__ import annotations
 
-from tessera.model import attention_rules, ffn, gpt_oss_experts, kernels, mixers, moe, mtp  # noqa: F401
+from tessera.model import attention_chunks, attention_rules, ffn, gpt_oss_experts, kernels, mixers, moe, mtp  # noqa: F401
 from tessera.model import layer_patterns, moe_routing, mup, position, sinks, softcap, transformer  # noqa: F401

@@ -39,6 +39,7 @@ class MaskSpec:
     block_size: int = 16
     random_blocks: int = 1
     max_len: int = 2048
+    chunk: int = 0  # > 0: queries see only keys of their own fixed chunk (Llama 4, tessera/model/attention_chunks.py)
 
     @property
     def pattern(self) -> Pattern | None:
@@ -83,8 +84,8 @@ def near(q: torch.Tensor, k: torch.Tensor, reach: int) -> torch.Tensor:
 
 
 def window_block(spec: MaskSpec) -> int:
-    """The block edge of a sliding window's block-sparse plan."""
-    return min(spec.window, _WINDOW_BLOCK)
+    """The block edge of a sliding window's (or chunks') block-sparse plan."""
+    return min(spec.window or spec.chunk, _WINDOW_BLOCK)
 
 
 def neighbour_slots(spec: MaskSpec, reach: int, n_blocks: int, device: torch.device) -> torch.Tensor:
@@ -93,9 +94,17 @@ def neighbour_slots(spec: MaskSpec, reach: int, n_blocks: int, device: torch.dev
     return torch.arange(n_blocks, device=device)[:, None] + offsets
 
 
+def _reach(spec: MaskSpec, block: int) -> int:
+    """Key blocks back a query block needs: a window's width, or its chunk's start (a whole number of blocks back
+    when blocks tile the chunks, else a chunk-wide window, whose earlier chunks' keys :func:`allowed` drops)."""
+    if spec.window or spec.chunk % block:
+        return -(-((spec.window or spec.chunk) - 1) // block)
+    return spec.chunk // block - 1
+
+
 def window_slots(spec: MaskSpec, block: int, n_blocks: int, device: torch.device) -> torch.Tensor:
-    """The key blocks a sliding window of ``spec.window`` keys reaches from each query block."""
-    return neighbour_slots(spec, -(-(spec.window - 1) // block), n_blocks, device)
+    """The key blocks a sliding window of ``spec.window`` keys (or a chunk) reaches from each query block."""
+    return neighbour_slots(spec, _reach(spec, block), n_blocks, device)
 
 
 def _pattern(spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -105,6 +114,8 @@ def _pattern(spec: MaskSpec, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor |
         return pattern.allowed(spec, q, k)
     if spec.window > 0:
         return near(q, k, spec.window)
+    if spec.chunk > 0:
+        return torch.div(q, spec.chunk, rounding_mode="floor") == torch.div(k, spec.chunk, rounding_mode="floor")
     return None
 
 
@@ -145,8 +156,10 @@ def attention_mask(
     Keys are positions ``kv_start .. kv_start + kv_len - 1`` (a sliding-window cache keeps only
     the last ones), queries the last ``q_len`` of them.
     """
-    # No mask: full self-attention, one decoding step (the last query sees every key), or non-causal.
-    if not spec.windowed and document_ids is None and (q_len in (kv_len, 1) or not spec.causal):
+    # No mask: full self-attention, one decoding step (the last query sees every key), or non-causal; chunks
+    # matter only once the keys cross a chunk boundary (a training sequence within one chunk is plain causal).
+    chunked = spec.chunk > 0 and kv_start + kv_len > spec.chunk
+    if not spec.windowed and not chunked and document_ids is None and (q_len in (kv_len, 1) or not spec.causal):
         return None
     k = torch.arange(kv_start, kv_start + kv_len, device=device)
     q = k[kv_len - q_len :]
@@ -229,8 +242,8 @@ def block_layout(
     spec: MaskSpec, length: int, device: torch.device, document_ids: torch.Tensor | None = None
 ) -> BlockLayout | None:
     """The block-sparse plan of ``spec``'s pattern over ``length`` tokens, or None when the pattern
-    is dense (no window) or its blocks would score as many keys as dense attention."""
-    if not spec.windowed:
+    is dense (no window or chunks) or its blocks would score as many keys as dense attention."""
+    if not spec.windowed and not spec.chunk:
         return None
     n_global = min(spec.n_global, length)
     block = spec.pattern.block(spec) if spec.pattern is not None else window_block(spec)

@@ -77,7 +77,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     """Llama 3.1: long wavelengths divided by the factor, short ones kept, a smooth blend in between."""
     wavelen = 2 * math.pi / inv_freq
     long_wave, short_wave = s.original_max_len / s.low_freq_factor, s.original_max_len / s.high_freq_factor
-    smooth = (s.original_max_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    # Equal factors (Llama 4 Scout: 1 and 1) leave no blended band: any finite divisor serves.
+    band = (s.high_freq_factor - s.low_freq_factor) or 1.0
+    smooth = (s.original_max_len / wavelen - s.low_freq_factor) / band
     blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
     out = torch.where(wavelen > long_wave, inv_freq / s.factor, inv_freq)
     return torch.where((wavelen >= short_wave) & (wavelen <= long_wave), blended, out)

@@ -124,8 +124,8 @@ def _validate_position(m: ModelConfig) -> None:
         f"model.position.rope_scaling_factor must be >= 1, got {pos.rope_scaling_factor}",
     )
     require(
-        pos.rope_scaling != "llama3" or 0 < pos.rope_low_freq_factor < pos.rope_high_freq_factor,
-        "model.position.rope_low_freq_factor must be positive and below model.position.rope_high_freq_factor, got "
+        pos.rope_scaling != "llama3" or 0 < pos.rope_low_freq_factor <= pos.rope_high_freq_factor,
+        "model.position.rope_low_freq_factor must be positive and at most model.position.rope_high_freq_factor, got "
         f"{pos.rope_low_freq_factor} and {pos.rope_high_freq_factor}",
     )
     require(
@@ -169,8 +169,10 @@ def _validate_mixers(m: ModelConfig) -> None:
     )
     kernel = registry.get("attention_kernel", m.attention.kernel)
     require(
-        "G" not in pattern or (m.attention.sliding_window > 0 and kernel.scores and not kernel.pattern),
-        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 and a softmax kernel "
+        "G" not in pattern
+        or ((m.attention.sliding_window > 0 or m.attention.chunk_size > 0) and kernel.scores and not kernel.pattern),
+        "model.layer_pattern 'G' (global attention) needs model.attention.sliding_window > 0 (or chunk_size > 0) "
+        "and a softmax kernel "
         "without its own pattern (sdpa, eager, chunked)",
     )
     run_checks(m, "mixer")

@@ -97,9 +97,11 @@ class Stack(nn.Module):
             cfg.attention.block_size,
             cfg.attention.random_blocks,
             cfg.max_seq_len,
+            cfg.attention.chunk_size,
         )
-        # 'G' layers of model.layer_pattern: the same attention without the sliding window.
-        self.global_mask_spec = dataclasses.replace(self.mask_spec, window=0) if "G" in cfg.layer_pattern else None
+        # 'G' layers of model.layer_pattern: the same attention without the sliding window or chunks.
+        global_spec = dataclasses.replace(self.mask_spec, window=0, chunk=0)
+        self.global_mask_spec = global_spec if "G" in cfg.layer_pattern else None
         # Set from outside when each forward holds only part of every sequence (context parallelism).
         self.sequence_split: SequenceSplit | None = None
 
@@ -239,6 +241,11 @@ class Stack(nn.Module):
         caches: list[LayerCache] | None,
     ) -> torch.Tensor:
         """The positions of a left-padded batch (counted from each row's first real token)."""
+        if self.mask_spec.chunk:
+            raise ValueError(
+                "left padding with chunked attention (model.attention.chunk_size) is not supported: chunks would "
+                "start at the padding; generate rows of different lengths one at a time"
+            )
         if any(isinstance(c, SlidingKVCache) for c in caches or ()):
             raise ValueError(
                 "left padding with a sliding-window ring-buffer cache is not supported; generate rows of "

@@ -68,6 +68,9 @@ PUBLISHED = {
     "nemotron-h-8b": 8_100_852_736,
     # Falcon-H1-7B-Base; HF's FalconH1ForCausalLM of the exported config counts the same (tests/unit/hf/test_falcon_h1.py)
     "falcon-h1-7b": 7_585_648_736,
+    # Llama-4-Scout-17B-16E's text model: HF's Llama4ForCausalLM of the published text_config on meta
+    # (tests/unit/hf/test_llama4.py)
+    "llama4-scout-17b-16e": 107_769_861_120,
 }
 
 
@@ -90,6 +93,7 @@ def test_every_family_has_a_tiny_recipe():
         "gpt_oss",
         "nemotron_h",
         "falcon_h1",
+        "llama4",
     }
 
 

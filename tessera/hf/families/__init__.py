@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tessera.hf.families import bert, deepseek, deepseek_v32, gpt2, kimi_linear, llama, mamba, moe, qwen3_next, t5
 from tessera.hf.families import gemma3, gpt_oss, olmo3, smollm3
-from tessera.hf.families import falcon_h1, nemotron_h, qwen3_5
+from tessera.hf.families import falcon_h1, llama4, nemotron_h, qwen3_5
 from tessera.hf.families.common import Family, HFConversionError, Rule
 
 FAMILIES: dict[str, Family] = {
@@ -31,6 +31,7 @@ FAMILIES: dict[str, Family] = {
     **qwen3_5.FAMILIES,
     **nemotron_h.FAMILIES,
     **falcon_h1.FAMILIES,
+    **llama4.FAMILIES,
 }
 
 __all__ = ["FAMILIES", "Family", "HFConversionError", "Rule"]

@@ -252,6 +252,26 @@ def _gpt_oss() -> transformers.PreTrainedModel:
     return transformers.GptOssForCausalLM(cfg)
 
 
+_SCOUT_ROPE = {**_LLAMA3_ROPE, "rope_theta": 500000.0, "factor": 16.0, "high_freq_factor": 1.0}  # no blended band
+
+
+def _llama4(**kw) -> transformers.PreTrainedModel:
+    """Llama 4 text: layer 3 NoPE (global, temperature-tuned from position 3 on), the others RoPE (llama3 scaling)
+    in 8-token chunks with the QK L2 norm; 20 greedy tokens from 8 cross three chunk boundaries."""
+    cfg = transformers.Llama4TextConfig(
+        **{**_LLAMA_LIKE, "num_hidden_layers": 4, "intermediate_size": 16},
+        intermediate_size_mlp=48,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        attention_chunk_size=8,
+        floor_scale=4,
+        attn_scale=0.5,
+        **{"rope_parameters": _SCOUT_ROPE, **kw},
+    )
+    return transformers.Llama4ForCausalLM(cfg)
+
+
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 # DeepSeek-V3 routing: sigmoid scores, 2 groups of which the best 1 is searched, scaled weights, a shared expert
 _DEEPSEEK_MOE = dict(
@@ -369,6 +389,10 @@ HF_MODELS = {
         transformers.SmolLM3Config(**{**_LLAMA_LIKE, "num_hidden_layers": 4}, pad_token_id=0)
     ),
     "gpt_oss": _gpt_oss,
+    "llama4": _llama4,  # Scout's layout: MoE in every layer
+    "llama4_maverick": lambda: _llama4(
+        interleave_moe_layer_step=2, use_qk_norm=False, attention_bias=True, rope_parameters=_LLAMA3_ROPE
+    ),
     "deepseek_v3_yarn": lambda: _deepseek(
         q_lora_rank=16,
         rope_parameters={
@@ -601,20 +625,22 @@ def test_export_reads_the_same_with_transformers_4_rules(family, tmp_path):
     assert (_logits(back, x, y, hf=True) - _logits(hf, x, y, hf=True)).abs().max().item() <= TOL
 
 
-def test_cli_import_export_small_vocab(tmp_path):
-    hf = _randomize(HF_MODELS["qwen2"](), seed=4)
+@pytest.mark.parametrize("family", ["qwen2", "llama4"])
+def test_cli_import_export_small_vocab(family, tmp_path):
+    hf = _randomize(HF_MODELS[family](), seed=4)
     hf.save_pretrained(tmp_path / "hf")
     res = run_cli("convert", "hf-import", str(tmp_path / "hf"), str(tmp_path / "run"))
     assert res.returncode == 0, res.stderr
     res = run_cli("convert", "hf-export", str(tmp_path / "run"), str(tmp_path / "out"))
     assert res.returncode == 0, res.stderr
-    assert "qwen2" in res.stdout
+    exported = {"llama4": "llama4_text"}.get(family, family)
+    assert exported in res.stdout
     x = torch.randint(0, V, (1, 16))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert (back(x).logits - hf(x).logits).abs().max().item() <= TOL
         assert (tessera.load(tmp_path / "run")(x) - hf(x).logits).abs().max().item() <= TOL
-    assert "Imported from the HF qwen2 checkpoint" in (tmp_path / "out" / "README.md").read_text()
+    assert f"Imported from the HF {exported} checkpoint" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_cli_unsupported_option_is_a_clear_error(tmp_path):
