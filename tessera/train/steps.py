@@ -98,7 +98,6 @@ class ModelLoss:
         weights = LossWeights(token_scale, self.config.train.mtp_loss_weight)
         return combine_losses(main, weights, depths, aux, distill)
 
-
     def _depth_losses(
         self, mtp: MTPLoss, labels: torch.Tensor, mask: torch.Tensor | None, ahead: dict[str, torch.Tensor]
     ) -> list[torch.Tensor]:
