@@ -42,8 +42,11 @@ class MTPLog:
     input tokens (B, T, dim) that the first stage sent along.
     """
 
-    def __init__(self, embeddings: torch.Tensor | None = None) -> None:
+    def __init__(self, embeddings: torch.Tensor | None = None, ahead: torch.Tensor | None = None) -> None:
         self.embeddings = embeddings
+        # (B, T, D) tokens ``k`` ahead of each position at ``[..., k - 1]``, made before the sequence was split
+        # (context parallelism: the tokens ahead of a rank's last positions are on another rank).
+        self.ahead = ahead
         self.logits: list[torch.Tensor] = []
 
 
@@ -81,6 +84,8 @@ def build_mtp(cfg: ModelConfig) -> nn.ModuleDict | None:
 
 def _embeddings_ahead(model: nn.Module, tokens: torch.Tensor, log: MTPLog, depth: int) -> torch.Tensor:
     """Embeddings of the tokens ``depth`` positions ahead (rolled: the last ``depth`` wrap around)."""
+    if log.ahead is not None and model.tok_embeddings is not None:
+        return model.tok_embeddings(log.ahead[..., depth - 1])
     if model.tok_embeddings is not None:
         return model.tok_embeddings(tokens.roll(-depth, dims=1))
     if log.embeddings is None:
@@ -100,8 +105,11 @@ def predict_ahead(
     """Run every MTP depth over the whole sequence from the main model's final ``hidden`` (B, T, dim) and
     record each depth's logits in ``log`` (training: the inputs of ``tokens`` rolled, see the module doc)."""
     b, t = hidden.shape[0], hidden.shape[1]
+    split = model.sequence_split  # a slice of each sequence (context parallelism): global positions
+    if positions is None and split is not None:
+        positions = split.positions(t, hidden.device)
     ctx = model.context(b, t, 0, positions, document_ids, hidden.device)
-    ctx.moe_log = moe_log
+    ctx.moe_log, ctx.document_ids, ctx.split = moe_log, document_ids, split
     for depth, module in enumerate(model.mtp.values(), 1):
         layer_ctx = ctx
         if module.block.kind == "G":
@@ -137,6 +145,18 @@ def mtp_losses(
     return losses
 
 
+def mtp_ahead(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None, depth: int) -> dict:
+    """Every depth's inputs, targets and loss mask over whole sequences, stacked on a last dim (B, T, depth):
+    ``mtp_tokens``, ``mtp_labels``, ``mtp_mask``. Cut along the sequence like the other per-token tensors
+    (context parallelism), they give each slice what its depths read from positions beyond it."""
+    targets = [mtp_targets(labels, loss_mask, k) for k in range(1, depth + 1)]
+    return {
+        "mtp_tokens": torch.stack([tokens.roll(-k, dims=1) for k in range(1, depth + 1)], dim=-1),
+        "mtp_labels": torch.stack([t[0] for t in targets], dim=-1),
+        "mtp_mask": torch.stack([t[1] for t in targets], dim=-1),
+    }
+
+
 def mtp_token_counts(labels: torch.Tensor, loss_mask: torch.Tensor | None, depth: int) -> list[int]:
     """How many target tokens each depth ``1..depth`` has in a batch (a pipeline weighs micro-batches by them)."""
     return [int(mtp_targets(labels, loss_mask, k)[1].sum()) for k in range(1, depth + 1)]
@@ -148,7 +168,6 @@ SPEC = registry.option(
     keys=("model.mtp_depth",),
     uses=lambda m: bool(m.mtp_depth),
     unsupported={
-        "cp": "the MTP modules read the tokens ahead of each position, which context parallelism puts on other ranks",
         "deepspeed": "not validated with the DeepSpeed engine yet; use parallel.engine='torch' (FSDP/DDP/TP/PP)",
     },
     checks=(),

@@ -588,6 +588,8 @@ def build_pipeline(
     encoder-decoder's stages carry their own tensors and keep ``loss_fn`` on its logits).
     """
     p = config.parallel
+    if config.model.mtp_depth and p.cp > 1:  # the last stage would roll its own slice's targets
+        raise ConfigError("model.mtp_depth with parallel.pp > 1 and parallel.cp > 1 is not supported; use pp or cp")
     pp_mesh = dims.submesh("pp")
     v = virtual_stages(p)
     n_stages = p.pp * v

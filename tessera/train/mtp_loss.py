@@ -12,8 +12,18 @@ from typing import Any
 
 import torch
 
-from tessera.model.mtp import LossFn, MTPLog, mtp_losses
+from tessera.model.mtp import LossFn, MTPLog, mtp_ahead, mtp_losses
 from tessera.train.distributed import scalar
+
+MTP_AHEAD_KEYS = ("mtp_tokens", "mtp_labels", "mtp_mask")  # the batch entries :func:`with_mtp_ahead` adds
+
+
+def with_mtp_ahead(parts: tuple[Any, ...], depth: int) -> tuple[Any, ...]:
+    """An objective's ``(args, kwargs, labels, loss_mask)`` with each MTP depth's inputs and targets over the
+    whole sequences added to ``kwargs`` (context parallelism cuts them with the rest: a rank's last positions
+    read tokens that another rank holds)."""
+    args, kwargs, labels, loss_mask = parts
+    return args, {**kwargs, **mtp_ahead(args[0], labels, loss_mask, depth)}, labels, loss_mask
 
 
 class MTPLoss:
@@ -24,14 +34,25 @@ class MTPLoss:
         self._log = MTPLog()
         self._sums, self._count = [0.0] * depth, 0
 
-    def forward_kwargs(self) -> dict[str, Any]:
-        """What the model's forward needs: a fresh log for this micro-batch's MTP logits."""
-        self._log = MTPLog()
+    def forward_kwargs(self, ahead: torch.Tensor | None = None) -> dict[str, Any]:
+        """What the model's forward needs: a fresh log for this micro-batch's MTP logits (with ``ahead``, the
+        tokens each depth reads, made before a context-parallel split: see :func:`with_mtp_ahead`)."""
+        self._log = MTPLog(ahead=ahead)
         return {"mtp": self._log}
 
-    def depth_losses(self, labels: torch.Tensor, loss_mask: torch.Tensor | None) -> list[torch.Tensor]:
-        """This micro-batch's mean loss at each depth (recorded for the log); :func:`combine_losses` weighs them."""
-        losses = mtp_losses(self._log.logits, labels, loss_mask, self.loss_fn, self.label_smoothing)
+    def depth_losses(
+        self,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        targets: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> list[torch.Tensor]:
+        """This micro-batch's mean loss at each depth (recorded for the log); :func:`combine_losses` weighs them.
+        ``targets``: each depth's (labels, mask) made before a context-parallel split, else rolled from ``labels``."""
+        if targets is None:
+            losses = mtp_losses(self._log.logits, labels, loss_mask, self.loss_fn, self.label_smoothing)
+        else:
+            pairs = zip(self._log.logits, targets)
+            losses = [self.loss_fn(lg, t, self.label_smoothing, m) for lg, (t, m) in pairs]
         self._log = MTPLog()  # release the logits once the graph holds what backward needs
         for k, depth_loss in enumerate(losses):
             self._sums[k] += scalar(depth_loss)

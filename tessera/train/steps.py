@@ -37,7 +37,7 @@ from tessera.train.engine import DeepSpeedEngine
 from tessera.train.guard import NonFiniteGuard
 from tessera.train.loss import FusedHeadLoss, lm_loss
 from tessera.train.moe_stats import ExpertLoadTracker
-from tessera.train.mtp_loss import MTPLoss
+from tessera.train.mtp_loss import MTP_AHEAD_KEYS, MTPLoss
 from tessera.train.optim import build_optimizer, build_scheduler
 from tessera.train.qk_clip import QKClip
 from tessera.train.spike import SpikeGuard
@@ -78,23 +78,36 @@ class ModelLoss:
         """The micro-batch's mean loss (times ``token_scale``: under context parallelism this rank's share
         of the global token mean) plus (training) its distillation, multi-token-prediction and MoE losses."""
         mtp = self.mtp if training else None
-        extra = mtp.forward_kwargs() if mtp is not None else {}
+        kwargs = dict(batch.kwargs)
+        ahead = {k: kwargs.pop(k) for k in MTP_AHEAD_KEYS if k in kwargs}  # made before the cp split
+        extra = mtp.forward_kwargs(ahead.get("mtp_tokens")) if mtp is not None else {}
         labels, mask = batch.labels, batch.loss_mask
         with self.autocast():
             if self.fused:
                 head = FusedHeadLoss(labels, mask, label_smoothing, self.config.train.loss_chunk_tokens)
-                main = self.model(*batch.args, **batch.kwargs, moe_log=moe_log, output_fn=head, **extra)
+                main = self.model(*batch.args, **kwargs, moe_log=moe_log, output_fn=head, **extra)
             else:
-                logits = self.model(*batch.args, **batch.kwargs, moe_log=moe_log, **extra)
+                logits = self.model(*batch.args, **kwargs, moe_log=moe_log, **extra)
         if not self.fused:
             main = lm_loss(logits, labels, label_smoothing, mask)
         distill = None
         if self.distill is not None and training:  # never fused: it reads the student's logits
             distill = lambda loss: self.distill.add(loss, logits, batch.args, batch.kwargs, mask, token_scale)  # noqa: E731
-        depths = mtp.depth_losses(labels, mask) if mtp is not None else []
+        depths = self._depth_losses(mtp, labels, mask, ahead) if mtp is not None else []
         aux = moe_loss(moe_log) if moe_log is not None else None  # MoE load-balancing and router z-losses
         weights = LossWeights(token_scale, self.config.train.mtp_loss_weight)
         return combine_losses(main, weights, depths, aux, distill)
+
+    def _depth_losses(
+        self, mtp: MTPLoss, labels: torch.Tensor, mask: torch.Tensor | None, ahead: dict[str, torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Each MTP depth's loss; under context parallelism from the pre-split targets, each times this rank's
+        share of that depth's global token mean (its own count: the last positions' targets are left out)."""
+        if "mtp_labels" not in ahead:
+            return mtp.depth_losses(labels, mask)
+        targets = [(ahead["mtp_labels"][..., k], ahead["mtp_mask"][..., k]) for k in range(mtp.depth)]
+        losses = mtp.depth_losses(labels, mask, targets)
+        return [loss * self.parallel.loss_scale(t, m) for loss, (t, m) in zip(losses, targets)]
 
 
 @dataclass

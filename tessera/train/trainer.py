@@ -33,7 +33,7 @@ from tessera.train.init_from import check_init_from, check_source, is_weights_on
 from tessera.train.guard import HangWatchdog, NonFiniteGuard
 from tessera.train.metrics import MetricsLogger, StepWindow, plot_loss_curve, read_metrics
 from tessera.train.moe_stats import ExpertLoadTracker
-from tessera.train.mtp_loss import MTPLoss
+from tessera.train.mtp_loss import MTPLoss, with_mtp_ahead
 from tessera.train.optim import (
     check_optimizer_unchanged,
     keep_config_hyperparameters,
@@ -340,7 +340,10 @@ class Trainer:
         loader = self.data.train  # a fault belongs to the data: the step an uninterrupted run reads it at
         at_step = loader.consumed // (loader.global_batch * self.config.train.grad_accum) + 1
         batch = self.faults.corrupt(at_step, loader.next_batch(), self.config.model.vocab_size)
-        parts = self.parallel.split_batch(*self.objective(batch))  # cp: this rank's slice
+        parts = self.objective(batch)
+        if self.mtp_loss is not None and self.parallel.cp_mesh is not None:  # before the split: see with_mtp_ahead
+            parts = with_mtp_ahead(parts, self.config.model.mtp_depth)
+        parts = self.parallel.split_batch(*parts)  # cp: this rank's slice
         return MicroBatch.of(parts).to(self.device)
 
     def _pipeline_head_loss(self) -> Callable[..., FusedHeadLoss] | None:

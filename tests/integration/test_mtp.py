@@ -1,5 +1,5 @@
 """Multi-token prediction: the module's arithmetic, its targets, training with per-depth losses, parity of
-the MTP losses under FSDP, DDP, TP (with and without SP) and PP, and the layout that refuses it (CP)."""
+the MTP losses under FSDP, DDP, TP (with and without SP) and PP (CP: test_mtp_context_parallel.py)."""
 
 from __future__ import annotations
 
@@ -95,14 +95,6 @@ def test_mtp_under_fsdp_ddp_tp_and_pp_matches_one_process(tmp_path, cache_dir):
         got = step_records(tmp_path / name)
         for key in ("mtp_loss_1", "mtp_loss_2"):
             assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), (name, key)
-
-
-@pytest.mark.parametrize("layout", ["parallel.cp=2"])
-def test_layouts_without_mtp_refuse_it_at_config_time(tiny_config, layout):
-    from tessera.config import ConfigError
-
-    with pytest.raises(ConfigError, match="multi-token prediction"):
-        tiny_config(*BASE, "parallel.dp_shard=1", layout)
 
 
 def test_deepseek_v3_checkpoints_carry_the_mtp_modules(tmp_path):
