@@ -97,11 +97,12 @@ def test_other_work_counts_a_busy_process_and_not_this_one(tmp_path):
     finally:
         spinner.kill()
         spinner.wait()
+    before = threads.other_work()  # whatever else this machine runs now (the suite may share it)
     stop = threading.Event()
     own = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])  # this process spins a core
     own.start()
     try:
-        assert threads.machine_busy() is None  # this process's own work is not other work
+        assert threads.other_work() < before + 0.5  # this process's own work is not other work
     finally:
         stop.set()
         own.join()
