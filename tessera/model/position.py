@@ -86,7 +86,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE cos/sin tables (non-persistent buffers, rebuilt by ``reset_parameters``)."""
+    """RoPE cos/sin tables (non-persistent buffers, rebuilt by ``reset_parameters``); ``sin`` is kept signed
+    (:func:`signed_sin`), the form :func:`apply_rope` takes."""
 
     def __init__(
         self, head_dim: int, max_len: int, theta: float, scaling: RopeScaling = RopeScaling(), fraction: float = 1.0
@@ -103,7 +104,7 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.max_len, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * magnitude, emb.sin() * magnitude
+        return emb.cos() * magnitude, signed_sin(emb.sin() * magnitude)
 
     def reset_parameters(self) -> None:
         """Recompute the tables in place (needed after building on the meta device)."""
@@ -137,17 +138,24 @@ def check_positions(positions: torch.Tensor, max_len: int) -> None:
         )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The sin table with its first half negated, ``[-s1, s2]``: the sign of HF's ``rotate_half`` moved into the
+    table, once, so that :func:`apply_rope` needs no negation and no concatenation per call."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the leading ``cos.shape[-1]`` channels of ``x`` (B, H, T, D); the rest pass through."""
+    """Rotate the leading ``cos.shape[-1]`` channels of ``x`` (B, H, T, D); the rest pass through.
+
+    ``sin`` is the signed table (:func:`signed_sin`, as :class:`RotaryEmbedding` holds it). Rolling the rotated
+    channels by half gives ``[x2, x1]``, and ``[x2, x1] * [-s1, s2]`` is HF's ``rotate_half(x) * sin`` to the bit
+    (values and gradients), in one kernel instead of a chunk, a negation and a concatenation.
+    """
     dtype, rot = x.dtype, cos.shape[-1]
     x = x.float()
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    out = x_rot * cos + _rotate_half(x_rot) * sin
+    out = x_rot * cos + torch.roll(x_rot, rot // 2, dims=-1) * sin
     return torch.cat((out, x_pass), dim=-1).to(dtype) if x_pass.shape[-1] else out.to(dtype)
 
 

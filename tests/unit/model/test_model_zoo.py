@@ -22,6 +22,7 @@ from tessera.model.position import (
     alibi_slopes,
     apply_rope,
     rope_inv_freq,
+    signed_sin,
     sinusoidal_table,
 )
 
@@ -188,11 +189,13 @@ def test_rope_is_hf_rotate_half_to_the_bit():
 
     torch.manual_seed(0)
     rope = RotaryEmbedding(16, 12, 10000.0)
-    tables = [rope(0, 12), (torch.randn(1, 1, 12, 16), torch.randn(1, 1, 12, 16))]
+    hf_sin = torch.cat([torch.outer(torch.arange(12.0), rope_inv_freq(16, 10000.0)[0])] * 2, dim=-1).sin()
+    assert torch.equal(rope.sin, signed_sin(hf_sin))  # the table is HF's, signed
+    tables = [(rope.cos[None, None], hf_sin[None, None]), (torch.randn(1, 1, 12, 16), torch.randn(1, 1, 12, 16))]
     for cos, sin in tables:
         x = torch.randn(2, 12, 3, 16).transpose(1, 2).requires_grad_()  # (B, H, T, D) as attention hands it
         ref = x.detach().clone().requires_grad_()
-        ours, theirs = apply_rope(x, cos, sin), ref * cos + rotate_half(ref) * sin
+        ours, theirs = apply_rope(x, cos, signed_sin(sin)), ref * cos + rotate_half(ref) * sin
         assert torch.equal(ours, theirs)
         grad = torch.randn_like(ours)
         ours.backward(grad)
